@@ -1,0 +1,1 @@
+"""Engine plugins: register inference engines with the control plane over gRPC."""

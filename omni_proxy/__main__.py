@@ -1,0 +1,4 @@
+from omni_proxy.cli import main
+
+if __name__ == "__main__":
+    main()
