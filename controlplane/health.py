@@ -1,0 +1,144 @@
+"""Background checks of every worker: liveness (/health), model discovery, engine load.
+
+Health decides whether a worker gets placements at all. Engine metrics only refine the
+control plane's own load counts (see scheduling.scorers.effective_requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.state import StateStore
+from controlplane.workers import Health, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HealthConfig:
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    unhealthy_after: int = 2       # consecutive failures before a healthy worker is dropped
+    metrics_interval_s: float = 1.0
+    poll_metrics: bool = True
+
+
+def parse_engine_metrics(text: str) -> tuple[int, int, float]:
+    """Sum vLLM's running/waiting gauges over engines; average KV usage. -1 = absent."""
+    running = waiting = -1
+    kv_total, kv_n = 0.0, 0
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:num_requests_running":
+            running = int(sum(s.value for s in family.samples))
+        elif family.name == "vllm:num_requests_waiting":
+            waiting = int(sum(s.value for s in family.samples))
+        elif family.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc") and not kv_n:
+            for s in family.samples:
+                kv_total += s.value
+                kv_n += 1
+    return running, waiting, (kv_total / kv_n if kv_n else -1.0)
+
+
+class HealthChecker:
+    def __init__(self, store: StateStore, config: HealthConfig) -> None:
+        self.store = store
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
+        await self.check_all()  # workers from config are usable as soon as we are up
+        self._tasks.append(asyncio.create_task(self._loop(self.check_all, self.config.interval_s)))
+        if self.config.poll_metrics:
+            self._tasks.append(asyncio.create_task(
+                self._loop(self.poll_all_metrics, self.config.metrics_interval_s)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _loop(self, fn, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("background check failed")
+
+    async def check_all(self) -> None:
+        await self.expire_heartbeats()
+        workers = await self.store.list_workers()
+        await asyncio.gather(*(self.check(w) for w in workers))
+
+    async def check(self, worker: Worker) -> None:
+        assert self._session is not None
+        error = ""
+        try:
+            async with self._session.get(worker.url + "/health") as resp:
+                await resp.read()
+                if resp.status != 200:
+                    error = f"/health returned {resp.status}"
+            if not error and not worker.model:
+                worker.model = await self._discover_model(worker)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._apply(worker, error)
+
+    def _apply(self, worker: Worker, error: str) -> None:
+        if not error:
+            if worker.health is not Health.HEALTHY:
+                log.info("worker %s (%s) is healthy", worker.id, worker.url)
+            worker.health = Health.HEALTHY
+            worker.consecutive_failures = 0
+            return
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        if worker.health is not Health.HEALTHY or worker.consecutive_failures >= self.config.unhealthy_after:
+            if worker.health is not Health.UNHEALTHY:
+                log.warning("worker %s (%s) is unhealthy: %s", worker.id, worker.url, error)
+            worker.health = Health.UNHEALTHY
+
+    async def _discover_model(self, worker: Worker) -> str:
+        assert self._session is not None
+        async with self._session.get(worker.url + "/v1/models") as resp:
+            if resp.status != 200:
+                raise ValueError(f"/v1/models returned {resp.status}")
+            data = await resp.json(content_type=None)
+        models = data.get("data") or []
+        if not models:
+            raise ValueError("/v1/models lists no model")
+        return str(models[0]["id"])
+
+    async def poll_all_metrics(self) -> None:
+        workers = [w for w in await self.store.list_workers() if w.health is Health.HEALTHY]
+        await asyncio.gather(*(self.poll_metrics(w) for w in workers))
+
+    async def poll_metrics(self, worker: Worker) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(worker.url + "/metrics") as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        running, waiting, kv = parse_engine_metrics(text)
+        worker.engine.running, worker.engine.waiting, worker.engine.kv_usage = running, waiting, kv
+        worker.engine.updated_at = time.monotonic()
+
+    async def expire_heartbeats(self) -> None:
+        now = time.monotonic()
+        for worker in await self.store.list_workers():
+            if worker.heartbeat_ttl_s > 0 and now - worker.last_heartbeat > worker.heartbeat_ttl_s:
+                log.warning("worker %s missed heartbeats for %.1fs: removed", worker.id, now - worker.last_heartbeat)
+                await self.store.remove_worker(worker.id)

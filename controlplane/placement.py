@@ -1,0 +1,175 @@
+"""Placement and load accounting: the control plane's answer to "where does this run?".
+
+Load is counted here, at the moment of each placement, and released by the data planes'
+lifecycle reports. A burst of requests therefore sees each earlier placement of the same
+burst, which a policy reading engine metrics seconds old cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from controlplane.scheduling import PlacementContext, Profile
+from controlplane.state import Charge, RequestRecord, StateStore
+from controlplane.workers import Health, Role, Worker
+from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_LEG_NAMES = {pb.LEG_ENTRY: "entry", pb.LEG_PREFILL: "prefill", pb.LEG_DECODE: "decode"}
+_LEG_ROLES = {"prefill": frozenset({Role.PREFILL}), "decode": frozenset({Role.DECODE})}
+PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
+ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
+
+
+@dataclass
+class PlacementStats:
+    """Counters the control plane exports on /metrics."""
+
+    placed: Counter
+    errors: Counter
+
+    @classmethod
+    def new(cls) -> "PlacementStats":
+        return cls(placed=Counter(), errors=Counter())
+
+
+class Placer:
+    def __init__(self, store: StateStore, profile: Profile, *, pd_flow: str = "sequential",
+                 metrics_max_age_s: float = 5.0, max_request_age_s: float = 3600.0) -> None:
+        if pd_flow not in PD_FLOWS:
+            raise ValueError(f"unknown pd flow {pd_flow!r}; expected one of {', '.join(PD_FLOWS)}")
+        self.store = store
+        self.profile = profile
+        self.pd_flow = PD_FLOWS[pd_flow]
+        self.metrics_max_age_s = metrics_max_age_s
+        self.max_request_age_s = max_request_age_s
+        self.stats = PlacementStats.new()
+
+    # ------------------------------------------------------------------ placement
+
+    async def place(self, req: pb.PlaceRequest, session: str = "", *, dry_run: bool = False) -> pb.Placement:
+        leg = _LEG_NAMES.get(req.leg)
+        if leg is None:
+            return self._error(req, pb.INVALID_REQUEST, "leg must be ENTRY, PREFILL or DECODE")
+        workers = await self.store.list_workers()
+        record = await self.store.get_request(req.request_id) if leg != "entry" else None
+        if leg == "entry":
+            roles = frozenset({Role.BOTH, Role.PREFILL}) if self._decode_ready(workers, req.model) \
+                else frozenset({Role.BOTH})
+        else:
+            roles = _LEG_ROLES[leg]
+        ctx = PlacementContext(
+            request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
+            metrics_max_age_s=self.metrics_max_age_s, roles=roles)
+        decision = self.profile.place(ctx, workers)
+        explanation = decision.explain() if (req.explain or dry_run) else ""
+        chosen = decision.worker
+        if chosen is None:
+            if not any(w.serves(req.model) for w in workers):
+                return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here",
+                                   explanation)
+            why = Counter(decision.dropped.values())
+            reasons = ", ".join(f"{n} {r}" for r, n in why.most_common()) or "no candidates"
+            return self._error(req, pb.NO_HEALTHY_WORKER,
+                               f"no available {leg} worker for model {req.model!r} ({reasons})", explanation)
+
+        out = pb.Placement(seq=req.seq, request_id=req.request_id, explanation=explanation)
+        endpoint = pb.Endpoint(worker_id=chosen.id, url=chosen.url, role=ROLE_TO_PB[chosen.role],
+                               bootstrap_port=chosen.bootstrap_port)
+        if chosen.role is Role.BOTH:
+            out.flow = pb.FLOW_AGGREGATED
+            out.decode.CopyFrom(endpoint)
+            charge_leg = "aggregated"
+        elif chosen.role is Role.PREFILL:
+            out.flow = record.flow if record is not None and record.flow else self.pd_flow
+            out.prefill.CopyFrom(endpoint)
+            charge_leg = "prefill"
+        else:
+            out.flow = self.pd_flow
+            out.decode.CopyFrom(endpoint)
+            charge_leg = "decode"
+        if dry_run:
+            return out
+
+        if record is None:
+            record = RequestRecord(request_id=req.request_id, model=req.model,
+                                   prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
+                                   session=session, flow=out.flow, created_at=time.monotonic())
+            await self.store.put_request(record)
+        tokens = req.prompt_tokens if charge_leg == "prefill" else req.prompt_tokens + req.max_tokens
+        record.charges.append(Charge(worker_id=chosen.id, leg=charge_leg, tokens=tokens))
+        await self.store.add_load(chosen.id, 1, tokens)
+        chosen.placements_total += 1
+        self.stats.placed[(chosen.id, charge_leg)] += 1
+        return out
+
+    @staticmethod
+    def _decode_ready(workers: list[Worker], model: str) -> bool:
+        return any(w.role is Role.DECODE and w.routable and w.weight > 0 and w.serves(model) for w in workers)
+
+    def _error(self, req: pb.PlaceRequest, code: int, message: str, explanation: str = "") -> pb.Placement:
+        self.stats.errors[pb.ErrorCode.Name(code)] += 1
+        return pb.Placement(seq=req.seq, request_id=req.request_id, error=code, error_message=message,
+                            explanation=explanation)
+
+    # ------------------------------------------------------------------ lifecycle reports
+
+    async def report(self, event: pb.LifecycleEvent) -> None:
+        kind = event.kind
+        if kind == pb.EVENT_PREFILL_DONE:
+            record = await self.store.get_request(event.request_id)
+            if record is not None:
+                await self._release(record, leg="prefill")
+            return
+        if kind in (pb.EVENT_FINISHED, pb.EVENT_FAILED, pb.EVENT_CANCELLED):
+            record = await self.store.pop_request(event.request_id)
+            if record is not None:
+                await self._release(record)
+            if kind == pb.EVENT_FAILED and event.worker_id:
+                await self._note_failure(event)
+
+    async def _note_failure(self, event: pb.LifecycleEvent) -> None:
+        worker = await self.store.get_worker(event.worker_id)
+        if worker is None:
+            return
+        worker.failures_total += 1
+        worker.last_error = event.message[:300]
+        if event.upstream_status == 0:
+            # The data plane could not reach the engine at all: stop routing there now
+            # instead of waiting for the next health check to notice.
+            worker.health = Health.UNHEALTHY
+            log.warning("worker %s unreachable from data plane (%s): marked unhealthy",
+                        worker.id, event.message[:200])
+
+    async def _release(self, record: RequestRecord, leg: str | None = None) -> None:
+        keep = []
+        for charge in record.charges:
+            if leg is None or charge.leg == leg:
+                await self.store.add_load(charge.worker_id, -1, -charge.tokens)
+            else:
+                keep.append(charge)
+        record.charges = keep
+
+    async def release_session(self, session: str) -> int:
+        """A data plane went away: release everything its requests still held."""
+        released = 0
+        for record in await self.store.list_requests():
+            if record.session == session:
+                await self.store.pop_request(record.request_id)
+                await self._release(record)
+                released += 1
+        return released
+
+    async def sweep_stale(self) -> int:
+        """Release records whose reports never came (a safety net, not the normal path)."""
+        cutoff = time.monotonic() - self.max_request_age_s
+        stale = [r for r in await self.store.list_requests() if r.created_at < cutoff]
+        for record in stale:
+            await self.store.pop_request(record.request_id)
+            await self._release(record)
+        return len(stale)

@@ -1,0 +1,75 @@
+"""The types every scheduling plugin shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controlplane.workers import Role, Worker
+
+
+@dataclass
+class PlacementContext:
+    """What a placement knows about the request it is placing."""
+
+    request_id: str
+    model: str
+    leg: str                       # "entry", "prefill" or "decode"
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    exclude: frozenset[str] = frozenset()
+    now: float = 0.0
+    # Engine metrics older than this are ignored when judging load.
+    metrics_max_age_s: float = 5.0
+    # Workers that run a leg of this kind (entry: aggregated or prefill).
+    roles: frozenset[Role] = frozenset()
+
+
+@dataclass
+class Candidate:
+    worker: Worker
+    score: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)   # per scorer, for explain
+
+
+@dataclass
+class Decision:
+    worker: Worker | None
+    candidates: list[Candidate]
+    dropped: dict[str, str]        # worker id -> the filter that removed it
+    policy: str
+
+    def explain(self) -> str:
+        parts = [f"policy={self.policy}"]
+        for c in sorted(self.candidates, key=lambda c: -c.score):
+            detail = ",".join(f"{k}={v:.3f}" for k, v in c.scores.items())
+            mark = "*" if self.worker is not None and c.worker.id == self.worker.id else " "
+            parts.append(f"{mark}{c.worker.id} score={c.score:.3f} [{detail}] "
+                         f"load={c.worker.inflight_requests}req/{c.worker.inflight_tokens}tok")
+        for wid, why in sorted(self.dropped.items()):
+            parts.append(f"-{wid} dropped by {why}")
+        return "; ".join(parts)
+
+
+class Filter(Protocol):
+    """Removes workers that must not get this request."""
+
+    name: str
+
+    def keep(self, ctx: PlacementContext, worker: Worker) -> bool: ...
+
+
+class Scorer(Protocol):
+    """Rates every remaining worker in [0, 1]; higher is better."""
+
+    name: str
+
+    def score(self, ctx: PlacementContext, workers: list[Worker]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    """Chooses one candidate from the scored list."""
+
+    name: str
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate: ...

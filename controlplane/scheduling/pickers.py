@@ -1,0 +1,80 @@
+"""Pickers: choose one candidate from the scored list."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from controlplane.scheduling.base import Candidate, PlacementContext
+
+
+@dataclass
+class MaxScorePicker:
+    """Highest score wins; ties are broken at random so equal workers share traffic."""
+
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "max_score"
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
+        best = max(c.score for c in candidates)
+        top = [c for c in candidates if c.score >= best - 1e-12]
+        return top[0] if len(top) == 1 else self.rng.choice(top)
+
+
+@dataclass
+class WeightedRandomPicker:
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "random"
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
+        return self.rng.choices(candidates, weights=[c.worker.weight for c in candidates])[0]
+
+
+@dataclass
+class RoundRobinPicker:
+    """Smooth weighted round robin (nginx's): even spread, weights respected, no bursts."""
+
+    name: str = "round_robin"
+    _current: dict[str, float] = field(default_factory=dict)
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
+        total = 0.0
+        best: Candidate | None = None
+        for c in candidates:
+            w = c.worker.weight
+            cur = self._current.get(c.worker.id, 0.0) + w
+            self._current[c.worker.id] = cur
+            total += w
+            if best is None or cur > self._current[best.worker.id]:
+                best = c
+        assert best is not None
+        self._current[best.worker.id] -= total
+        return best
+
+
+@dataclass
+class PowerOfTwoPicker:
+    """Sample two candidates at random and keep the better scored one.
+
+    Cheap, and it avoids the herd effect of always picking the global minimum when
+    several routers share one view of load.
+    """
+
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "power_of_two"
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self.rng.sample(candidates, 2)
+        if a.score == b.score:
+            return a
+        return a if a.score > b.score else b
+
+
+PICKERS = {
+    "max_score": MaxScorePicker,
+    "random": WeightedRandomPicker,
+    "round_robin": RoundRobinPicker,
+    "power_of_two": PowerOfTwoPicker,
+}

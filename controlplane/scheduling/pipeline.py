@@ -1,0 +1,99 @@
+"""A placement profile: base filters, then configured filters, scorers and a picker.
+
+Policies are named profiles. Operators choose one by name, or define their own in the
+config file from the plugin names in FILTERS, SCORERS and PICKERS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.scheduling.base import Candidate, Decision, Filter, PlacementContext, Picker, Scorer
+from controlplane.scheduling.filters import BASE_FILTERS, FILTERS
+from controlplane.scheduling.pickers import PICKERS
+from controlplane.scheduling.scorers import SCORERS
+from controlplane.workers import Worker
+
+
+@dataclass
+class Profile:
+    name: str
+    picker: Picker
+    scorers: list[tuple[Scorer, float]] = field(default_factory=list)
+    filters: list[Filter] = field(default_factory=list)
+
+    def place(self, ctx: PlacementContext, workers: list[Worker]) -> Decision:
+        dropped: dict[str, str] = {}
+        remaining = workers
+        for flt in BASE_FILTERS:
+            remaining = self._apply(flt, ctx, remaining, dropped)
+        for flt in self.filters:
+            kept = [w for w in remaining if flt.keep(ctx, w)]
+            if not kept and getattr(flt, "soft", False):
+                continue  # a soft filter never empties the list on its own
+            for w in remaining:
+                if w not in kept:
+                    dropped[w.id] = flt.name
+            remaining = kept
+        candidates = [Candidate(worker=w) for w in remaining]
+        if not candidates:
+            return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name)
+        for scorer, weight in self.scorers:
+            for cand, value in zip(candidates, scorer.score(ctx, remaining)):
+                cand.scores[scorer.name] = value
+                cand.score += weight * value
+        chosen = self.picker.pick(ctx, candidates)
+        return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name)
+
+    @staticmethod
+    def _apply(flt: Filter, ctx: PlacementContext, workers: list[Worker],
+               dropped: dict[str, str]) -> list[Worker]:
+        kept = []
+        for w in workers:
+            if flt.keep(ctx, w):
+                kept.append(w)
+            elif w.id not in dropped:
+                dropped[w.id] = flt.name
+        return kept
+
+
+# Built-in policies, as plugin specs (the same form a config file uses).
+POLICIES: dict[str, dict[str, Any]] = {
+    "round_robin": {"picker": "round_robin"},
+    "random": {"picker": "random"},
+    "power_of_two": {"scorers": [{"name": "least_load"}], "picker": "power_of_two"},
+    "least_load": {"scorers": [{"name": "least_load"}], "picker": "max_score"},
+}
+
+
+def _make(registry: dict[str, type], spec: str | dict[str, Any], kind: str):
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    spec.pop("weight", None)
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}")
+    try:
+        return registry[name](**spec)
+    except TypeError as exc:
+        raise ValueError(f"bad options for {kind} {name!r}: {exc}") from None
+
+
+def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) -> Profile:
+    """Build the policy ``name`` from the built-ins or the config's custom profiles."""
+    spec = (custom or {}).get(name) or POLICIES.get(name)
+    if spec is None:
+        known = sorted({*POLICIES, *(custom or {})})
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(known)}")
+    scorers = []
+    for s in spec.get("scorers", []):
+        weight = float(s.get("weight", 1.0)) if isinstance(s, dict) else 1.0
+        scorers.append((_make(SCORERS, s, "scorer"), weight))
+    return Profile(
+        name=name,
+        picker=_make(PICKERS, spec.get("picker", "max_score"), "picker"),
+        scorers=scorers,
+        filters=[_make(FILTERS, f, "filter") for f in spec.get("filters", [])],
+    )

@@ -1,0 +1,48 @@
+"""Scorers: each turns one signal into a preference in [0, 1]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controlplane.scheduling.base import PlacementContext
+from controlplane.workers import Worker
+
+
+def effective_requests(worker: Worker, ctx: PlacementContext) -> int:
+    """Our own in-flight count, raised by the engine's if the engine sees more.
+
+    Our count is exact for traffic we placed and current to the last placement; the
+    engine's count catches traffic we did not place (other routers, direct clients) but
+    lags by a polling interval, so it may only raise the figure, never lower it.
+    """
+    count = worker.inflight_requests
+    eng = worker.engine
+    if eng.running >= 0 and eng.fresh(ctx.metrics_max_age_s, ctx.now or None):
+        count = max(count, eng.running + max(eng.waiting, 0))
+    return count
+
+
+@dataclass
+class LeastLoadScorer:
+    """Prefers the worker with the least in-flight work per unit of weight.
+
+    Work = in-flight tokens + ``tokens_per_request`` for each in-flight request, so that
+    many short requests and one long one both count.
+    """
+
+    tokens_per_request: int = 256
+    name: str = "least_load"
+
+    def load(self, ctx: PlacementContext, worker: Worker) -> float:
+        work = worker.inflight_tokens + self.tokens_per_request * effective_requests(worker, ctx)
+        return work / max(worker.weight, 1e-9)
+
+    def score(self, ctx: PlacementContext, workers: list[Worker]) -> list[float]:
+        loads = [self.load(ctx, w) for w in workers]
+        top = max(loads, default=0.0)
+        if top <= 0:
+            return [1.0] * len(workers)
+        return [1.0 - load / top for load in loads]
+
+
+SCORERS = {"least_load": LeastLoadScorer}

@@ -1,0 +1,95 @@
+"""The control-plane process: state, placement, health checks, gRPC API and HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from controlplane import metrics
+from controlplane.config import ControlPlaneConfig
+from controlplane.health import HealthChecker
+from controlplane.placement import Placer
+from controlplane.registry import WorkerRegistry
+from controlplane.scheduling import build_profile
+from controlplane.services import AdminService, RegistryService, SchedulerService
+from controlplane.state import MemoryStore, StateStore
+from omni_proxy.runtime import start_http_site
+from protos import omni_proxy_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    def __init__(self, config: ControlPlaneConfig, store: StateStore | None = None) -> None:
+        self.config = config
+        self.store = store or MemoryStore()
+        self.registry = WorkerRegistry(self.store, heartbeat_interval_s=config.heartbeat_interval_s,
+                                       heartbeat_ttl_s=config.heartbeat_ttl_s)
+        self.placer = Placer(self.store, build_profile(config.policy, config.profiles),
+                             pd_flow=config.pd_flow, max_request_age_s=config.max_request_age_s,
+                             metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
+        self.health = HealthChecker(self.store, config.health)
+        self.registry.on_added = self.health.check
+        self.grpc_port = 0
+        self.http_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        for spec in self.config.workers:
+            await self.registry.add(url=spec.url, role=spec.role, model=spec.model, weight=spec.weight,
+                                    worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port)
+        self.registry.on_added = None  # config workers are checked together by health.start()
+        await self.health.start()
+        self.registry.on_added = self.health.check
+
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.registry), self._server)
+        pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer), self._server)
+        self.grpc_port = self._server.add_insecure_port(self.config.listen)
+        if not self.grpc_port:
+            raise OSError(f"cannot listen on {self.config.listen}")
+        await self._server.start()
+
+        self._runner, self.http_port = await start_http_site(
+            self._http_app(), self.config.http_host, self.config.http_port)
+        self._sweeper = asyncio.create_task(self._sweep_loop())
+        log.info("control plane: gRPC on port %d, HTTP on %s:%d, policy %s, %d workers",
+                 self.grpc_port, self.config.http_host, self.http_port, self.config.policy,
+                 len(self.config.workers))
+
+    async def stop(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        if self._server:
+            await self._server.stop(grace=1.0)
+        if self._runner:
+            await self._runner.cleanup()
+        await self.health.stop()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(60.0, self.config.max_request_age_s / 4))
+            n = await self.placer.sweep_stale()
+            if n:
+                log.warning("released %d stale request records (no lifecycle report arrived)", n)
+
+    def _http_app(self) -> web.Application:
+        app = web.Application()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        async def prom(_: web.Request) -> web.Response:
+            body = metrics.render(await self.store.list_workers(), self.placer.stats)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", prom)
+        return app

@@ -1,0 +1,175 @@
+"""The data-plane HTTP server: OpenAI routes in, placements from the control plane, legs out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dataplane.errors import APIError, error_response
+from dataplane.flows import aggregated, sequential
+from dataplane.flows.context import FlowContext
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
+from dataplane.requests import CHAT, COMPLETIONS, parse_request
+from dataplane.tracking import RequestTracker
+from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
+from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+FLOWS = {pb.FLOW_AGGREGATED: ("aggregated", aggregated.run), pb.FLOW_SEQUENTIAL: ("sequential", sequential.run)}
+_PLACEMENT_STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400}
+
+
+@dataclass
+class DataPlaneConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    controlplane: str = "127.0.0.1:50051"
+    node_id: str = field(default_factory=lambda: f"dp-{uuid.uuid4().hex[:8]}")
+    max_body_bytes: int = 32 * 1024 * 1024
+    placement_timeout_s: float = 5.0
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+
+
+class DataPlane:
+    """Owns the app's long-lived parts; aiohttp's startup/cleanup hooks drive them."""
+
+    def __init__(self, config: DataPlaneConfig) -> None:
+        self.config = config
+        self.metrics = DataPlaneMetrics()
+        self.upstream = Upstream(config.upstream)
+        self.placements = PlacementClient(config.controlplane, config.node_id,
+                                          timeout_s=config.placement_timeout_s)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post(COMPLETIONS, self.generate)
+        app.router.add_post(CHAT, self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        await self.upstream.start()
+        await self.placements.start()
+
+    async def _cleanup(self, app: web.Application) -> None:
+        await self.placements.close()
+        await self.upstream.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Every failure leaves as OpenAI-style JSON: never a traceback, never a hang."""
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = exc.text if exc.status != 413 else (
+                f"request body exceeds the limit of {self.config.max_body_bytes} bytes")
+            return error_response(exc.status, message or exc.reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(500, "internal error in the data plane; see its log")
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, http: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        route = http.path
+        self.metrics.inflight.inc()
+        code = 500
+        try:
+            response = await self._generate(http)
+            code = response.status
+            return response
+        except APIError as exc:
+            code = exc.status
+            raise
+        except asyncio.CancelledError:
+            code = 499
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(route, str(code)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+
+    async def _generate(self, http: web.Request) -> web.StreamResponse:
+        raw = await http.read()
+        req = parse_request(http.path, raw, http.headers.get("X-Request-Id"))
+        t0 = time.perf_counter()
+        try:
+            placement = await self.placements.place(pb.PlaceRequest(
+                request_id=req.placement_id, model=req.model, leg=pb.LEG_ENTRY,
+                prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens))
+        except ControlPlaneUnavailable as exc:
+            raise APIError(503, f"no placement: {exc}") from None
+        self.metrics.placement.observe(time.perf_counter() - t0)
+        if placement.error:
+            raise APIError(_PLACEMENT_STATUS.get(placement.error, 503), placement.error_message,
+                           param="model" if placement.error == pb.UNKNOWN_MODEL else None)
+
+        tracker = RequestTracker(self.placements, req)
+        flow_name, flow = FLOWS.get(placement.flow, (None, None))
+        if flow is None:
+            tracker.failed("", "flow not supported", 0)
+            raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
+        tracker.flow = flow_name
+        self.metrics.flows.labels(flow_name).inc()
+        ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
+                          tracker=tracker, metrics=self.metrics)
+        try:
+            response = await flow(ctx, placement)
+        except UpstreamError as exc:
+            tracker.failed(exc.worker_id, exc.message, exc.upstream_status or 0)
+            self.metrics.upstream_errors.labels(exc.worker_id, str(exc.upstream_status)).inc()
+            raise
+        except APIError as exc:
+            tracker.failed("", exc.message, exc.status)
+            raise
+        except asyncio.CancelledError:
+            # The client went away: closing our upstream responses (done by the flows'
+            # finally blocks) makes the engines abort; the report frees the load.
+            tracker.cancelled()
+            self.metrics.cancelled.inc()
+            raise
+        except BaseException as exc:
+            tracker.failed("", f"{type(exc).__name__}: {exc}", 0)
+            raise
+        if tracker.first_token_at:
+            self.metrics.ttft.labels(flow_name).observe(tracker.ttft_s)
+        return response
+
+    # ------------------------------------------------------------------ ops routes
+
+    async def models(self, http: web.Request) -> web.Response:
+        try:
+            listing = await self.placements.list_models()
+        except ControlPlaneUnavailable as exc:
+            raise APIError(503, f"control plane unavailable: {exc}") from None
+        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "omni-proxy",
+                 "root": m.id, "parent": None} for m in listing.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, http: web.Request) -> web.Response:
+        if self.placements.connected:
+            return web.json_response({"status": "ok", "controlplane": self.config.controlplane})
+        return error_response(503, f"not connected to control plane {self.config.controlplane}")
+
+    async def prometheus(self, http: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,1 @@
+"""How the legs of one request are driven, one module per KV-transfer flow."""

@@ -1,0 +1,23 @@
+"""What every flow needs to drive its legs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.placement_client import PlacementClient
+from dataplane.requests import ClientRequest
+from dataplane.tracking import RequestTracker
+from dataplane.upstream import Upstream
+
+
+@dataclass
+class FlowContext:
+    http: web.Request
+    req: ClientRequest
+    upstream: Upstream
+    placements: PlacementClient
+    tracker: RequestTracker
+    metrics: DataPlaneMetrics

@@ -1,0 +1,82 @@
+"""Relaying an engine's answer to the client: the per-chunk hot path.
+
+Chunks go out as they arrive, byte for byte: no parsing, no re-encoding, no buffering
+of the stream, and no per-chunk logging or allocation beyond what aiohttp does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+from aiohttp import web
+
+from dataplane.errors import sse_error_event
+from dataplane.flows.context import FlowContext
+from dataplane.upstream import read_body
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_EVENT_END = b"\n\n"
+
+
+async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
+                       on_first_chunk=None) -> web.StreamResponse:
+    """Stream ``resp`` (SSE) to the client; report first token, end, and failures."""
+    out = web.StreamResponse(status=200, headers={
+        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        "Cache-Control": "no-cache", "X-Request-Id": ctx.req.request_id})
+    tracker = ctx.tracker
+    events = 0
+    try:
+        await out.prepare(ctx.http)
+        content = resp.content
+        async for chunk in content.iter_any():
+            if not events:
+                tracker.first_token()
+                if on_first_chunk is not None:
+                    on_first_chunk()
+            events += chunk.count(_EVENT_END)
+            await out.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        if isinstance(exc, ConnectionResetError) or ctx.http.transport is None or ctx.http.transport.is_closing():
+            tracker.cancelled()
+            ctx.metrics.cancelled.inc()
+            return out
+        message = f"worker {worker_id} broke off the stream: {type(exc).__name__} {exc}".strip()
+        tracker.failed(worker_id, message, 0)
+        ctx.metrics.upstream_errors.labels(worker_id, "stream").inc()
+        try:
+            await out.write(sse_error_event(502, message))
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass
+        return out
+    finally:
+        resp.close()
+    # Every event but the final [DONE] (and a usage-only chunk) carries one token.
+    tracker.finished(max(events - 1, 0))
+    try:
+        await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionError):
+        pass
+    return out
+
+
+async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str) -> web.Response:
+    """Pass a non-streamed answer through unchanged."""
+    data = await read_body(worker_id, resp)
+    ctx.tracker.first_token()
+    m = _COMPLETION_TOKENS.search(data)
+    ctx.tracker.finished(int(m.group(1)) if m else 0)
+    return web.Response(status=200, body=data, headers={
+        "Content-Type": resp.headers.get("Content-Type", "application/json"),
+        "X-Request-Id": ctx.req.request_id})
+
+
+async def relay(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
+                on_first_chunk=None) -> web.StreamResponse:
+    if ctx.req.stream:
+        return await relay_stream(ctx, resp, worker_id, on_first_chunk=on_first_chunk)
+    if on_first_chunk is not None:
+        on_first_chunk()
+    return await relay_json(ctx, resp, worker_id)

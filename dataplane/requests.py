@@ -1,0 +1,124 @@
+"""Parse and check an incoming OpenAI request once, keeping its original bytes.
+
+The body is decoded a single time to validate it and read the few fields routing needs;
+the original bytes are what goes upstream whenever a leg does not change the body.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from dataplane.errors import APIError
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class ClientRequest:
+    path: str
+    raw: bytes
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    max_tokens: int          # 0 when the client did not say
+    prompt_tokens: int       # an estimate until the data plane tokenizes (issue: exact ids)
+    request_id: str          # what the engines see as X-Request-Id
+    placement_id: str        # unique per request, for the control plane's ledger
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path == CHAT
+
+
+def _check_type(body: dict, key: str, types: tuple[type, ...], label: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) and bool not in types:
+        raise APIError(400, f"'{key}' must be {label}, not a boolean", param=key)
+    if not isinstance(value, types):
+        raise APIError(400, f"'{key}' must be {label}, got {type(value).__name__}", param=key)
+
+
+def _estimate_text_tokens(text: str) -> int:
+    # About four characters a token for English BPE vocabularies; a later issue replaces
+    # this with the model's own tokenizer.
+    return max(1, (len(text) + 3) // 4)
+
+
+def _completions_prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return _estimate_text_tokens(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return len(prompt)
+        if all(isinstance(p, str) for p in prompt):
+            return sum(_estimate_text_tokens(p) for p in prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return sum(len(p) for p in prompt)
+    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids "
+                        "or a list of token-id lists", param="prompt")
+
+
+def _chat_prompt_tokens(messages: Any) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    total = 0
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = msg.get("content")
+        if isinstance(content, str):
+            total += _estimate_text_tokens(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += _estimate_text_tokens(part["text"])
+        elif content is not None:
+            raise APIError(400, f"messages[{i}].content must be a string or a list of parts",
+                           param="messages")
+        total += 4  # role markers of the chat template
+    return total
+
+
+def parse_request(path: str, raw: bytes, client_request_id: str | None) -> ClientRequest:
+    if not raw:
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+
+    _check_type(body, "model", (str,), "a string")
+    _check_type(body, "stream", (bool,), "a boolean")
+    _check_type(body, "max_tokens", (int,), "an integer")
+    _check_type(body, "max_completion_tokens", (int,), "an integer")
+    _check_type(body, "n", (int,), "an integer")
+    _check_type(body, "temperature", (int, float), "a number")
+    _check_type(body, "stream_options", (dict,), "an object")
+    _check_type(body, "kv_transfer_params", (dict,), "an object")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        if body.get(key) is not None and body[key] < 1:
+            raise APIError(400, f"'{key}' must be at least 1", param=key)
+
+    if path == CHAT:
+        prompt_tokens = _chat_prompt_tokens(body.get("messages"))
+    else:
+        if "prompt" not in body:
+            raise APIError(400, "'prompt' is required", param="prompt")
+        prompt_tokens = _completions_prompt_tokens(body["prompt"])
+
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+    placement_id = uuid.uuid4().hex
+    request_id = client_request_id.strip() if client_request_id and client_request_id.strip() else placement_id
+    return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "",
+                         stream=bool(body.get("stream")), max_tokens=int(max_tokens),
+                         prompt_tokens=prompt_tokens, request_id=request_id, placement_id=placement_id)

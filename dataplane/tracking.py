@@ -1,0 +1,61 @@
+"""One request's lifecycle as the control plane must hear it: exactly one ending.
+
+The ledger on the control plane frees a worker's load only when it hears how a request
+ended, so every path out of a handler (success, failure, client gone) goes through here.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dataplane.placement_client import PlacementClient
+from dataplane.requests import ClientRequest
+from protos import omni_proxy_pb2 as pb
+
+
+class RequestTracker:
+    __slots__ = ("client", "req", "started", "first_token_at", "ended", "prefill_released", "flow")
+
+    def __init__(self, client: PlacementClient, req: ClientRequest) -> None:
+        self.client = client
+        self.req = req
+        self.started = time.perf_counter()
+        self.first_token_at = 0.0
+        self.ended = False
+        self.prefill_released = False
+        self.flow = "aggregated"
+
+    def _event(self, kind: int, **kw) -> None:
+        self.client.report(pb.LifecycleEvent(request_id=self.req.placement_id, kind=kind, **kw))
+
+    def first_token(self) -> None:
+        if not self.first_token_at:
+            self.first_token_at = time.perf_counter()
+            self._event(pb.EVENT_FIRST_TOKEN, ttft_ms=self.ttft_s * 1000)
+
+    def prefill_done(self) -> None:
+        if not self.prefill_released:
+            self.prefill_released = True
+            self._event(pb.EVENT_PREFILL_DONE)
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first_token_at - self.started) if self.first_token_at else 0.0
+
+    def finished(self, completion_tokens: int) -> None:
+        if not self.ended:
+            self.ended = True
+            self._event(pb.EVENT_FINISHED, prompt_tokens=self.req.prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        latency_ms=(time.perf_counter() - self.started) * 1000)
+
+    def failed(self, worker_id: str, message: str, upstream_status: int) -> None:
+        if not self.ended:
+            self.ended = True
+            self._event(pb.EVENT_FAILED, worker_id=worker_id, message=message[:500],
+                        upstream_status=upstream_status)
+
+    def cancelled(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._event(pb.EVENT_CANCELLED)

@@ -1,0 +1,112 @@
+"""Pooled HTTP connections to the engines, and the one way a leg is opened."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from dataplane.errors import APIError
+
+
+@dataclass
+class UpstreamConfig:
+    connect_timeout_s: float = 5.0
+    # Longest silence on an open upstream connection (no byte for this long = failed leg).
+    read_timeout_s: float = 600.0
+    engine_api_key: str = ""
+    pool_size: int = 0            # 0 = unlimited connections per engine
+
+
+class UpstreamError(APIError):
+    """A leg failed on the engine's side: 502 to the client, with the engine's words."""
+
+    def __init__(self, worker_id: str, message: str, upstream_status: int) -> None:
+        super().__init__(502, message, upstream_status=upstream_status)
+        self.worker_id = worker_id
+
+
+def upstream_message(data: bytes) -> str:
+    """The engine's own error text where it gave one (OpenAI, FastAPI or plain)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data[:500].decode("utf-8", "replace").strip()
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if obj.get(key):
+                return str(obj[key])
+    return data[:500].decode("utf-8", "replace").strip()
+
+
+class Upstream:
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # aiohttp sets TCP_NODELAY on every connection it opens (base_protocol).
+        connector = aiohttp.TCPConnector(limit=self.config.pool_size, limit_per_host=0,
+                                         keepalive_timeout=60, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.read_timeout_s)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                              auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def open(self, worker_id: str, url: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
+        """POST a leg and return the response once its status is 200.
+
+        Engine 4xx answers are the client's fault and pass through with their status;
+        anything else the engine or the network does wrong becomes an UpstreamError.
+        """
+        assert self._session is not None
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        if self.config.engine_api_key:
+            headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
+        try:
+            resp = await self._session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+            raise UpstreamError(worker_id, f"cannot reach worker {worker_id} ({url}): "
+                                f"{type(exc).__name__} {exc}".strip(), 0) from None
+        if resp.status == 200:
+            return resp
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            data = b""
+        finally:
+            resp.release()
+        message = upstream_message(data) or resp.reason or "no message"
+        if 400 <= resp.status < 500 and resp.status not in (408, 429):
+            raise APIError(resp.status, message, type_=None)
+        raise UpstreamError(worker_id, f"worker {worker_id} returned {resp.status}: {message}", resp.status)
+
+
+async def read_body(worker_id: str, resp: aiohttp.ClientResponse) -> bytes:
+    """Read a whole (small, non-streamed) answer; a broken read is the engine's failure.
+
+    On any interruption the connection is closed rather than pooled, so an engine sees a
+    cancelled client as a disconnect and aborts the request.
+    """
+    try:
+        data = await resp.read()
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        resp.close()
+        raise UpstreamError(worker_id, f"worker {worker_id} broke off its answer: "
+                            f"{type(exc).__name__} {exc}".strip(), 0) from None
+    except BaseException:
+        resp.close()
+        raise
+    resp.release()
+    return data

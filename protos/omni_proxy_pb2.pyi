@@ -1,0 +1,346 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_BOTH: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+
+class WorkerStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATUS_UNKNOWN: _ClassVar[WorkerStatus]
+    STATUS_HEALTHY: _ClassVar[WorkerStatus]
+    STATUS_UNHEALTHY: _ClassVar[WorkerStatus]
+
+class Leg(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEG_UNSPECIFIED: _ClassVar[Leg]
+    LEG_ENTRY: _ClassVar[Leg]
+    LEG_PREFILL: _ClassVar[Leg]
+    LEG_DECODE: _ClassVar[Leg]
+
+class Flow(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLOW_UNSPECIFIED: _ClassVar[Flow]
+    FLOW_AGGREGATED: _ClassVar[Flow]
+    FLOW_SEQUENTIAL: _ClassVar[Flow]
+    FLOW_PARALLEL: _ClassVar[Flow]
+    FLOW_LAYERWISE: _ClassVar[Flow]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[ErrorCode]
+    NO_HEALTHY_WORKER: _ClassVar[ErrorCode]
+    UNKNOWN_MODEL: _ClassVar[ErrorCode]
+    INVALID_REQUEST: _ClassVar[ErrorCode]
+    UNKNOWN_REQUEST: _ClassVar[ErrorCode]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_PREFILL_DONE: _ClassVar[EventKind]
+    EVENT_FIRST_TOKEN: _ClassVar[EventKind]
+    EVENT_FINISHED: _ClassVar[EventKind]
+    EVENT_FAILED: _ClassVar[EventKind]
+    EVENT_CANCELLED: _ClassVar[EventKind]
+ROLE_UNSPECIFIED: Role
+ROLE_BOTH: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+STATUS_UNKNOWN: WorkerStatus
+STATUS_HEALTHY: WorkerStatus
+STATUS_UNHEALTHY: WorkerStatus
+LEG_UNSPECIFIED: Leg
+LEG_ENTRY: Leg
+LEG_PREFILL: Leg
+LEG_DECODE: Leg
+FLOW_UNSPECIFIED: Flow
+FLOW_AGGREGATED: Flow
+FLOW_SEQUENTIAL: Flow
+FLOW_PARALLEL: Flow
+FLOW_LAYERWISE: Flow
+OK: ErrorCode
+NO_HEALTHY_WORKER: ErrorCode
+UNKNOWN_MODEL: ErrorCode
+INVALID_REQUEST: ErrorCode
+UNKNOWN_REQUEST: ErrorCode
+EVENT_UNSPECIFIED: EventKind
+EVENT_PREFILL_DONE: EventKind
+EVENT_FIRST_TOKEN: EventKind
+EVENT_FINISHED: EventKind
+EVENT_FAILED: EventKind
+EVENT_CANCELLED: EventKind
+
+class Endpoint(_message.Message):
+    __slots__ = ("worker_id", "url", "role", "bootstrap_port")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    url: str
+    role: Role
+    bootstrap_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("inflight_requests", "inflight_tokens", "engine_running", "engine_waiting", "engine_kv_usage", "metrics_age_s")
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_WAITING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    inflight_requests: int
+    inflight_tokens: int
+    engine_running: int
+    engine_waiting: int
+    engine_kv_usage: float
+    metrics_age_s: float
+    def __init__(self, inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., engine_running: _Optional[int] = ..., engine_waiting: _Optional[int] = ..., engine_kv_usage: _Optional[float] = ..., metrics_age_s: _Optional[float] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    url: str
+    role: Role
+    model: str
+    weight: float
+    status: WorkerStatus
+    draining: bool
+    load: WorkerLoad
+    source: str
+    placements_total: int
+    failures_total: int
+    last_error: str
+    labels: _containers.ScalarMap[str, str]
+    bootstrap_port: int
+    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    request_id: str
+    model: str
+    leg: Leg
+    prompt_tokens: int
+    max_tokens: int
+    exclude_workers: _containers.RepeatedScalarFieldContainer[str]
+    explain: bool
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("seq", "request_id", "flow", "prefill", "decode", "explanation", "error", "error_message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    request_id: str
+    flow: Flow
+    prefill: Endpoint
+    decode: Endpoint
+    explanation: str
+    error: ErrorCode
+    error_message: str
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., flow: _Optional[_Union[Flow, str]] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., explanation: _Optional[str] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class LifecycleEvent(_message.Message):
+    __slots__ = ("request_id", "kind", "worker_id", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "message", "upstream_status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kind: EventKind
+    worker_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+    latency_ms: float
+    message: str
+    upstream_status: int
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ...) -> None: ...
+
+class SessionOpen(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DataPlaneMessage(_message.Message):
+    __slots__ = ("open", "place", "event")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    open: SessionOpen
+    place: PlaceRequest
+    event: LifecycleEvent
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., place: _Optional[_Union[PlaceRequest, _Mapping]] = ..., event: _Optional[_Union[LifecycleEvent, _Mapping]] = ...) -> None: ...
+
+class ControlPlaneMessage(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("id", "healthy_workers", "workers")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    healthy_workers: int
+    workers: int
+    def __init__(self, id: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    role: Role
+    model: str
+    weight: float
+    worker_id: str
+    labels: _containers.ScalarMap[str, str]
+    bootstrap_port: int
+    heartbeat_ttl_s: float
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_interval_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_interval_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "running", "waiting")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    running: int
+    waiting: int
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers", "policy")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    policy: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class WorkerRef(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class SetWeightRequest(_message.Message):
+    __slots__ = ("worker_id", "weight")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    weight: float
+    def __init__(self, worker_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class WorkerResponse(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
