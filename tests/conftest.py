@@ -1,0 +1,99 @@
+"""Shared fixtures: real processes on loopback (simulators, control plane, data plane)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+import pytest
+
+from omni_proxy.launcher import Child, ProcessGroup
+from protos import omni_proxy_pb2 as pb
+from protos import omni_proxy_pb2_grpc as pb_grpc
+
+
+async def wait_until(cond: Callable[[], Awaitable[bool]], *, timeout: float = 15.0, what: str = "condition",
+                     interval: float = 0.05) -> None:
+    """Poll ``cond`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if await cond():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+@dataclass
+class Cluster:
+    group: ProcessGroup
+    sims: dict[str, Child]
+    cp: Child
+    dp: Child
+    worker_ids: dict[str, str] = field(default_factory=dict)   # sim name -> worker id
+
+    @property
+    def url(self) -> str:
+        return self.dp.url
+
+    def admin(self) -> pb_grpc.AdminStub:
+        channel = grpc.aio.insecure_channel(self.cp.address)
+        return pb_grpc.AdminStub(channel)
+
+    async def workers(self) -> dict[str, pb.WorkerInfo]:
+        async with grpc.aio.insecure_channel(self.cp.address) as ch:
+            resp = await pb_grpc.AdminStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+        return {w.id: w for w in resp.workers}
+
+    async def all_idle(self) -> bool:
+        return all(w.load.inflight_requests == 0 and w.load.inflight_tokens == 0
+                   for w in (await self.workers()).values())
+
+    async def sim_get(self, name: str, path: str) -> dict:
+        async with aiohttp.ClientSession() as s, s.get(self.sims[name].url + path) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+    async def sim_post(self, name: str, path: str, body: dict) -> None:
+        async with aiohttp.ClientSession() as s, s.post(self.sims[name].url + path, json=body) as r:
+            assert r.status in (200, 204), await r.text()
+
+    async def sim_requests(self, name: str) -> list[dict]:
+        return (await self.sim_get(name, "/sim/requests"))["requests"]
+
+    async def clear_sim_requests(self) -> None:
+        async with aiohttp.ClientSession() as s:
+            for child in self.sims.values():
+                async with s.delete(child.url + "/sim/requests") as r:
+                    assert r.status in (200, 204)
+
+
+def start_cluster(sims: dict[str, str], *, policy: str = "least_load", cp_args: list[str] = (),
+                  dp_args: list[str] = (), sim_args: dict[str, list[str]] | None = None) -> Cluster:
+    """``sims`` maps a name to a role; each becomes a worker whose id is that name."""
+    group = ProcessGroup()
+    try:
+        children = {}
+        for name, role in sims.items():
+            extra = (sim_args or {}).get(name, [])
+            children[name] = group.start(name, ["sim", "--role", role, "--port", "0", *extra])
+        args = ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--policy", policy,
+                "--health-interval", "0.2", "--metrics-interval", "0.2", *cp_args]
+        for name, role in sims.items():
+            args += ["--worker", f"{children[name].url},role={role},id={name}"]
+        cp = group.start("controlplane", args)
+        dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address, *dp_args])
+        return Cluster(group=group, sims=children, cp=cp, dp=dp, worker_ids={n: n for n in sims})
+    except BaseException:
+        group.close()
+        raise
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session

@@ -1,0 +1,119 @@
+"""Placement and the load ledger, in process: load is current at every placement."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from controlplane.placement import Placer
+from controlplane.scheduling import build_profile
+from controlplane.state import MemoryStore
+from controlplane.workers import Health, Role, Worker
+from protos import omni_proxy_pb2 as pb
+
+
+async def make(policy="least_load", workers=()):
+    store = MemoryStore()
+    for w in workers:
+        await store.upsert_worker(w)
+    return Placer(store, build_profile(policy)), store
+
+
+def w(wid, role=Role.BOTH, model="m", health=Health.HEALTHY):
+    return Worker(id=wid, url=f"http://{wid}", role=role, model=model, health=health)
+
+
+def entry(rid, tokens=100, model="m", **kw):
+    return pb.PlaceRequest(request_id=rid, model=model, leg=pb.LEG_ENTRY, prompt_tokens=tokens, **kw)
+
+
+async def test_burst_is_spread_because_load_is_counted_at_placement():
+    placer, store = await make(workers=[w("a"), w("b"), w("c")])
+    got = Counter()
+    for i in range(30):
+        p = await placer.place(entry(f"r{i}"))
+        got[p.decode.worker_id] += 1
+    assert got == {"a": 10, "b": 10, "c": 10}
+    a = await store.get_worker("a")
+    assert a.inflight_requests == 10 and a.inflight_tokens == 1000
+
+
+async def test_finished_reports_release_exactly_what_was_charged():
+    placer, store = await make(workers=[w("a")])
+    await placer.place(entry("r1", tokens=50, max_tokens=10))
+    a = await store.get_worker("a")
+    assert (a.inflight_requests, a.inflight_tokens) == (1, 60)
+    await placer.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED))
+    assert (a.inflight_requests, a.inflight_tokens) == (0, 0)
+    # A duplicate or unknown report changes nothing.
+    await placer.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED))
+    await placer.report(pb.LifecycleEvent(request_id="nope", kind=pb.EVENT_FAILED))
+    assert (a.inflight_requests, a.inflight_tokens) == (0, 0)
+
+
+async def test_pd_entry_then_decode_and_prefill_release():
+    placer, store = await make(workers=[w("p", Role.PREFILL), w("d", Role.DECODE)])
+    first = await placer.place(entry("r1", tokens=40))
+    assert first.flow == pb.FLOW_SEQUENTIAL and first.prefill.worker_id == "p"
+    second = await placer.place(pb.PlaceRequest(request_id="r1", model="m", leg=pb.LEG_DECODE, prompt_tokens=40))
+    assert second.decode.worker_id == "d"
+    p, d = await store.get_worker("p"), await store.get_worker("d")
+    assert p.inflight_requests == d.inflight_requests == 1
+    await placer.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_PREFILL_DONE))
+    assert p.inflight_requests == 0 and d.inflight_requests == 1
+    await placer.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_CANCELLED))
+    assert d.inflight_requests == 0 and d.inflight_tokens == 0
+
+
+async def test_prefill_workers_are_skipped_without_a_decode_worker():
+    placer, _ = await make(workers=[w("p", Role.PREFILL), w("d", Role.DECODE, health=Health.UNHEALTHY), w("b")])
+    for i in range(5):
+        p = await placer.place(entry(f"r{i}"))
+        assert p.flow == pb.FLOW_AGGREGATED and p.decode.worker_id == "b"
+
+
+async def test_errors_distinguish_unknown_model_from_no_healthy_worker():
+    placer, _ = await make(workers=[w("a", health=Health.UNHEALTHY)])
+    p = await placer.place(entry("r", model="zzz"))
+    assert p.error == pb.UNKNOWN_MODEL and "zzz" in p.error_message
+    p = await placer.place(entry("r"))
+    assert p.error == pb.NO_HEALTHY_WORKER and "healthy" in p.error_message
+
+
+async def test_session_end_releases_everything_that_session_placed():
+    placer, store = await make(workers=[w("a")])
+    for i in range(3):
+        await placer.place(entry(f"s1-{i}"), session="s1")
+    await placer.place(entry("s2-0"), session="s2")
+    a = await store.get_worker("a")
+    assert a.inflight_requests == 4
+    assert await placer.release_session("s1") == 3
+    assert a.inflight_requests == 1
+
+
+async def test_unreachable_worker_reported_by_data_plane_is_marked_unhealthy():
+    placer, store = await make(workers=[w("a"), w("b")])
+    p = await placer.place(entry("r"))
+    await placer.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_FAILED, worker_id=p.decode.worker_id,
+                                          upstream_status=0, message="connection refused"))
+    bad = await store.get_worker(p.decode.worker_id)
+    assert bad.health is Health.UNHEALTHY and bad.failures_total == 1
+    for i in range(4):
+        assert (await placer.place(entry(f"x{i}"))).decode.worker_id != bad.id
+
+
+async def test_dry_run_explains_without_charging():
+    placer, store = await make(workers=[w("a"), w("b")])
+    p = await placer.place(entry("r"), dry_run=True)
+    assert p.decode.worker_id in ("a", "b") and "policy=least_load" in p.explanation
+    assert all(x.inflight_requests == 0 for x in await store.list_workers())
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "power_of_two", "least_load"])
+async def test_every_policy_places_on_a_healthy_matching_worker(policy):
+    placer, _ = await make(policy, workers=[w("a"), w("b"), w("x", model="other"), w("u", health=Health.UNHEALTHY)])
+    seen = Counter()
+    for i in range(40):
+        seen[(await placer.place(entry(f"r{i}"))).decode.worker_id] += 1
+    assert set(seen) <= {"a", "b"} and len(seen) == 2

@@ -1,0 +1,142 @@
+"""Each scheduling plugin on its own: filters, scorers, pickers, profiles."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from controlplane.scheduling import PlacementContext, build_profile
+from controlplane.scheduling.base import Candidate
+from controlplane.scheduling.filters import (DrainFilter, ExcludeFilter, HealthyFilter, ModelFilter,
+                                             OverloadFilter, RoleFilter)
+from controlplane.scheduling.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker, WeightedRandomPicker
+from controlplane.scheduling.scorers import LeastLoadScorer, effective_requests
+from controlplane.workers import Health, Role, Worker
+
+
+def worker(wid: str, *, role=Role.BOTH, model="m", weight=1.0, health=Health.HEALTHY, reqs=0, toks=0,
+           draining=False) -> Worker:
+    return Worker(id=wid, url=f"http://{wid}", role=role, model=model, weight=weight, health=health,
+                  inflight_requests=reqs, inflight_tokens=toks, draining=draining)
+
+
+def ctx(**kw) -> PlacementContext:
+    base = dict(request_id="r", model="m", leg="entry", roles=frozenset({Role.BOTH, Role.PREFILL}), now=100.0)
+    base.update(kw)
+    return PlacementContext(**base)
+
+
+def test_model_filter_keeps_only_the_requested_model():
+    f = ModelFilter()
+    assert f.keep(ctx(), worker("a", model="m"))
+    assert not f.keep(ctx(), worker("b", model="other"))
+
+
+def test_role_filter_follows_the_leg():
+    f = RoleFilter()
+    c = ctx(roles=frozenset({Role.DECODE}))
+    assert f.keep(c, worker("d", role=Role.DECODE))
+    assert not f.keep(c, worker("p", role=Role.PREFILL))
+    assert not f.keep(c, worker("b", role=Role.BOTH))
+
+
+@pytest.mark.parametrize("health,kept", [(Health.HEALTHY, True), (Health.UNHEALTHY, False), (Health.UNKNOWN, False)])
+def test_healthy_filter(health, kept):
+    assert HealthyFilter().keep(ctx(), worker("a", health=health)) is kept
+
+
+def test_drain_and_exclude_filters():
+    assert not DrainFilter().keep(ctx(), worker("a", draining=True))
+    assert DrainFilter().keep(ctx(), worker("a"))
+    assert not ExcludeFilter().keep(ctx(exclude=frozenset({"a"})), worker("a"))
+    assert ExcludeFilter().keep(ctx(exclude=frozenset({"a"})), worker("b"))
+
+
+def test_overload_filter_budget():
+    f = OverloadFilter(max_requests=2, max_tokens=100)
+    assert f.keep(ctx(), worker("a", reqs=1, toks=50))
+    assert not f.keep(ctx(), worker("a", reqs=2, toks=50))
+    assert not f.keep(ctx(), worker("a", reqs=0, toks=100))
+
+
+def test_least_load_scorer_prefers_lighter_and_respects_weight():
+    s = LeastLoadScorer(tokens_per_request=0)
+    light, heavy = worker("a", toks=10), worker("b", toks=100)
+    scores = s.score(ctx(), [light, heavy])
+    assert scores[0] > scores[1]
+    # Same load, double weight: counts as half as loaded.
+    big = worker("c", toks=100, weight=2.0)
+    assert s.score(ctx(), [heavy, big])[1] > s.score(ctx(), [heavy, big])[0]
+    assert s.score(ctx(), [worker("x"), worker("y")]) == [1.0, 1.0]
+
+
+def test_engine_metrics_only_raise_the_count_and_only_when_fresh():
+    w = worker("a", reqs=3)
+    w.engine.running, w.engine.waiting, w.engine.updated_at = 10, 2, 99.0
+    assert effective_requests(w, ctx(now=100.0, metrics_max_age_s=5)) == 12
+    w.engine.updated_at = 10.0  # stale: ignored
+    assert effective_requests(w, ctx(now=100.0, metrics_max_age_s=5)) == 3
+    w.engine.running, w.engine.waiting, w.engine.updated_at = 1, 0, 99.0  # lower than ours: ours wins
+    assert effective_requests(w, ctx(now=100.0, metrics_max_age_s=5)) == 3
+
+
+def test_round_robin_picker_is_smoothly_weighted():
+    p = RoundRobinPicker()
+    cands = [Candidate(worker("a", weight=2)), Candidate(worker("b", weight=1))]
+    picks = [p.pick(ctx(), cands).worker.id for _ in range(6)]
+    assert Counter(picks) == {"a": 4, "b": 2}
+    assert picks[:3] in (["a", "b", "a"], ["a", "a", "b"])
+    assert "".join(picks).count("aaa") == 0  # smooth: never a burst to one worker
+
+
+def test_random_picker_follows_weights():
+    p = WeightedRandomPicker(rng=random.Random(1))
+    cands = [Candidate(worker("a", weight=9)), Candidate(worker("b", weight=1))]
+    picks = Counter(p.pick(ctx(), cands).worker.id for _ in range(2000))
+    assert picks["a"] > 5 * picks["b"] > 0
+
+
+def test_max_score_picker_breaks_ties_randomly():
+    p = MaxScorePicker(rng=random.Random(2))
+    cands = [Candidate(worker("a"), score=1.0), Candidate(worker("b"), score=1.0), Candidate(worker("c"), score=0.2)]
+    picks = Counter(p.pick(ctx(), cands).worker.id for _ in range(200))
+    assert set(picks) == {"a", "b"}
+
+
+def test_power_of_two_never_picks_the_worst_of_three():
+    p = PowerOfTwoPicker(rng=random.Random(3))
+    cands = [Candidate(worker("a"), score=1.0), Candidate(worker("b"), score=0.5), Candidate(worker("c"), score=0.0)]
+    picks = Counter(p.pick(ctx(), cands).worker.id for _ in range(300))
+    assert picks["c"] == 0 and picks["a"] > picks["b"] > 0
+
+
+def test_profile_drops_with_reasons_and_explains():
+    prof = build_profile("least_load")
+    ws = [worker("a", toks=10), worker("b", toks=0), worker("c", health=Health.UNHEALTHY),
+          worker("d", model="other"), worker("e", draining=True)]
+    d = prof.place(ctx(), ws)
+    assert d.worker.id == "b"
+    assert d.dropped == {"c": "healthy", "d": "model", "e": "draining"}
+    text = d.explain()
+    assert "*b" in text and "c dropped by healthy" in text
+
+
+def test_soft_overload_filter_never_empties_the_list():
+    prof = build_profile("custom", {"custom": {"filters": [{"name": "overload", "max_requests": 1}],
+                                               "scorers": [{"name": "least_load"}], "picker": "max_score"}})
+    ws = [worker("a", reqs=5), worker("b", reqs=3)]
+    assert prof.place(ctx(), ws).worker.id == "b"
+    ws.append(worker("c", reqs=0))
+    d = prof.place(ctx(), ws)
+    assert d.worker.id == "c" and d.dropped == {"a": "overload", "b": "overload"}
+
+
+def test_unknown_plugins_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        build_profile("nope")
+    with pytest.raises(ValueError, match="unknown scorer"):
+        build_profile("x", {"x": {"scorers": [{"name": "magic"}]}})
+    with pytest.raises(ValueError, match="bad options for filter"):
+        build_profile("x", {"x": {"filters": [{"name": "overload", "bogus": 1}]}})
