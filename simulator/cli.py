@@ -1,0 +1,75 @@
+"""``omni-proxy sim``: run one simulated vLLM engine.
+
+Only argparse is imported at module level: ``omni-proxy`` builds every subcommand's
+parser on each start, and the server stack is loaded by ``run`` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one (default 0)")
+    g.add_argument("--ready-file", default=None,
+                   help="write {pid, port, model, role, engine_id} as JSON here once listening")
+    g.add_argument("--model", default="sim-model", help="served model name (default sim-model)")
+    g.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="both = aggregated; prefill = kv_producer; decode = kv_consumer (default both)")
+    g.add_argument("--engine-id", default=None, help="engine id put in kv_transfer_params (default: random uuid)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the generated text (default 0)")
+    c = parser.add_argument_group("cost model")
+    c.add_argument("--prefill-ms-per-token", type=float, default=0.05, help="default 0.05")
+    c.add_argument("--decode-ms-per-step", type=float, default=4.0,
+                   help="fixed cost of a step that decodes anything (default 4.0)")
+    c.add_argument("--decode-ms-per-seq", type=float, default=0.05,
+                   help="extra step time per decoding sequence (default 0.05)")
+    c.add_argument("--kv-transfer-ms-per-token", type=float, default=0.005,
+                   help="decode-side time to pull one prompt token's KV (default 0.005)")
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="running batch size cap (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="per-step token budget; longer prompts prefill in chunks (default 8192)")
+    s.add_argument("--max-model-len", type=int, default=32768, help="default 32768")
+    s.add_argument("--default-max-tokens", type=int, default=16,
+                   help="max_tokens when a request gives none (default 16)")
+    s.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    s.add_argument("--num-gpu-blocks", type=int, default=32768,
+                   help="KV pool size in blocks; when full, admission waits and decodes preempt (default 32768)")
+    s.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="how long a prefill node keeps KV for a decode node to pull (default 30)")
+
+
+def config_from_args(args: argparse.Namespace):
+    from simulator.config import SimConfig
+
+    kwargs = dict(
+        host=args.host, port=args.port, model=args.model, role=args.role, seed=args.seed,
+        prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_step=args.decode_ms_per_step,
+        decode_ms_per_seq=args.decode_ms_per_seq, kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
+        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_lease_s=args.kv_lease_s,
+    )
+    if args.engine_id:
+        kwargs["engine_id"] = args.engine_id
+    return SimConfig(**kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
+    from omni_proxy.runtime import run_main
+    from simulator.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"omni-proxy sim: {exc}", file=sys.stderr)
+        return 2
+    run_main(lambda: serve(cfg, args.ready_file))
+    return 0

@@ -1,0 +1,63 @@
+"""Simulator settings, shared by the CLI, the HTTP server and the cost model.
+
+One frozen dataclass so a running sim can report exactly what it models (``/sim/state``)
+and so tests can build an engine in-process with the same knobs the CLI exposes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["both", "prefill", "decode"]
+ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What one simulated engine serves and how long its work takes."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "sim-model"
+    role: Role = "both"
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    # Cost model (milliseconds). A step costs decode_ms_per_step if it decodes anything,
+    # plus decode_ms_per_seq per decoding sequence, plus prefill_ms_per_token per prompt token.
+    prefill_ms_per_token: float = 0.05
+    decode_ms_per_step: float = 4.0
+    decode_ms_per_seq: float = 0.05
+    kv_transfer_ms_per_token: float = 0.005
+    # Scheduler limits, named like vLLM's.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32768
+    default_max_tokens: int = 16
+    block_size: int = 16
+    # KV pool: 32768 blocks x 16 tokens ~ 512k tokens, a mid-size model on one 80 GB GPU.
+    num_gpu_blocks: int = 32768
+    kv_lease_s: float = 30.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "default_max_tokens", "block_size", "num_gpu_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("prefill_ms_per_token", "decode_ms_per_step", "decode_ms_per_seq",
+                     "kv_transfer_ms_per_token", "kv_lease_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        # A request that can never fit in the KV pool would sit at the head of the queue forever.
+        if self.num_gpu_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV pool too small: num_gpu_blocks*block_size = {self.num_gpu_blocks * self.block_size} "
+                f"tokens < max_model_len {self.max_model_len}")
+
+    @property
+    def advertised_host(self) -> str:
+        """The host a decode node should dial back; a wildcard bind is not dialable."""
+        return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host

@@ -1,0 +1,40 @@
+"""Everything one simulated engine owns, held by its aiohttp app (no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from simulator.config import SimConfig
+from simulator.engine import Engine
+from simulator.faults import Faults
+from simulator.kv_transfer import KvLeaseTable, PullCounters
+from simulator.metrics import SimMetrics
+from simulator.request_log import RequestLog
+
+
+@dataclass
+class SimContext:
+    cfg: SimConfig
+    engine: Engine
+    metrics: SimMetrics
+    leases: KvLeaseTable
+    faults: Faults = field(default_factory=Faults)
+    log: RequestLog = field(default_factory=RequestLog)
+    pulls: PullCounters = field(default_factory=PullCounters)
+    # Filled in once the server is bound / started.
+    port: int = 0
+    http: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def create(cls, cfg: SimConfig) -> "SimContext":
+        metrics = SimMetrics(cfg)
+        engine = Engine(cfg, observer=metrics)
+        metrics.watch(engine)
+        return cls(cfg=cfg, engine=engine, metrics=metrics, leases=KvLeaseTable(engine, cfg.kv_lease_s),
+                   port=cfg.port)
+
+
+SIM = web.AppKey("sim", SimContext)

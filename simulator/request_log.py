@@ -1,0 +1,22 @@
+"""The last requests a sim received, so tests can check what a proxy actually sent."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+
+class RequestLog:
+    def __init__(self, maxlen: int = 200) -> None:
+        self._entries: deque[dict[str, Any]] = deque(maxlen=maxlen)
+
+    def record(self, path: str, request_id: str, body: Any) -> None:
+        self._entries.append({"path": path, "request_id": request_id, "body": body,
+                              "received_at": time.time()})
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return list(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
