@@ -119,6 +119,8 @@ class Engine:
         self._next_block_id = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # Set if the loop crashed; /health then answers 503, like vLLM's EngineDeadError.
+        self.dead = False
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -221,6 +223,17 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine loop crashed; aborting all requests")
+            self.dead = True
+            self.abort_all()
+            raise
+
+    async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         model_clock = loop.time()
         while True:
@@ -238,11 +251,7 @@ class Engine:
             await asyncio.sleep(delay if delay > 0 else 0)
             model_clock = end
             self.totals.busy_s += duration
-            try:
-                self.complete_step(plan, loop.time())
-            except Exception:  # pragma: no cover - a bug here must not kill the engine silently
-                log.exception("engine step failed")
-                raise
+            self.complete_step(plan, loop.time())
 
     def step_duration(self, plan: StepPlan) -> float:
         cfg = self.cfg
@@ -319,12 +328,12 @@ class Engine:
             req.first_token_at = now
             if self.observer is not None:
                 self.observer.on_first_token(req, now)
-        if len(req.output) >= req.max_tokens:
-            self._finish(req, "length", now)
-            return True
-        if token in req.stop_ids:
+        if token in req.stop_ids:  # checked first: in vLLM a stop string overrides the length cap
             req.stop_reason = VOCAB[token].strip()
             self._finish(req, "stop", now)
+            return True
+        if len(req.output) >= req.max_tokens:
+            self._finish(req, "length", now)
             return True
         req.progress.set()
         return False

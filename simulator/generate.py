@@ -51,15 +51,21 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     ctx = request.app[SIM]
     loop = asyncio.get_running_loop()
     arrival = loop.time()
-    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    headers = {"X-Request-Id": base_id}
+    if not ctx.port:  # app served without serve(): learn our port for kv_transfer_params
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        ctx.port = sockname[1] if sockname else 0
     raw = await request.read()
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        ctx.log.record(request.path, base_id, None)
-        return error_response(400, f"Invalid JSON body: {exc}", headers=headers)
+        body, bad_json = None, exc
+    else:
+        bad_json = None
+    base_id = _base_request_id(request, body)
+    headers = {"X-Request-Id": base_id}
     ctx.log.record(request.path, base_id, body)
+    if bad_json is not None:
+        return error_response(400, f"Invalid JSON body: {bad_json}", headers=headers)
     try:
         parsed = parse_request(kind, body, ctx.cfg)
     except ApiError as exc:
@@ -107,6 +113,16 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     finally:
         if not req.done:
             ctx.engine.abort(req)
+
+
+def _base_request_id(request: web.Request, body: Any) -> str:
+    """vLLM's order: the X-Request-Id header, else the body's request_id, else a fresh uuid."""
+    header = request.headers.get("X-Request-Id")
+    if header:
+        return header
+    if isinstance(body, dict) and isinstance(body.get("request_id"), str) and body["request_id"]:
+        return body["request_id"]
+    return uuid.uuid4().hex
 
 
 async def _receive_kv(ctx: SimContext, kv: KvPlan, parsed: ParsedRequest, request_id: str) -> int:

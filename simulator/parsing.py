@@ -46,6 +46,9 @@ def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
         if max_tokens is None:
             max_tokens = _opt_int(body, "max_tokens")
     max_tokens = _resolve_max_tokens(max_tokens, prompt_tokens, cfg)
+    n = _opt_int(body, "n")
+    if n is not None and n != 1:
+        raise ApiError(400, f"The simulator generates one choice per request (n=1); got n={n}.", "n")
     stream = _opt_bool(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):

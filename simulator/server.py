@@ -87,7 +87,8 @@ async def serve(cfg: SimConfig, ready_file: str | None) -> None:
 # ---- vLLM info routes ----------------------------------------------------------------
 
 async def health(request: web.Request) -> web.Response:
-    if not request.app[SIM].faults.healthy:
+    ctx = request.app[SIM]
+    if not ctx.faults.healthy or ctx.engine.dead:
         return web.Response(status=503)
     return web.Response(status=200)
 

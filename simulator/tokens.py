@@ -39,11 +39,6 @@ def count_text_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
-def text_pieces(text: str) -> list[str]:
-    """The pieces count_text_tokens counts, for callers that want stable token ids."""
-    return _PIECE.findall(text)
-
-
 def fingerprint(data: bytes) -> int:
     """A 64-bit digest of the prompt that seeds the output stream."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")

@@ -238,8 +238,22 @@ async def test_errors(sims, http):
     assert "gpt-9" in err["message"]
     err = await expect(400, "BadRequestError", orjson.dumps({"prompt": [1] * 32769, "max_tokens": 1}))
     assert "maximum context length" in err["message"]
+    await expect(400, "BadRequestError", orjson.dumps({"prompt": PROMPT, "n": 2}))
     async with http.post(b.url + "/v1/chat/completions", json={"messages": "hi"}) as resp:
         assert resp.status == 400
+
+
+async def test_stop_word_ends_generation(sims, http):
+    b: Child = sims["b"]
+    url = b.url + "/v1/completions"
+    _, full = await post_json(http, url, {"prompt": PROMPT, "max_tokens": 8})
+    words = full["choices"][0]["text"].split()
+    stop_at = max(i for i, w in enumerate(words) if w not in words[:i])  # a first occurrence
+    _, body = await post_json(http, url, {"prompt": PROMPT, "max_tokens": 8, "stop": [words[stop_at]]})
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == words[stop_at]
+    assert choice["text"].split() == words[:stop_at]  # the stop word itself is not returned
+    assert body["usage"]["completion_tokens"] == stop_at + 1
 
 
 # ---- metrics and debug routes -------------------------------------------------------
@@ -283,9 +297,12 @@ async def test_request_log(sims, http):
         assert resp.status == 200
     sent = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}}
     await post_json(http, b.url + "/v1/completions", sent, headers={"X-Request-Id": "logged-1"})
-    await post_json(http, b.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    _, chat = await post_json(http, b.url + "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "x"}], "request_id": "body-id"})
+    assert chat["id"] == "chatcmpl-body-id"  # vLLM falls back to the body's request_id
     reqs = (await get_json(http, b.url + "/sim/requests"))["requests"]
     assert [r["path"] for r in reqs] == ["/v1/completions", "/v1/chat/completions"]
+    assert reqs[1]["request_id"] == "body-id"
     assert reqs[0]["request_id"] == "logged-1" and reqs[0]["body"] == sent
     assert isinstance(reqs[0]["received_at"], float) and reqs[0]["received_at"] <= reqs[1]["received_at"]
     # role "both" ignores kv_transfer_params
@@ -394,6 +411,18 @@ async def test_chat_prefill_decode_streaming(sims, http):
     assert len(events) == 1 + 4 + 1
     d1 = await get_json(http, d.url + "/sim/state")
     assert d1["prompt_tokens_external"] - d0["prompt_tokens_external"] == p_resp["usage"]["prompt_tokens"]
+
+
+async def test_prefill_streaming_returns_params_on_last_chunk(sims, http):
+    p = sims["p"]
+    body = {"prompt": LONG_PROMPT, "max_tokens": 9, "stream": True, "kv_transfer_params": P_PARAMS}
+    async with http.post(p.url + "/v1/completions", json=body, headers={"X-Request-Id": "pd-stream"}) as resp:
+        events = sse_events(await resp.read())
+    assert len(events) == 2  # a prefill node stops after the first token
+    last = orjson.loads(events[0])
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["kv_transfer_params"]["remote_request_id"] == "cmpl-pd-stream-0"
+    assert "cmpl-pd-stream-0" in (await get_json(http, p.url + "/sim/state"))["kv_lease_ids"]
 
 
 async def test_decode_with_invalid_params_recomputes(sims, http):
