@@ -1,1 +1,8 @@
-"""Engine simulator: a vLLM-compatible HTTP server whose timings come from a cost model."""
+"""Engine simulator: a vLLM-compatible HTTP server whose timings come from a cost model.
+
+Stands in for GPU vLLM engines in tests, demos and capacity planning. Layout:
+``config`` (SimConfig), ``tokens`` (toy tokenizer/text), ``engine`` (continuous-batching
+cost model), ``parsing`` and ``protocol`` (OpenAI request/response shapes), ``kv_transfer``
+(prefill/decode roles), ``faults``, ``request_log``, ``metrics``, ``context`` (per-app state),
+``generate`` (generation handlers), ``server`` (app + ops routes) and ``cli``.
+"""

@@ -22,7 +22,7 @@ from omni_proxy.runtime import start_http_site
 from simulator.config import SimConfig
 from simulator.engine import Engine, SimRequest
 from simulator.server import build_app
-from simulator.tokens import count_text_tokens
+from simulator.tokens import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE, count_text_tokens
 
 MODEL = "sim-model"
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
@@ -172,7 +172,8 @@ async def test_chat_with_openai_client(sims):
         assert resp.choices[0].message.role == "assistant"
         assert len(resp.choices[0].message.content.split()) == 6
         assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 6
-        assert resp.usage.prompt_tokens == 2 * 4 + 3 + count_text_tokens("Be brief.") + count_text_tokens("Hello there!")
+        template = 2 * CHAT_TOKENS_PER_MESSAGE + CHAT_GENERATION_PROMPT_TOKENS
+        assert resp.usage.prompt_tokens == template + count_text_tokens("Be brief.") + count_text_tokens("Hello there!")
 
         stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
                                                       stream_options={"include_usage": True})
@@ -542,17 +543,18 @@ async def test_ttft_grows_with_prompt_length(sims, http):
     assert long > 3 * short, (short, long)
 
 
-async def test_many_concurrent_streams(sims, http):
+async def test_many_concurrent_streams(sims):
+    """Hundreds of simultaneous streams, each getting exactly its tokens."""
     b = sims["b"]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        async def one(i: int) -> int:
+            body = {"prompt": f"stream number {i}", "max_tokens": 20, "stream": True}
+            async with http.post(b.url + "/v1/completions", json=body) as resp:
+                return len(sse_events(await resp.read())) - 1
 
-    async def one(i: int) -> int:
-        async with http.post(b.url + "/v1/completions",
-                             json={"prompt": f"stream number {i}", "max_tokens": 20, "stream": True}) as resp:
-            return len(sse_events(await resp.read())) - 1
-
-    counts = await asyncio.gather(*(one(i) for i in range(150)))
-    assert counts == [20] * 150
-    assert (await _state(http, b))["running"] == 0
+        counts = await asyncio.gather(*(one(i) for i in range(200)))
+        assert counts == [20] * 200
+        assert (await _state(http, b))["running"] == 0
 
 
 # ---- scheduler, stepped in-process ----------------------------------------------------
@@ -576,7 +578,8 @@ async def test_engine_chunked_prefill_and_step_cost():
     assert len(long.output) == 1  # first token sampled by the step that finishes the prompt
     engine.submit(short)
     plan = engine.plan_step()
-    assert [r.request_id for r in plan.decode] == ["long"] and [(r.request_id, n) for r, n in plan.prefill] == [("short", 10)]
+    assert [r.request_id for r in plan.decode] == ["long"]
+    assert [(r.request_id, n) for r, n in plan.prefill] == [("short", 10)]
     # decode step + one sequence + 10 prefill tokens
     assert engine.step_duration(plan) == pytest.approx((4.0 + 0.5 + 10 * 1.0) / 1000)
     engine.complete_step(plan, 0.0)
