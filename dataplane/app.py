@@ -16,6 +16,7 @@ from dataplane.flows import aggregated, sequential
 from dataplane.flows.context import FlowContext
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
+from dataplane.placing import place
 from dataplane.requests import CHAT, COMPLETIONS, parse_request
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
@@ -24,7 +25,6 @@ from protos import omni_proxy_pb2 as pb
 log = logging.getLogger(__name__)
 
 FLOWS = {pb.FLOW_AGGREGATED: ("aggregated", aggregated.run), pb.FLOW_SEQUENTIAL: ("sequential", sequential.run)}
-_PLACEMENT_STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400}
 
 
 @dataclass
@@ -112,16 +112,8 @@ class DataPlane:
         raw = await http.read()
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"))
         t0 = time.perf_counter()
-        try:
-            placement = await self.placements.place(pb.PlaceRequest(
-                request_id=req.placement_id, model=req.model, leg=pb.LEG_ENTRY,
-                prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens))
-        except ControlPlaneUnavailable as exc:
-            raise APIError(503, f"no placement: {exc}") from None
+        placement = await place(self.placements, req, pb.LEG_ENTRY)
         self.metrics.placement.observe(time.perf_counter() - t0)
-        if placement.error:
-            raise APIError(_PLACEMENT_STATUS.get(placement.error, 503), placement.error_message,
-                           param="model" if placement.error == pb.UNKNOWN_MODEL else None)
 
         tracker = RequestTracker(self.placements, req)
         flow_name, flow = FLOWS.get(placement.flow, (None, None))

@@ -12,10 +12,9 @@ import orjson
 from aiohttp import web
 
 from dataplane.body import PULL_PREFILL_KV_PARAMS, prefill_body, with_fields
-from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
-from dataplane.placement_client import ControlPlaneUnavailable
+from dataplane.placing import place
 from dataplane.upstream import UpstreamError, read_body
 from protos import omni_proxy_pb2 as pb
 
@@ -35,15 +34,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
         raise UpstreamError(prefill.worker_id, f"prefill worker {prefill.worker_id} returned no "
                             "kv_transfer_params (is it running with a kv_producer connector?)", 200)
 
-    try:
-        decode_placement = await ctx.placements.place(pb.PlaceRequest(
-            request_id=req.placement_id, model=req.model, leg=pb.LEG_DECODE,
-            prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens))
-    except ControlPlaneUnavailable as exc:
-        raise APIError(503, f"no decode placement: {exc}") from None
-    if decode_placement.error:
-        status = 404 if decode_placement.error == pb.UNKNOWN_MODEL else 503
-        raise APIError(status, decode_placement.error_message)
+    decode_placement = await place(ctx.placements, req, pb.LEG_DECODE)
     decode = decode_placement.decode
     resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
                                    with_fields(req, {"kv_transfer_params": kv_params}), req.request_id)

@@ -1,0 +1,23 @@
+"""Ask the control plane for a placement; turn a refusal into the HTTP error it means."""
+
+from __future__ import annotations
+
+from dataplane.errors import APIError
+from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
+from dataplane.requests import ClientRequest
+from protos import omni_proxy_pb2 as pb
+
+_STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400}
+
+
+async def place(placements: PlacementClient, req: ClientRequest, leg: int) -> pb.Placement:
+    try:
+        placement = await placements.place(pb.PlaceRequest(
+            request_id=req.placement_id, model=req.model, leg=leg,
+            prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens))
+    except ControlPlaneUnavailable as exc:
+        raise APIError(503, f"no placement: {exc}") from None
+    if placement.error:
+        raise APIError(_STATUS.get(placement.error, 503), placement.error_message,
+                       param="model" if placement.error == pb.UNKNOWN_MODEL else None)
+    return placement
