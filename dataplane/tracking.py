@@ -29,9 +29,9 @@ class RequestTracker:
         self.client.report(pb.LifecycleEvent(request_id=self.req.placement_id, kind=kind, **kw))
 
     def first_token(self) -> None:
+        # Recorded here, reported with the ending: one stream message per request saved.
         if not self.first_token_at:
             self.first_token_at = time.perf_counter()
-            self._event(pb.EVENT_FIRST_TOKEN, ttft_ms=self.ttft_s * 1000)
 
     def prefill_done(self) -> None:
         if not self.prefill_released:
@@ -46,7 +46,7 @@ class RequestTracker:
         if not self.ended:
             self.ended = True
             self._event(pb.EVENT_FINISHED, prompt_tokens=self.req.prompt_tokens,
-                        completion_tokens=completion_tokens,
+                        completion_tokens=completion_tokens, ttft_ms=self.ttft_s * 1000,
                         latency_ms=(time.perf_counter() - self.started) * 1000)
 
     def failed(self, worker_id: str, message: str, upstream_status: int) -> None:
