@@ -101,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
         stats.add_column("metric")
         stats.add_column("value", justify="right")
         stats.add_row("requests ok / sent", f"{len(ok)} / {len(summary.results)}")
-        stats.add_row("TTFT p50 / p90 (ms)", f"{summary.pct('ttft_s', 0.5) * 1000:.1f} / "
-                                            f"{summary.pct('ttft_s', 0.9) * 1000:.1f}")
+        streamed = sorted(r.ttft_s * 1000 for r in ok if r.events > 1)
+        if streamed:
+            stats.add_row("streamed TTFT p50 / p90 (ms)",
+                          f"{streamed[len(streamed) // 2]:.1f} / {streamed[int(len(streamed) * 0.9)]:.1f}")
         stats.add_row("latency p50 (ms)", f"{summary.median('latency_s') * 1000:.1f}")
         stats.add_row("completion tokens", str(tokens))
         stats.add_row("tokens/s", f"{tokens / max(elapsed, 1e-9):.0f}")

@@ -45,6 +45,19 @@ class Summary:
         return statistics.median(values) if values else float("nan")
 
 
+def count_stream_tokens(raw: bytes) -> int:
+    """Token-bearing SSE events: a chat stream's role-only first chunk and a usage-only
+    chunk carry no token, so counting events would overstate the output."""
+    tokens = 0
+    for event in raw.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        for choice in orjson.loads(event[6:]).get("choices") or []:
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                tokens += 1
+    return tokens
+
+
 async def send(session: aiohttp.ClientSession, url: str, body: dict, *, headers: dict | None = None) -> Result:
     start = time.perf_counter()
     ttft = 0.0
@@ -53,14 +66,14 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, *, headers:
         async with session.post(url, data=orjson.dumps(body), headers={
                 "Content-Type": "application/json", **(headers or {})}) as resp:
             if body.get("stream"):
-                tail = b""
+                buf = bytearray()
                 async for chunk in resp.content.iter_any():
                     if not ttft:
                         ttft = time.perf_counter() - start
                     events += chunk.count(b"\n\n")
-                    tail = (tail + chunk)[-4096:]
-                tokens = max(events - 1, 0)
-                if resp.status == 200 and not tail.rstrip().endswith(b"data: [DONE]"):
+                    buf += chunk
+                tokens = count_stream_tokens(bytes(buf))
+                if resp.status == 200 and not buf.rstrip().endswith(b"data: [DONE]"):
                     return Result(resp.status, ttft, time.perf_counter() - start, events, tokens,
                                   error="stream did not end with [DONE]")
             else:
