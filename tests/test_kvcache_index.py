@@ -1,0 +1,158 @@
+"""Prefix index: per-worker match depth, event application, bounded memory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, best_per_worker
+
+A, B, C = ("a", 0), ("b", 0), ("c", 0)
+
+
+def stored(hashes, parent=None):
+    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent, token_ids=(), block_size=16)
+
+
+def consistent(idx: PrefixIndex) -> None:
+    """Internal invariants: holders and per-slot sets agree; refs count matches."""
+    refs = 0
+    for h, m in idx._holders.items():
+        assert m, "empty mask kept"
+        for k in idx.holders_of(h):
+            assert h in idx._blocks_of[idx._slot_of[k]]
+            refs += 1
+    assert refs == idx.stats().block_refs
+    for k, s in idx._slot_of.items():
+        for h in idx._blocks_of[s]:
+            assert k in idx.holders_of(h)
+
+
+def test_depth_stops_at_first_missing_block():
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1, 2, 3, 4])])
+    idx.apply("b", 0, [stored([1, 2])])
+    idx.apply("c", 0, [stored([1, 3, 4])])   # holds 3 and 4 but not 2: depth 1
+    assert idx.match_depths([1, 2, 3, 4, 5]) == {A: 4, B: 2, C: 1}
+    assert idx.match_depths([9, 1, 2]) == {}
+    assert idx.match_depths([]) == {}
+    assert idx.match_depths([1, 2, 3, 4]) == {A: 4, B: 2, C: 1}   # full match of the whole chain
+    consistent(idx)
+
+
+def test_candidate_restriction_and_unknown_workers():
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1, 2])])
+    idx.apply("b", 0, [stored([1])])
+    assert idx.match_depths([1, 2], workers=[B, ("nope", 0)]) == {B: 1}
+    assert idx.match_depths([1, 2], workers=[]) == {}
+
+
+def test_dp_ranks_are_separate_slots():
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1])])
+    idx.apply("a", 1, [stored([1, 2, 3])])
+    idx.apply("a", None, [stored([7])])      # None = rank 0
+    d = idx.match_depths([1, 2, 3])
+    assert d == {("a", 0): 1, ("a", 1): 3}
+    assert best_per_worker(d) == {"a": 3}
+    assert idx.match_depths([7]) == {("a", 0): 1}
+
+
+def test_parent_links_and_continuation():
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1, 2, 3])])
+    idx.apply("a", 0, [stored([4, 5], parent=3)])   # a later step continues the chain
+    assert idx.parent_of(1) is None and idx.parent_of(4) == 3 and idx.parent_of(5) == 4
+    assert idx.match_depths([1, 2, 3, 4, 5]) == {A: 5}
+
+
+def test_removed_cleared_and_drop():
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1, 2, 3])])
+    idx.apply("b", 0, [stored([1, 2, 3])])
+    idx.apply("a", 0, [BlockRemoved(block_hashes=(2, 99))])     # 99 unknown: ignored
+    assert idx.match_depths([1, 2, 3]) == {A: 1, B: 3}
+    idx.apply("b", 0, [AllBlocksCleared(), stored([1])])         # order within a batch matters
+    assert idx.match_depths([1, 2, 3]) == {A: 1, B: 1}
+    assert idx.size() == 2                                        # 1 (a, b) and 3 (a)
+    idx.drop_worker("a")
+    assert idx.match_depths([1, 2, 3]) == {B: 1} and idx.size() == 1
+    assert A not in idx.workers()
+    idx.reset_worker("b")
+    assert idx.size() == 0 and B in idx.workers()
+    idx.remove(("ghost", 0), [1])                                 # unknown worker: no-op
+    consistent(idx)
+    st = idx.stats()
+    assert st.removed == 1 and st.blocks == 0 and st.block_refs == 0 and st.workers == 1
+
+
+def test_slot_reuse_after_drop_does_not_leak_holdings():
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1, 2])])
+    idx.drop_worker("a")
+    idx.apply("z", 0, [stored([5])])                              # reuses a's slot
+    assert idx.match_depths([1, 2]) == {} and idx.match_depths([5]) == {("z", 0): 1}
+
+
+def test_many_workers_beyond_64_bits():
+    idx = PrefixIndex()
+    for w in range(100):
+        idx.apply(f"w{w}", 0, [stored(list(range(1, 2 + w % 10)))])
+    d = idx.match_depths(list(range(1, 20)))
+    assert len(d) == 100 and all(d[(f"w{w}", 0)] == 1 + w % 10 for w in range(100))
+
+
+def test_eviction_bounds_size_and_takes_leaves_first():
+    idx = PrefixIndex(PrefixIndexConfig(max_blocks=5))
+    idx.apply("a", 0, [stored([1, 2, 3])])
+    idx.apply("b", 0, [stored([10, 11, 12])])     # 6 blocks > 5: evict oldest = deepest of first run
+    assert idx.size() == 5
+    assert idx.match_depths([1, 2, 3]) == {A: 2}    # 3 (the leaf) went, 1 and 2 remain
+    idx.match_depths([1, 2], touch=True)            # refresh a's prefix
+    idx.apply("c", 0, [stored([20, 21])])           # evicts b's leaves, not a's touched prefix
+    assert idx.match_depths([1, 2]) == {A: 2}
+    assert idx.match_depths([10, 11, 12]) == {B: 1}
+    assert idx.stats().evicted == 3
+    consistent(idx)
+
+
+def test_random_operations_match_a_naive_model():
+    rng = random.Random(1)
+    idx = PrefixIndex()
+    model: dict[tuple[str, int], set[int]] = {}
+    workers = [("w0", 0), ("w1", 0), ("w1", 1), ("w2", 0)]
+    for _ in range(3000):
+        w = rng.choice(workers)
+        op = rng.random()
+        if op < 0.6:
+            start = rng.randrange(0, 30)
+            hs = list(range(start, start + rng.randrange(1, 6)))
+            idx.apply(w[0], w[1], [stored(hs, parent=start - 1 if start else None)])
+            model.setdefault(w, set()).update(hs)
+        elif op < 0.95:
+            hs = [rng.randrange(0, 40) for _ in range(3)]
+            idx.apply(w[0], w[1], [BlockRemoved(block_hashes=tuple(hs))])
+            model.setdefault(w, set()).difference_update(hs)
+        else:
+            idx.apply(w[0], w[1], [AllBlocksCleared()])
+            model[w] = set()
+        if rng.random() < 0.1:
+            chain = list(range(0, 40))
+            want = {}
+            for k, have in model.items():
+                d = 0
+                while d < len(chain) and chain[d] in have:
+                    d += 1
+                if d:
+                    want[k] = d
+            assert idx.match_depths(chain) == want
+    consistent(idx)
+    assert idx.size() == len(set().union(*model.values()))
+
+
+def test_bad_config():
+    with pytest.raises(ValueError):
+        PrefixIndex(PrefixIndexConfig(max_blocks=0))
