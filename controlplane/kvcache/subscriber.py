@@ -1,0 +1,246 @@
+"""Asyncio ZMQ subscriber for one engine's vLLM KV-event stream, with gap detection and replay.
+
+Why the care: the prefix index is only as good as the event stream. vLLM numbers every PUB
+message (``[topic, seq 8B big-endian, msgpack payload]``, seq from 0 per publisher); a lost message
+means the index silently disagrees with the engine. So, per publisher (per topic):
+
+* ``seq == last + 1``: normal.
+* ``seq > last + 1`` (gap): if the engine has a ``replay_endpoint`` (ROUTER), ask it for
+  ``last + 1 ..`` over a DEALER (``[b"", start_seq]``; replies ``[b"", (topic)?, seq, payload]``,
+  ended by seq ``END_SEQ`` = 8x0xff or an empty payload; the last two frames are taken as seq and
+  payload, so replies with and without the topic frame both work). If the replay does not cover
+  the whole gap (no replay endpoint, timeout, buffer rolled over) ``on_reset(engine)`` is called so
+  the index drops that engine's entries, then whatever was replayed is applied.
+* ``seq <= last``: the engine restarted (seq restarts at 0): ``on_reset`` too.
+* first message with ``seq > 0`` and a replay endpoint: backfill from 0 (the engine's buffer may
+  hold blocks stored before we connected); nothing is reset when that falls short.
+
+Connect mode (default): the engine binds (``tcp://*:5557``) and we connect. Bind mode: we bind and
+engines connect to us (vLLM connects when its endpoint has no ``*``); with several engines on one
+socket set ``key_by_topic`` so each engine is told apart by its topic (llm-d style
+``kv@<pod>@<model>``); replay is then unavailable (no single engine address).
+
+Malformed frames/payloads are counted and logged at most once per ``log_interval_s``; they still
+advance the sequence (the message arrived; its content is lost, which is not a gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from controlplane.kvcache.events import KVEvent, MalformedEventError, decode_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+
+EventHandler = Callable[[str, "int | None", "tuple[KVEvent, ...]"], "Awaitable[None] | None"]
+ResetHandler = Callable[[str], "Awaitable[None] | None"]
+
+
+@dataclass(frozen=True)
+class KVEventSource:
+    """One engine publisher (one DP rank: vLLM offsets the port by the rank)."""
+
+    engine_key: str
+    endpoint: str                      # connect: tcp://engine:5557; bind: tcp://127.0.0.1:5557
+    bind: bool = False
+    replay_endpoint: str | None = None  # engine's ROUTER (connect mode only)
+    topic: bytes = b""                 # SUB prefix filter
+    key_by_topic: bool = False         # bind mode with many engines: engine key = topic string
+
+
+@dataclass
+class SubscriberCounters:
+    received: int = 0       # live messages accepted
+    malformed: int = 0      # bad frames or undecodable payloads (live or replayed)
+    gaps: int = 0           # sequence gaps detected
+    replayed: int = 0       # batches recovered through replay
+    resets: int = 0         # on_reset calls (unrecovered gap or engine restart)
+    handler_errors: int = 0  # exceptions raised by the event handler
+    ignored_events: int = 0  # events of unknown types
+
+
+class _RateLimitedLog:
+    """At most one warning per interval; the counters carry the totals."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += f" ({self._suppressed} similar suppressed)"
+        self._suppressed = 0
+        self._next = now + self.interval_s
+        log.warning(msg, *args, exc_info=exc_info)
+
+
+async def _call(fn: Callable[..., object], *args: object) -> None:
+    r = fn(*args)
+    if inspect.isawaitable(r):
+        await r
+
+
+class KVEventSubscriber:
+    """Receives one source's stream and feeds decoded batches to ``handler(engine, dp_rank, events)``."""
+
+    def __init__(self, source: KVEventSource, handler: EventHandler, on_reset: ResetHandler, *,
+                 ctx: zmq.asyncio.Context | None = None, replay_timeout_s: float = 2.0,
+                 backfill_on_connect: bool = True, log_interval_s: float = 30.0) -> None:
+        if source.key_by_topic and source.replay_endpoint:
+            raise ValueError("replay needs one engine per socket; key_by_topic mixes engines")
+        self.source = source
+        self.handler = handler
+        self.on_reset = on_reset
+        self.replay_timeout_s = replay_timeout_s
+        self.backfill_on_connect = backfill_on_connect
+        self.counters = SubscriberCounters()
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._last: dict[bytes, int] = {}   # topic -> last seq seen
+        self._rlog = _RateLimitedLog(log_interval_s)
+        self.endpoint: str | None = None     # actual endpoint (resolved port in bind mode)
+
+    async def start(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.source.topic)
+        if self.source.bind:
+            sub.bind(self.source.endpoint)
+            self.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            sub.connect(self.source.endpoint)
+            self.endpoint = self.source.endpoint
+        self._sub = sub
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.engine_key}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for s in (self._sub, self._dealer):
+            if s is not None:
+                s.close(linger=0)
+        self._sub = self._dealer = None
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                await self._on_message(frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in a callback must not kill the stream
+                self.counters.handler_errors += 1
+                self._rlog.warning("kv events from %s: callback failed", self.source.engine_key, exc_info=True)
+
+    def _engine(self, topic: bytes) -> str:
+        if self.source.key_by_topic:
+            return topic.decode("utf-8", "replace")
+        return self.source.engine_key
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.counters.malformed += 1
+            self._rlog.warning("kv events from %s: bad frame layout (%d frames)", self.source.engine_key,
+                               len(frames))
+            return
+        topic, seq_b, payload = frames
+        seq = int.from_bytes(seq_b, "big")
+        engine = self._engine(topic)
+        last = self._last.get(topic)
+        self._last[topic] = seq
+        self.counters.received += 1
+        if last is None:
+            if seq > 0 and self.source.replay_endpoint and self.backfill_on_connect:
+                await self._replay(engine, 0, seq, must_cover=False)
+        elif seq <= last:
+            log.info("kv events from %s: seq went back %d -> %d (engine restart)", engine, last, seq)
+            await self._reset(engine)
+        elif seq > last + 1:
+            self.counters.gaps += 1
+            self._rlog.warning("kv events from %s: seq gap %d -> %d", engine, last, seq)
+            if self.source.replay_endpoint:
+                await self._replay(engine, last + 1, seq, must_cover=True)
+            else:
+                await self._reset(engine)
+        await self._deliver(engine, payload)
+
+    async def _reset(self, engine: str) -> None:
+        self.counters.resets += 1
+        await _call(self.on_reset, engine)
+
+    async def _deliver(self, engine: str, payload: bytes) -> bool:
+        try:
+            batch = decode_batch(payload)
+        except MalformedEventError as e:
+            self.counters.malformed += 1
+            self._rlog.warning("kv events from %s: malformed payload: %s", engine, e)
+            return False
+        self.counters.ignored_events += batch.ignored
+        await _call(self.handler, engine, batch.data_parallel_rank, batch.events)
+        return True
+
+    async def _replay(self, engine: str, start: int, stop: int, *, must_cover: bool) -> None:
+        """Fetch seqs [start, stop) from the engine's ROUTER; reset first if they are not all there."""
+        got, complete = await self._fetch_replay(start, stop)
+        covered = complete and [s for s, _ in got] == list(range(start, stop))
+        if must_cover and not covered:
+            self._rlog.warning("kv events from %s: replay of %d..%d incomplete (%d batches)", engine, start,
+                               stop - 1, len(got))
+            await self._reset(engine)
+        for _, payload in got:
+            if await self._deliver(engine, payload):
+                self.counters.replayed += 1
+
+    async def _fetch_replay(self, start: int, stop: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """(seq, payload) replies in [start, stop), and whether the end marker arrived in time."""
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(self.source.replay_endpoint)
+        dealer = self._dealer
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await dealer.poll(remaining * 1000):
+                # late replies would confuse the next replay: start over with a fresh socket
+                dealer.close(linger=0)
+                self._dealer = None
+                return got, False
+            r = await dealer.recv_multipart()
+            if len(r) < 2:
+                self.counters.malformed += 1
+                continue
+            seq_b, payload = r[-2], r[-1]
+            if seq_b == END_SEQ or not payload:
+                return got, True
+            if len(seq_b) != 8:
+                self.counters.malformed += 1
+                continue
+            rs = int.from_bytes(seq_b, "big")
+            if start <= rs < stop:
+                got.append((rs, payload))
