@@ -98,3 +98,28 @@ def test_unknown_event_types_ignored_and_counted():
 def test_malformed_raises_specific_error(payload):
     with pytest.raises(MalformedEventError):
         decode_batch(payload)
+
+
+def test_payloads_encoded_by_real_vllm():
+    # Bytes produced by vllm 0.32.0's own msgspec structs (tests/data/make_vllm_event_payloads.py).
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "vllm_event_payloads.json").read_text())
+    assert data["vllm_version"] == "0.32.0"
+    b = decode_batch(bytes.fromhex(data["payloads"]["int_hashes"]))
+    assert b.data_parallel_rank == 0 and b.ignored == 0 and b.ts == pytest.approx(1795355889.91)
+    s1, s2, r, c = b.events
+    assert s1 == BlockStored(block_hashes=(BIG, 7), parent_block_hash=None, token_ids=tuple(range(32)),
+                             block_size=16, medium="GPU", extra_keys=(None, None), group_idx=0,
+                             kv_cache_spec_kind="full_attention")
+    assert s2.parent_block_hash == 7 and s2.lora_id == 3 and s2.lora_name == "sql-lora"
+    assert s2.extra_keys == ([["lora", "sql-lora", "/p"]],)   # msgpack turns tuples into lists
+    assert r == BlockRemoved(block_hashes=(BIG,), medium="GPU", group_idx=0) and c == AllBlocksCleared()
+    b = decode_batch(bytes.fromhex(data["payloads"]["bytes_hashes"]))
+    digest = bytes(range(32))
+    (s, r) = b.events
+    assert b.data_parallel_rank == 2
+    assert s.block_hashes == (int.from_bytes(digest[-8:], "big"),)
+    assert s.parent_block_hash == int.from_bytes(digest[8:16], "big")
+    assert r.block_hashes == s.block_hashes
