@@ -12,6 +12,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, help="port for /metrics and /health (0 = any free port)")
     p.add_argument("--policy", help="round_robin | random | power_of_two | least_load | a custom profile")
     p.add_argument("--pd-flow", choices=["sequential", "parallel", "layerwise"], help="how P/D pairs run")
+    p.add_argument("--parallel-protocol", choices=["sglang", "mooncake"],
+                   help="parallel flow: SGLang bootstrap fields or vLLM MooncakeConnector bootstrap")
+    p.add_argument("--metaserver-host", help="address decode engines use to call the metaserver (layerwise)")
     p.add_argument("--worker", action="append", default=[], metavar="URL[,role=..,model=..,weight=..]",
                    help="an engine; repeatable")
     p.add_argument("--prefill", action="append", default=[], metavar="URL[,...]", help="a prefill engine")
@@ -28,7 +31,8 @@ def config_from_args(args: argparse.Namespace):
 
     cfg = ControlPlaneConfig.from_file(args.config) if args.config else ControlPlaneConfig()
     for attr, key in (("listen", "listen"), ("http_host", "http_host"), ("http_port", "http_port"),
-                      ("policy", "policy"), ("pd_flow", "pd_flow")):
+                      ("policy", "policy"), ("pd_flow", "pd_flow"),
+                      ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host")):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, key, value)
@@ -42,6 +46,17 @@ def config_from_args(args: argparse.Namespace):
     return cfg
 
 
+def check_config(cfg) -> None:
+    """Refuse settings that would only fail later, under traffic."""
+    from metaserver.server import WILDCARD_HOSTS
+
+    if cfg.pd_flow == "layerwise" and (cfg.metaserver_host or cfg.http_host).strip() in WILDCARD_HOSTS:
+        raise ValueError("layerwise needs a metaserver address decode engines can reach: "
+                         "set --metaserver-host (a wildcard address like 0.0.0.0 is refused)")
+    if cfg.parallel_protocol not in ("sglang", "mooncake"):
+        raise ValueError(f"parallel_protocol must be sglang or mooncake, not {cfg.parallel_protocol!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -53,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         from controlplane.scheduling import build_profile
 
         build_profile(cfg.policy, cfg.profiles)  # fail fast on a bad policy
+        check_config(cfg)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"omni-proxy controlplane: {exc}")
 

@@ -3,7 +3,9 @@
 Example (TOML)::
 
     policy = "least_load"          # round_robin | random | power_of_two | least_load | <custom>
-    pd_flow = "sequential"         # how prefill/decode pairs are driven
+    pd_flow = "sequential"         # sequential | parallel | layerwise
+    parallel_protocol = "sglang"   # parallel flow: "sglang" or "mooncake" (vLLM bootstrap)
+    metaserver_host = "10.0.0.2"   # layerwise: the address D engines call (never a wildcard)
 
     [health]
     interval_s = 2.0
@@ -78,6 +80,10 @@ class ControlPlaneConfig:
     http_port: int = 0               # /metrics, /health (and the metaserver); 0 = any free port
     policy: str = "least_load"
     pd_flow: str = "sequential"
+    parallel_protocol: str = "sglang"     # parallel flow: sglang bootstrap_* or vLLM "mooncake"
+    metaserver_host: str = ""             # address decode engines use to reach /v1/metaserver
+    layerwise_timeout_s: float = 120.0    # how long a layerwise request waits for D's call
+    prefill_retries: int = 1              # metaserver: other prefill workers to try on failure
     workers: list[WorkerSpec] = field(default_factory=list)
     health: HealthConfig = field(default_factory=HealthConfig)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from controlplane.scheduling import PlacementContext, Profile
@@ -23,6 +24,11 @@ _LEG_NAMES = {pb.LEG_ENTRY: "entry", pb.LEG_PREFILL: "prefill", pb.LEG_DECODE: "
 _LEG_ROLES = {"prefill": frozenset({Role.PREFILL}), "decode": frozenset({Role.DECODE})}
 PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
 ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
+
+
+def _endpoint(worker: Worker) -> pb.Endpoint:
+    return pb.Endpoint(worker_id=worker.id, url=worker.url, role=ROLE_TO_PB[worker.role],
+                       bootstrap_port=worker.bootstrap_port)
 
 
 @dataclass
@@ -48,6 +54,10 @@ class Placer:
         self.metrics_max_age_s = metrics_max_age_s
         self.max_request_age_s = max_request_age_s
         self.stats = PlacementStats.new()
+        self.metaserver_url = ""
+        # Hooks for the metaserver: a layerwise request was placed / a request ended.
+        self.on_layerwise: Callable[[pb.PlaceRequest, pb.Placement], None] | None = None
+        self.on_request_end: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ placement
 
@@ -62,51 +72,80 @@ class Placer:
                 else frozenset({Role.BOTH})
         else:
             roles = _LEG_ROLES[leg]
-        ctx = PlacementContext(
-            request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
-            max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
-            metrics_max_age_s=self.metrics_max_age_s, roles=roles)
-        decision = self.profile.place(ctx, workers)
-        explanation = decision.explain() if (req.explain or dry_run) else ""
+        want_explain = req.explain or dry_run
+        decision = self.profile.place(self._context(req, leg, roles), workers)
+        explanation = decision.explain() if want_explain else ""
         chosen = decision.worker
         if chosen is None:
-            if not any(w.serves(req.model) for w in workers):
-                return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here",
-                                   explanation)
-            why = Counter(decision.dropped.values())
-            reasons = ", ".join(f"{n} {r}" for r, n in why.most_common()) or "no candidates"
-            return self._error(req, pb.NO_HEALTHY_WORKER,
-                               f"no available {leg} worker for model {req.model!r} ({reasons})", explanation)
+            return self._refusal(req, leg, workers, decision.dropped, explanation)
 
-        out = pb.Placement(seq=req.seq, request_id=req.request_id, explanation=explanation)
-        endpoint = pb.Endpoint(worker_id=chosen.id, url=chosen.url, role=ROLE_TO_PB[chosen.role],
-                               bootstrap_port=chosen.bootstrap_port)
+        out = pb.Placement(seq=req.seq, request_id=req.request_id)
+        charges: list[tuple[Worker, str]] = []
+        flow = record.flow if record is not None and record.flow else self.pd_flow
         if chosen.role is Role.BOTH:
-            out.flow = pb.FLOW_AGGREGATED
-            out.decode.CopyFrom(endpoint)
-            charge_leg = "aggregated"
+            out.flow = flow = pb.FLOW_AGGREGATED
+            out.decode.CopyFrom(_endpoint(chosen))
+            charges.append((chosen, "aggregated"))
+        elif chosen.role is Role.PREFILL and leg == "entry" and flow in (pb.FLOW_PARALLEL, pb.FLOW_LAYERWISE):
+            # Both flows need D now: parallel sends to P and D at once; layerwise sends
+            # to D first and lets the metaserver choose P when D asks for its prefill.
+            d_decision = self.profile.place(self._context(req, "decode", _LEG_ROLES["decode"]), workers)
+            if want_explain:
+                explanation += " | decode: " + d_decision.explain()
+            if d_decision.worker is None:
+                return self._refusal(req, "decode", workers, d_decision.dropped, explanation)
+            out.flow = flow
+            out.decode.CopyFrom(_endpoint(d_decision.worker))
+            charges.append((d_decision.worker, "decode"))
+            if flow == pb.FLOW_PARALLEL:
+                out.prefill.CopyFrom(_endpoint(chosen))
+                charges.insert(0, (chosen, "prefill"))
+            else:
+                out.metaserver_url = self.metaserver_url
         elif chosen.role is Role.PREFILL:
-            out.flow = record.flow if record is not None and record.flow else self.pd_flow
-            out.prefill.CopyFrom(endpoint)
-            charge_leg = "prefill"
+            out.flow = flow
+            out.prefill.CopyFrom(_endpoint(chosen))
+            charges.append((chosen, "prefill"))
         else:
-            out.flow = self.pd_flow
-            out.decode.CopyFrom(endpoint)
-            charge_leg = "decode"
+            out.flow = flow
+            out.decode.CopyFrom(_endpoint(chosen))
+            charges.append((chosen, "decode"))
+        out.explanation = explanation
         if dry_run:
             return out
 
         if record is None:
             record = RequestRecord(request_id=req.request_id, model=req.model,
                                    prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
-                                   session=session, flow=out.flow, created_at=time.monotonic())
+                                   session=session, flow=flow, created_at=time.monotonic())
             await self.store.put_request(record)
-        tokens = req.prompt_tokens if charge_leg == "prefill" else req.prompt_tokens + req.max_tokens
-        record.charges.append(Charge(worker_id=chosen.id, leg=charge_leg, tokens=tokens))
-        await self.store.add_load(chosen.id, 1, tokens)
-        chosen.placements_total += 1
-        self.stats.placed[(chosen.id, charge_leg)] += 1
+        for worker, charge_leg in charges:
+            await self.charge(record, worker, charge_leg)
+        if flow == pb.FLOW_LAYERWISE and leg == "entry" and self.on_layerwise is not None:
+            self.on_layerwise(req, out)
         return out
+
+    async def charge(self, record: RequestRecord, worker: Worker, leg: str) -> None:
+        tokens = record.prompt_tokens if leg == "prefill" else record.prompt_tokens + record.max_tokens
+        record.charges.append(Charge(worker_id=worker.id, leg=leg, tokens=tokens))
+        await self.store.add_load(worker.id, 1, tokens)
+        worker.placements_total += 1
+        self.stats.placed[(worker.id, leg)] += 1
+
+    def _context(self, req: pb.PlaceRequest, leg: str, roles: frozenset[Role]) -> PlacementContext:
+        return PlacementContext(
+            request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
+            metrics_max_age_s=self.metrics_max_age_s, roles=roles)
+
+    def _refusal(self, req: pb.PlaceRequest, leg: str, workers: list[Worker], dropped: dict[str, str],
+                 explanation: str) -> pb.Placement:
+        if not any(w.serves(req.model) for w in workers):
+            return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here", explanation)
+        why = Counter(dropped.values())
+        reasons = ", ".join(f"{n} {r}" for r, n in why.most_common()) or "no candidates"
+        return self._error(req, pb.NO_HEALTHY_WORKER,
+                           f"no available {leg} worker for model {req.model!r} ({reasons})", explanation)
 
     @staticmethod
     def _decode_ready(workers: list[Worker], model: str) -> bool:
@@ -126,12 +165,21 @@ class Placer:
             if record is not None:
                 await self._release(record, leg="prefill")
             return
+        if kind == pb.EVENT_LEG_FAILED:
+            record = await self.store.get_request(event.request_id)
+            if record is not None:
+                await self._release(record, worker_id=event.worker_id)
+            if event.worker_id:
+                await self._note_failure(event)
+            return
         if kind in (pb.EVENT_FINISHED, pb.EVENT_FAILED, pb.EVENT_CANCELLED):
             record = await self.store.pop_request(event.request_id)
             if record is not None:
                 await self._release(record)
             if kind == pb.EVENT_FAILED and event.worker_id:
                 await self._note_failure(event)
+            if self.on_request_end is not None:
+                self.on_request_end(event.request_id)
 
     async def _note_failure(self, event: pb.LifecycleEvent) -> None:
         worker = await self.store.get_worker(event.worker_id)
@@ -146,10 +194,10 @@ class Placer:
             log.warning("worker %s unreachable from data plane (%s): marked unhealthy",
                         worker.id, event.message[:200])
 
-    async def _release(self, record: RequestRecord, leg: str | None = None) -> None:
+    async def _release(self, record: RequestRecord, leg: str | None = None, worker_id: str = "") -> None:
         keep = []
         for charge in record.charges:
-            if leg is None or charge.leg == leg:
+            if (leg is None or charge.leg == leg) and (not worker_id or charge.worker_id == worker_id):
                 await self.store.add_load(charge.worker_id, -1, -charge.tokens)
             else:
                 keep.append(charge)
@@ -162,6 +210,8 @@ class Placer:
             if record.session == session:
                 await self.store.pop_request(record.request_id)
                 await self._release(record)
+                if self.on_request_end is not None:
+                    self.on_request_end(record.request_id)
                 released += 1
         return released
 
@@ -172,4 +222,6 @@ class Placer:
         for record in stale:
             await self.store.pop_request(record.request_id)
             await self._release(record)
+            if self.on_request_end is not None:
+                self.on_request_end(record.request_id)
         return len(stale)

@@ -18,6 +18,8 @@ from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
 from controlplane.state import MemoryStore, StateStore
 from omni_proxy.runtime import start_http_site
+from metaserver.server import Metaserver
+from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ class ControlPlane:
                              pd_flow=config.pd_flow, max_request_age_s=config.max_request_age_s,
                              metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
         self.health = HealthChecker(self.store, config.health)
+        self.metaserver = Metaserver(self.placer, prefill_retries=config.prefill_retries,
+                                     timeout_s=config.layerwise_timeout_s)
         self.registry.on_added = self.health.check
         self.grpc_port = 0
         self.http_port = 0
@@ -49,7 +53,8 @@ class ControlPlane:
         self.registry.on_added = self.health.check
 
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.registry), self._server)
+        info = pb.SessionInfo(pd_flow=self.placer.pd_flow, parallel_protocol=self.config.parallel_protocol)
+        pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.registry, info), self._server)
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer), self._server)
         self.grpc_port = self._server.add_insecure_port(self.config.listen)
@@ -57,8 +62,15 @@ class ControlPlane:
             raise OSError(f"cannot listen on {self.config.listen}")
         await self._server.start()
 
+        await self.metaserver.start()
         self._runner, self.http_port = await start_http_site(
             self._http_app(), self.config.http_host, self.config.http_port)
+        advertise = self.config.metaserver_host or self.config.http_host
+        try:
+            self.placer.metaserver_url = Metaserver.url_for(advertise, self.http_port)
+        except ValueError:
+            if self.config.pd_flow == "layerwise":
+                raise
         self._sweeper = asyncio.create_task(self._sweep_loop())
         log.info("control plane: gRPC on port %d, HTTP on %s:%d, policy %s, %d workers",
                  self.grpc_port, self.config.http_host, self.http_port, self.config.policy,
@@ -71,6 +83,7 @@ class ControlPlane:
             await self._server.stop(grace=1.0)
         if self._runner:
             await self._runner.cleanup()
+        await self.metaserver.stop()
         await self.health.stop()
 
     async def _sweep_loop(self) -> None:
@@ -92,4 +105,5 @@ class ControlPlane:
 
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", prom)
+        self.metaserver.add_routes(app)
         return app

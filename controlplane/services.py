@@ -37,9 +37,10 @@ def worker_info(w: Worker) -> pb.WorkerInfo:
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
-    def __init__(self, placer: Placer, registry: WorkerRegistry) -> None:
+    def __init__(self, placer: Placer, registry: WorkerRegistry, info: pb.SessionInfo | None = None) -> None:
         self.placer = placer
         self.registry = registry
+        self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
         self._session_ids = itertools.count(1)
 
     async def Session(self, request_iterator, context):
@@ -50,6 +51,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         """
         session = f"s{next(self._session_ids)}-{uuid.uuid4().hex[:6]}"
         node = "?"
+        yield pb.ControlPlaneMessage(info=self.info)
         try:
             async for msg in request_iterator:
                 body = msg.WhichOneof("body")

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataplane.errors import APIError, error_response
-from dataplane.flows import aggregated, sequential
+from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
@@ -24,7 +24,8 @@ from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-FLOWS = {pb.FLOW_AGGREGATED: ("aggregated", aggregated.run), pb.FLOW_SEQUENTIAL: ("sequential", sequential.run)}
+FLOWS = {pb.FLOW_AGGREGATED: ("aggregated", aggregated.run), pb.FLOW_SEQUENTIAL: ("sequential", sequential.run),
+         pb.FLOW_PARALLEL: ("parallel", parallel.run), pb.FLOW_LAYERWISE: ("layerwise", layerwise.run)}
 
 
 @dataclass
@@ -35,6 +36,7 @@ class DataPlaneConfig:
     node_id: str = field(default_factory=lambda: f"dp-{uuid.uuid4().hex[:8]}")
     max_body_bytes: int = 32 * 1024 * 1024
     placement_timeout_s: float = 5.0
+    prefill_retries: int = 1
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
 
 
@@ -123,7 +125,7 @@ class DataPlane:
         tracker.flow = flow_name
         self.metrics.flows.labels(flow_name).inc()
         ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
-                          tracker=tracker, metrics=self.metrics)
+                          tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries)
         try:
             response = await flow(ctx, placement)
         except UpstreamError as exc:

@@ -13,9 +13,9 @@ PULL_PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, 
                           "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def prefill_body(req: ClientRequest, kv_transfer_params: dict[str, Any]) -> bytes:
-    """P computes the prompt and one token, and never streams."""
-    body = dict(req.body)
+def prefill_body(client_body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+    """P computes the prompt and one token, and never streams (pull and push flows alike)."""
+    body = dict(client_body)
     body["stream"] = False
     body.pop("stream_options", None)
     body["max_tokens"] = 1

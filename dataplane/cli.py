@@ -12,6 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", help="name of this node in the control plane's logs")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--placement-timeout", type=float, default=5.0, help="seconds to wait for a placement")
+    p.add_argument("--prefill-retries", type=int, default=1,
+                   help="sequential PD: other prefill workers to try when one fails")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=float, default=600.0,
                    help="longest silence from an engine before the leg fails")
@@ -26,6 +28,7 @@ def config_from_args(args: argparse.Namespace):
 
     cfg = DataPlaneConfig(host=args.host, port=args.port, controlplane=args.controlplane,
                           max_body_bytes=args.max_body_bytes, placement_timeout_s=args.placement_timeout,
+                          prefill_retries=args.prefill_retries,
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   engine_api_key=args.engine_api_key))

@@ -38,6 +38,8 @@ class PlacementClient:
         self._connected = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
+        # What the control plane told us about this deployment at session start.
+        self.info = pb.SessionInfo()
 
     @property
     def connected(self) -> bool:
@@ -111,6 +113,9 @@ class PlacementClient:
             log.info("connected to control plane %s", self.target)
             try:
                 async for msg in call:
+                    if msg.WhichOneof("body") == "info":
+                        self.info = msg.info
+                        continue
                     placement = msg.placement
                     fut = self._pending.get(placement.seq)
                     if fut is not None and not fut.done():

@@ -10,11 +10,17 @@ from protos import omni_proxy_pb2 as pb
 _STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400}
 
 
-async def place(placements: PlacementClient, req: ClientRequest, leg: int) -> pb.Placement:
+async def place(placements: PlacementClient, req: ClientRequest, leg: int,
+                exclude: list[str] | None = None) -> pb.Placement:
+    msg = pb.PlaceRequest(request_id=req.placement_id, model=req.model, leg=leg,
+                          prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
+                          exclude_workers=exclude or ())
+    if leg == pb.LEG_ENTRY and placements.info.pd_flow == pb.FLOW_LAYERWISE:
+        # The control plane sends this deployment's prefill legs itself (metaserver).
+        msg.body, msg.path = req.raw, req.path
+        msg.engine_request_id, msg.num_prompts = req.request_id, req.num_prompts
     try:
-        placement = await placements.place(pb.PlaceRequest(
-            request_id=req.placement_id, model=req.model, leg=leg,
-            prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens))
+        placement = await placements.place(msg)
     except ControlPlaneUnavailable as exc:
         raise APIError(503, f"no placement: {exc}") from None
     if placement.error:

@@ -29,6 +29,7 @@ class ClientRequest:
     prompt_tokens: int       # an estimate until the data plane tokenizes (issue: exact ids)
     request_id: str          # what the engines see as X-Request-Id
     placement_id: str        # unique per request, for the control plane's ledger
+    num_prompts: int = 1     # completions batch size; each prompt is its own engine request
 
     @property
     def is_chat(self) -> bool:
@@ -116,9 +117,14 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None) -> Clien
             raise APIError(400, "'prompt' is required", param="prompt")
         prompt_tokens = _completions_prompt_tokens(body["prompt"])
 
+    num_prompts = 1
+    prompt = body.get("prompt")
+    if path != CHAT and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        num_prompts = len(prompt)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
     placement_id = uuid.uuid4().hex
     request_id = client_request_id.strip() if client_request_id and client_request_id.strip() else placement_id
     return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "",
                          stream=bool(body.get("stream")), max_tokens=int(max_tokens),
-                         prompt_tokens=prompt_tokens, request_id=request_id, placement_id=placement_id)
+                         prompt_tokens=prompt_tokens, request_id=request_id, placement_id=placement_id,
+                         num_prompts=num_prompts)

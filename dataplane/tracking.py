@@ -55,6 +55,11 @@ class RequestTracker:
             self._event(pb.EVENT_FAILED, worker_id=worker_id, message=message[:500],
                         upstream_status=upstream_status)
 
+    def leg_failed(self, worker_id: str, message: str, upstream_status: int) -> None:
+        """One leg failed and is being retried elsewhere: release just that worker."""
+        self._event(pb.EVENT_LEG_FAILED, worker_id=worker_id, message=message[:500],
+                    upstream_status=upstream_status)
+
     def cancelled(self) -> None:
         if not self.ended:
             self.ended = True

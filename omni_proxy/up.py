@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = cp_cli.config_from_args(args)
+        cp_cli.check_config(cfg)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"omni-proxy up: {exc}")
     if args.listen is None:

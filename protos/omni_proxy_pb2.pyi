@@ -51,6 +51,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_FINISHED: _ClassVar[EventKind]
     EVENT_FAILED: _ClassVar[EventKind]
     EVENT_CANCELLED: _ClassVar[EventKind]
+    EVENT_LEG_FAILED: _ClassVar[EventKind]
 ROLE_UNSPECIFIED: Role
 ROLE_BOTH: Role
 ROLE_PREFILL: Role
@@ -78,6 +79,7 @@ EVENT_FIRST_TOKEN: EventKind
 EVENT_FINISHED: EventKind
 EVENT_FAILED: EventKind
 EVENT_CANCELLED: EventKind
+EVENT_LEG_FAILED: EventKind
 
 class Endpoint(_message.Message):
     __slots__ = ("worker_id", "url", "role", "bootstrap_port")
@@ -147,7 +149,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain")
+    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,10 @@ class PlaceRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     request_id: str
     model: str
@@ -164,10 +170,14 @@ class PlaceRequest(_message.Message):
     max_tokens: int
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
     explain: bool
-    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ...) -> None: ...
+    body: bytes
+    path: str
+    engine_request_id: str
+    num_prompts: int
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("seq", "request_id", "flow", "prefill", "decode", "explanation", "error", "error_message")
+    __slots__ = ("seq", "request_id", "flow", "prefill", "decode", "explanation", "error", "error_message", "metaserver_url")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FLOW_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +186,7 @@ class Placement(_message.Message):
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METASERVER_URL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     request_id: str
     flow: Flow
@@ -184,7 +195,8 @@ class Placement(_message.Message):
     explanation: str
     error: ErrorCode
     error_message: str
-    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., flow: _Optional[_Union[Flow, str]] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., explanation: _Optional[str] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
+    metaserver_url: str
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., flow: _Optional[_Union[Flow, str]] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., explanation: _Optional[str] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., metaserver_url: _Optional[str] = ...) -> None: ...
 
 class LifecycleEvent(_message.Message):
     __slots__ = ("request_id", "kind", "worker_id", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "message", "upstream_status")
@@ -224,11 +236,21 @@ class DataPlaneMessage(_message.Message):
     event: LifecycleEvent
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., place: _Optional[_Union[PlaceRequest, _Mapping]] = ..., event: _Optional[_Union[LifecycleEvent, _Mapping]] = ...) -> None: ...
 
+class SessionInfo(_message.Message):
+    __slots__ = ("pd_flow", "parallel_protocol")
+    PD_FLOW_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    pd_flow: Flow
+    parallel_protocol: str
+    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ...) -> None: ...
+
 class ControlPlaneMessage(_message.Message):
-    __slots__ = ("placement",)
+    __slots__ = ("placement", "info")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    info: SessionInfo
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

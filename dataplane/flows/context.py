@@ -21,3 +21,6 @@ class FlowContext:
     placements: PlacementClient
     tracker: RequestTracker
     metrics: DataPlaneMetrics
+    prefill_retries: int = 1      # other prefill workers to try when P fails (sequential)
+    # Why the flow closed a leg itself (e.g. parallel P failed): shown to the client.
+    abort_reason: str = ""

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from dataplane.errors import sse_error_event
 from dataplane.flows.context import FlowContext
-from dataplane.upstream import read_body
+from dataplane.upstream import UpstreamError, read_body
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _EVENT_END = b"\n\n"
@@ -43,7 +43,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
             tracker.cancelled()
             ctx.metrics.cancelled.inc()
             return out
-        message = f"worker {worker_id} broke off the stream: {type(exc).__name__} {exc}".strip()
+        message = ctx.abort_reason or f"worker {worker_id} broke off the stream: {type(exc).__name__} {exc}".strip()
         tracker.failed(worker_id, message, 0)
         ctx.metrics.upstream_errors.labels(worker_id, "stream").inc()
         try:
@@ -64,7 +64,12 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
 
 async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str) -> web.Response:
     """Pass a non-streamed answer through unchanged."""
-    data = await read_body(worker_id, resp)
+    try:
+        data = await read_body(worker_id, resp)
+    except UpstreamError as exc:
+        if ctx.abort_reason:  # the flow closed this leg on purpose; say why
+            raise UpstreamError(worker_id, ctx.abort_reason, exc.upstream_status) from None
+        raise
     ctx.tracker.first_token()
     m = _COMPLETION_TOKENS.search(data)
     ctx.tracker.finished(int(m.group(1)) if m else 0)

@@ -8,10 +8,13 @@ chunk arrives, because P holds the blocks until D has read them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from aiohttp import web
 
 from dataplane.body import PULL_PREFILL_KV_PARAMS, prefill_body, with_fields
+from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.placing import place
@@ -19,11 +22,8 @@ from dataplane.upstream import UpstreamError, read_body
 from protos import omni_proxy_pb2 as pb
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
-    req = ctx.req
-    prefill = placement.prefill
-    resp = await ctx.upstream.open(prefill.worker_id, prefill.url + req.path,
-                                   prefill_body(req, PULL_PREFILL_KV_PARAMS), req.request_id)
+async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[str, Any]:
+    resp = await ctx.upstream.open(prefill.worker_id, prefill.url + ctx.req.path, body, ctx.req.request_id)
     data = await read_body(prefill.worker_id, resp)
     try:
         kv_params = orjson.loads(data).get("kv_transfer_params")
@@ -33,9 +33,30 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
         # Sending D on without them would leave it waiting for KV that never comes.
         raise UpstreamError(prefill.worker_id, f"prefill worker {prefill.worker_id} returned no "
                             "kv_transfer_params (is it running with a kv_producer connector?)", 200)
+    return kv_params
 
-    decode_placement = await place(ctx.placements, req, pb.LEG_DECODE)
-    decode = decode_placement.decode
+
+async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+    req = ctx.req
+    prefill = placement.prefill
+    body = prefill_body(req.body, PULL_PREFILL_KV_PARAMS)
+    tried: list[str] = []
+    while True:
+        try:
+            kv_params = await _prefill(ctx, prefill, body)
+            break
+        except UpstreamError as exc:
+            tried.append(prefill.worker_id)
+            if len(tried) > ctx.prefill_retries:
+                raise
+            ctx.tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0)
+            ctx.metrics.upstream_errors.labels(prefill.worker_id, str(exc.upstream_status)).inc()
+            try:
+                prefill = (await place(ctx.placements, req, pb.LEG_PREFILL, exclude=tried)).prefill
+            except APIError:
+                raise exc from None  # no other prefill worker: the client hears the real failure
+
+    decode = (await place(ctx.placements, req, pb.LEG_DECODE)).decode
     resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
                                    with_fields(req, {"kv_transfer_params": kv_params}), req.request_id)
     return await relay(ctx, resp, decode.worker_id, on_first_chunk=ctx.tracker.prefill_done)

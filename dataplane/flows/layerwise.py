@@ -1,0 +1,26 @@
+"""Layerwise PD flow (vLLM-Ascend MooncakeLayerwiseConnector): D first, P pushes.
+
+D gets the request with the metaserver's address. D allocates its KV blocks, calls the
+metaserver (hosted by the control plane), and the control plane sends the prefill to a P
+of its choosing with D's block addresses; P pushes the KV layer by layer. The data plane
+only drives D: the prefill leg and its load are the control plane's to manage, which is
+why any data-plane replica can serve a layerwise request.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from dataplane.body import with_fields
+from dataplane.flows.context import FlowContext
+from dataplane.flows.relay import relay
+from protos import omni_proxy_pb2 as pb
+
+
+async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+    req = ctx.req
+    decode = placement.decode
+    kv = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": placement.metaserver_url}
+    resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
+                                   with_fields(req, {"kv_transfer_params": kv}), req.request_id)
+    return await relay(ctx, resp, decode.worker_id)

@@ -1,0 +1,111 @@
+"""Parallel PD flow (bootstrap): P and D at once, paired by a rendezvous.
+
+SGLang: the same body goes to P and D with ``bootstrap_host``/``bootstrap_port``/
+``bootstrap_room`` (a random 63-bit room per prompt); D pre-allocates its KV and P sends
+into it. vLLM's MooncakeConnector variant pairs them by the shared X-Request-Id, with
+``bootstrap_server_host``/``_port`` in D's ``kv_transfer_params``.
+
+The client gets D's stream. P's answer is drained in the background and releases P's
+load. If either leg fails before D's first byte, the other is cancelled: a D waiting for
+KV that will never come must not hang the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from dataplane.body import prefill_body, with_fields
+from dataplane.flows.context import FlowContext
+from dataplane.flows.relay import relay
+from dataplane.upstream import UpstreamError, read_body
+from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BOOTSTRAP_PORT = 8998   # SGLang's disaggregation_bootstrap_port default
+
+
+def new_room() -> int:
+    return secrets.randbits(63)
+
+
+def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str) -> tuple[bytes, bytes]:
+    """The (P, D) bodies for this protocol."""
+    req = ctx.req
+    host = urlsplit(prefill.url).hostname or ""
+    port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+    if protocol == "mooncake":
+        p_body = prefill_body(req.body, {"do_remote_decode": True, "do_remote_prefill": False})
+        d_body = with_fields(req, {"kv_transfer_params": {
+            "do_remote_decode": False, "do_remote_prefill": True,
+            "bootstrap_server_host": host, "bootstrap_server_port": port}})
+        return p_body, d_body
+    room: int | list[int] = new_room() if req.num_prompts == 1 else [new_room() for _ in range(req.num_prompts)]
+    if req.num_prompts > 1:
+        fields = {"bootstrap_host": [host] * req.num_prompts, "bootstrap_port": [port] * req.num_prompts,
+                  "bootstrap_room": room}
+    else:
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    body = with_fields(req, fields)
+    return body, body
+
+
+async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+    req = ctx.req
+    prefill, decode = placement.prefill, placement.decode
+    p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang")
+    open_p = asyncio.ensure_future(ctx.upstream.open(prefill.worker_id, prefill.url + req.path, p_body,
+                                                     req.request_id))
+    open_d = asyncio.ensure_future(ctx.upstream.open(decode.worker_id, decode.url + req.path, d_body,
+                                                     req.request_id))
+    try:
+        done, _ = await asyncio.wait({open_p, open_d}, return_when=asyncio.FIRST_COMPLETED)
+        if open_p in done and open_p.exception() is not None:
+            raise open_p.exception()
+        d_resp = await open_d
+    except BaseException:
+        for task in (open_p, open_d):
+            task.cancel()
+        await asyncio.gather(open_p, open_d, return_exceptions=True)
+        for task in (open_p, open_d):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().close()
+        raise
+
+    drain = asyncio.ensure_future(_drain_prefill(ctx, open_p, prefill, d_resp))
+    try:
+        return await relay(ctx, d_resp, decode.worker_id)
+    finally:
+        if not drain.done():
+            # D is finished (or gone): P's answer no longer matters to the client, but
+            # it still holds P's load until it ends, so let it end on its own.
+            drain.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def _drain_prefill(ctx: FlowContext, open_p: asyncio.Future, prefill: pb.Endpoint,
+                         d_resp: aiohttp.ClientResponse) -> None:
+    """Read P's answer to the end; on failure before D's first byte, stop D too."""
+    tracker = ctx.tracker
+    try:
+        p_resp = await open_p
+        await read_body(prefill.worker_id, p_resp)
+    except UpstreamError as exc:
+        ctx.metrics.upstream_errors.labels(prefill.worker_id, str(exc.upstream_status)).inc()
+        if not tracker.first_token_at and not tracker.ended:
+            ctx.abort_reason = exc.message
+            tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0)
+            d_resp.close()   # D would wait for KV that never comes
+        else:
+            log.warning("prefill leg failed after decode started: %s", exc.message)
+        tracker.prefill_done()
+        return
+    except asyncio.CancelledError:
+        tracker.prefill_done()
+        raise
+    tracker.prefill_done()

@@ -1,0 +1,183 @@
+"""The metaserver: where a layerwise decode engine asks for its prefill.
+
+vLLM-Ascend's MooncakeLayerwiseConnector on D POSTs its KV destination (block ids, host,
+port, engine id) to ``/v1/metaserver``. Once every prompt of the request has reported,
+the metaserver picks a prefill worker, sends it the request with D's parameters, and
+answers D when P is done (``{"status":"ok"}``) or failed (502). D waits on that answer
+before it decodes, so a failed prefill fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from controlplane.placement import Placer
+from dataplane.body import prefill_body
+from dataplane.upstream import upstream_message
+from metaserver.ids import candidates, engine_request_ids
+from metaserver.pending import PendingPrefill, PendingTable
+from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+CHAT_PATH = "/v1/chat/completions"
+
+
+class Metaserver:
+    def __init__(self, placer: Placer, *, prefill_retries: int = 1, timeout_s: float = 120.0,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0) -> None:
+        self.placer = placer
+        self.table = PendingTable()
+        self.prefill_retries = prefill_retries
+        self.timeout_s = timeout_s
+        self._timeouts = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._reaper: asyncio.Task | None = None
+        self.calls = {"ok": 0, "failed": 0, "unknown": 0}
+        placer.on_layerwise = self.register
+        placer.on_request_end = self.drop
+
+    @staticmethod
+    def url_for(host: str, port: int) -> str:
+        if host.strip() in WILDCARD_HOSTS:
+            raise ValueError(f"the metaserver address {host!r} is a wildcard: decode engines must be "
+                             "able to call it, so set metaserver_host to a routable address")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{port}/v1/metaserver"
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeouts)
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        for entry in list(self.table._by_placement.values()):
+            self.drop(entry.placement_id)
+        if self._session:
+            await self._session.close()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/metaserver", self.handle)
+
+    # ------------------------------------------------------------------ placer hooks
+
+    def register(self, req: pb.PlaceRequest, placement: pb.Placement) -> None:
+        entry = PendingPrefill(
+            placement_id=req.request_id, engine_request_id=req.engine_request_id or req.request_id,
+            path=req.path or "/v1/completions", body=req.body, model=req.model,
+            prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
+            expected=engine_request_ids(req.engine_request_id or req.request_id, req.path == CHAT_PATH,
+                                        req.num_prompts))
+        self.table.add(entry)
+
+    def drop(self, placement_id: str, reason: str = "the request ended before its prefill") -> None:
+        entry = self.table.pop(placement_id)
+        if entry is None:
+            return
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+        if entry.result is not None and not entry.result.done():
+            entry.result.set_result(reason)
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def handle(self, http: web.Request) -> web.Response:
+        try:
+            data = orjson.loads(await http.read())
+        except orjson.JSONDecodeError:
+            return _error(400, "body is not valid JSON")
+        if not isinstance(data, dict) or not isinstance(data.get("request_id"), str):
+            return _error(400, "expected a JSON object with a string request_id")
+        entry, child = None, ""
+        for cid in candidates(data["request_id"]):
+            entry = self.table.find(cid)
+            if entry is not None:
+                child = cid
+                break
+        if entry is None:
+            self.calls["unknown"] += 1
+            return _error(404, f"no pending request {data['request_id']!r}")
+        entry.params[child] = data
+        if entry.result is None:
+            entry.result = asyncio.get_running_loop().create_future()
+        if entry.complete and entry.task is None:
+            entry.task = asyncio.create_task(self._dispatch(entry))
+        error = await asyncio.shield(entry.result)
+        if error is None:
+            self.calls["ok"] += 1
+            return web.json_response({"status": "ok"})
+        self.calls["failed"] += 1
+        return _error(502, error)
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_params(self, entry: PendingPrefill) -> dict[str, Any]:
+        first = dict(entry.params[entry.expected[0]])
+        if len(entry.expected) > 1:
+            first["batch_kv_transfer_params"] = {cid: entry.params[cid] for cid in entry.expected}
+        return first
+
+    async def _dispatch(self, entry: PendingPrefill) -> None:
+        error = "no prefill attempted"
+        try:
+            if not entry.body:
+                error = "the data plane attached no request body (is it in layerwise mode?)"
+                return
+            body = prefill_body(orjson.loads(entry.body), self._prefill_params(entry))
+            tried: list[str] = []
+            for _ in range(self.prefill_retries + 1):
+                placement = await self.placer.place(pb.PlaceRequest(
+                    request_id=entry.placement_id, model=entry.model, leg=pb.LEG_PREFILL,
+                    prompt_tokens=entry.prompt_tokens, max_tokens=entry.max_tokens, exclude_workers=tried))
+                if placement.error:
+                    error = placement.error_message
+                    return
+                p = placement.prefill
+                status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id)
+                if status == 200:
+                    await self.placer.report(pb.LifecycleEvent(request_id=entry.placement_id,
+                                                               kind=pb.EVENT_PREFILL_DONE))
+                    error = None
+                    return
+                error = f"prefill worker {p.worker_id} failed: {message}"
+                log.warning("layerwise %s: %s", entry.engine_request_id, error)
+                await self.placer.report(pb.LifecycleEvent(
+                    request_id=entry.placement_id, kind=pb.EVENT_LEG_FAILED, worker_id=p.worker_id,
+                    upstream_status=status, message=message))
+                tried.append(p.worker_id)
+        except asyncio.CancelledError:
+            error = "cancelled"
+            raise
+        finally:
+            if entry.result is not None and not entry.result.done():
+                entry.result.set_result(error)
+
+    async def _send_prefill(self, url: str, body: bytes, request_id: str) -> tuple[int, str]:
+        assert self._session is not None
+        try:
+            async with self._session.post(url, data=body, headers={
+                    "Content-Type": "application/json", "X-Request-Id": request_id}) as resp:
+                data = await resp.read()
+                return resp.status, ("" if resp.status == 200 else f"{resp.status} {upstream_message(data)}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return 0, f"{type(exc).__name__} {exc}".strip()
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.timeout_s / 4))
+            for entry in self.table.older_than(self.timeout_s):
+                log.warning("layerwise %s: no metaserver call within %.0fs", entry.engine_request_id, self.timeout_s)
+                self.drop(entry.placement_id, "timed out waiting for the decode engine")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"status": "error", "error": {"message": message, "code": status}}, status=status)
