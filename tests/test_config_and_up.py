@@ -77,3 +77,23 @@ async def test_up_runs_control_and_data_plane_in_one_process():
                               json={"model": "sim-model", "prompt": "hi", "max_tokens": 3}) as r:
                 assert r.status == 200
                 assert (await r.json())["usage"]["completion_tokens"] == 3
+
+
+def test_layerwise_refuses_a_wildcard_metaserver_address():
+    with ProcessGroup(ready_timeout=20) as group, pytest.raises(LaunchError, match="wildcard"):
+        group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--pd-flow", "layerwise",
+                           "--http-host", "0.0.0.0"])
+
+
+def test_metaserver_ids_and_url():
+    from metaserver.ids import candidates, engine_request_ids
+    from metaserver.server import Metaserver
+
+    assert engine_request_ids("abc", chat=True, num_prompts=1) == ["chatcmpl-abc"]
+    assert engine_request_ids("abc", chat=False, num_prompts=2) == ["cmpl-abc-0", "cmpl-abc-1"]
+    assert candidates("cmpl-abc-0-1a2b3c4d") == ["cmpl-abc-0-1a2b3c4d", "cmpl-abc-0"]
+    assert candidates("chatcmpl-abc") == ["chatcmpl-abc"]
+    assert Metaserver.url_for("10.0.0.2", 8080) == "http://10.0.0.2:8080/v1/metaserver"
+    assert Metaserver.url_for("::1", 8080) == "http://[::1]:8080/v1/metaserver"
+    with pytest.raises(ValueError, match="wildcard"):
+        Metaserver.url_for("0.0.0.0", 8080)

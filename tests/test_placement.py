@@ -117,3 +117,53 @@ async def test_every_policy_places_on_a_healthy_matching_worker(policy):
     for i in range(40):
         seen[(await placer.place(entry(f"r{i}"))).decode.worker_id] += 1
     assert set(seen) <= {"a", "b"} and len(seen) == 2
+
+
+async def _pd_placer(flow: str):
+    store = MemoryStore()
+    for x in (w("p1", Role.PREFILL), w("p2", Role.PREFILL), w("d", Role.DECODE)):
+        await store.upsert_worker(x)
+    return Placer(store, build_profile("least_load"), pd_flow=flow), store
+
+
+async def test_parallel_entry_picks_and_charges_both_legs_at_once():
+    placer, store = await _pd_placer("parallel")
+    p = await placer.place(entry("r", tokens=30, max_tokens=5))
+    assert p.flow == pb.FLOW_PARALLEL and p.prefill.worker_id in ("p1", "p2") and p.decode.worker_id == "d"
+    assert (await store.get_worker("d")).inflight_tokens == 35
+    assert (await store.get_worker(p.prefill.worker_id)).inflight_tokens == 30
+    await placer.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_PREFILL_DONE))
+    assert (await store.get_worker(p.prefill.worker_id)).inflight_requests == 0
+    assert (await store.get_worker("d")).inflight_requests == 1
+
+
+async def test_layerwise_entry_picks_decode_first_and_hands_over_to_the_metaserver():
+    placer, store = await _pd_placer("layerwise")
+    placer.metaserver_url = "http://cp:1/v1/metaserver"
+    seen = []
+    placer.on_layerwise = lambda req, out: seen.append((req.request_id, out.decode.worker_id))
+    ended = []
+    placer.on_request_end = ended.append
+    p = await placer.place(entry("r"))
+    assert p.flow == pb.FLOW_LAYERWISE and p.decode.worker_id == "d" and not p.prefill.worker_id
+    assert p.metaserver_url == "http://cp:1/v1/metaserver" and seen == [("r", "d")]
+    assert all(x.inflight_requests == 0 for x in (await store.get_worker("p1"), await store.get_worker("p2")))
+    # The metaserver later places the prefill leg of the same request.
+    pre = await placer.place(pb.PlaceRequest(request_id="r", model="m", leg=pb.LEG_PREFILL, prompt_tokens=10))
+    assert pre.flow == pb.FLOW_LAYERWISE and pre.prefill.worker_id in ("p1", "p2")
+    await placer.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_CANCELLED))
+    assert ended == ["r"] and await placer.store.get_request("r") is None
+
+
+async def test_leg_failed_releases_only_that_worker_and_keeps_the_request():
+    placer, store = await _pd_placer("sequential")
+    first = await placer.place(entry("r", tokens=10))
+    bad = first.prefill.worker_id
+    await placer.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_LEG_FAILED, worker_id=bad,
+                                          upstream_status=500, message="boom"))
+    assert (await store.get_worker(bad)).inflight_requests == 0
+    assert (await store.get_worker(bad)).failures_total == 1
+    retry = await placer.place(pb.PlaceRequest(request_id="r", model="m", leg=pb.LEG_PREFILL, prompt_tokens=10,
+                                               exclude_workers=[bad]))
+    assert retry.prefill.worker_id not in ("", bad)
+    assert (await store.get_request("r")) is not None

@@ -1,0 +1,53 @@
+"""Sequential PD with two prefill workers: a failing P is retried on the other one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Cluster, start_cluster, wait_until
+
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster({"p-a": "prefill", "p-b": "prefill", "d": "decode"}, policy="round_robin")
+    yield c
+    c.group.close()
+
+
+@pytest.fixture
+async def pd(cluster: Cluster):
+    await wait_until(cluster.all_idle, what="idle before the test")
+    await cluster.clear_sim_requests()
+    yield cluster
+    for name in cluster.sims:
+        await cluster.sim_post(name, "/sim/faults", {"clear": True})
+    await wait_until(cluster.all_idle, what="idle after the test (load leaked)")
+
+
+async def test_failed_prefill_is_retried_on_another_prefill_worker(pd: Cluster, http):
+    await pd.sim_post("p-a", "/sim/faults", {"status": 500, "message": "p-a is sick", "count": -1})
+    ids = []
+    for i in range(4):
+        async with http.post(pd.url + "/v1/completions", headers={"X-Request-Id": f"retry-{i}"},
+                             json={"model": MODEL, "prompt": "retry me", "max_tokens": 3}) as r:
+            assert r.status == 200, await r.text()
+            ids.append(f"retry-{i}")
+    on_a = {x["request_id"] for x in await pd.sim_requests("p-a")}
+    on_b = {x["request_id"] for x in await pd.sim_requests("p-b")}
+    assert on_a, "round robin never tried p-a first"
+    assert on_a <= on_b            # everything p-a failed was redone on p-b
+    assert {x["request_id"] for x in await pd.sim_requests("d")} == set(ids)
+    assert (await pd.workers())["p-a"].failures_total >= len(on_a)
+
+
+async def test_all_prefill_workers_failing_gives_502_and_decode_is_never_called(pd: Cluster, http):
+    for name in ("p-a", "p-b"):
+        await pd.sim_post(name, "/sim/faults", {"status": 503, "message": f"{name} down", "count": -1})
+    async with http.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+    assert err["upstream_status"] == 503 and "down" in err["message"]
+    assert len(await pd.sim_requests("p-a")) == 1 and len(await pd.sim_requests("p-b")) == 1
+    assert await pd.sim_requests("d") == []
