@@ -15,6 +15,12 @@ Example (TOML)::
     role = "prefill"               # both | prefill | decode
     model = "deepseek-v3"          # optional: discovered from /v1/models
     weight = 1.0
+    kv_events = "tcp://10.0.0.5:5557"   # optional: exact prefix tracking from KV events
+
+    [kv_cache]                     # must match the engines' prefix-cache settings
+    block_size = 16
+    hash_algo = "sha256"           # --prefix-caching-hash-algo
+    hash_seed = "0"                # the engines' PYTHONHASHSEED (omit if unset)
 
     [profiles.cautious]            # a custom policy built from plugin names
     filters = [{name = "overload", max_requests = 16}]
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.health import HealthConfig
+from controlplane.kvcache.manager import KVCacheConfig
 from controlplane.workers import Role, normalize_url
 
 
@@ -42,10 +49,14 @@ class WorkerSpec:
     id: str = ""
     bootstrap_port: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    kv_events: str = ""      # the engine's ZMQ KV-event publisher (exact prefix tracking)
+    kv_replay: str = ""      # its replay endpoint, when the engine has one
+    dp_size: int = 1
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "WorkerSpec":
-        unknown = set(data) - {"url", "role", "model", "weight", "id", "bootstrap_port", "labels"}
+        unknown = set(data) - {"url", "role", "model", "weight", "id", "bootstrap_port", "labels",
+                               "kv_events", "kv_replay", "dp_size"}
         if unknown:
             raise ValueError(f"unknown worker keys: {', '.join(sorted(unknown))}")
         if "url" not in data:
@@ -56,7 +67,9 @@ class WorkerSpec:
         return cls(url=normalize_url(str(data["url"])), role=Role.parse(str(data.get("role", "both"))),
                    model=str(data.get("model", "")), weight=weight, id=str(data.get("id", "")),
                    bootstrap_port=int(data.get("bootstrap_port", 0)),
-                   labels={str(k): str(v) for k, v in (data.get("labels") or {}).items()})
+                   labels={str(k): str(v) for k, v in (data.get("labels") or {}).items()},
+                   kv_events=str(data.get("kv_events", "")), kv_replay=str(data.get("kv_replay", "")),
+                   dp_size=int(data.get("dp_size", 1)))
 
     @classmethod
     def parse_flag(cls, text: str, role: Role | None = None) -> "WorkerSpec":
@@ -90,6 +103,7 @@ class ControlPlaneConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
     max_request_age_s: float = 3600.0
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ControlPlaneConfig":
@@ -110,6 +124,7 @@ class ControlPlaneConfig:
         health = data.pop("health", {}) or {}
         workers = data.pop("workers", []) or []
         profiles = data.pop("profiles", {}) or {}
+        kv = data.pop("kv_cache", {}) or {}
         for key, value in data.items():
             if not hasattr(cfg, key) or key in ("health", "workers", "profiles"):
                 raise ValueError(f"unknown config key {key!r}")
@@ -118,6 +133,11 @@ class ControlPlaneConfig:
             if not hasattr(cfg.health, key):
                 raise ValueError(f"unknown health key {key!r}")
             setattr(cfg.health, key, type(getattr(cfg.health, key))(value))
+        for key, value in kv.items():
+            if not hasattr(cfg.kv_cache, key):
+                raise ValueError(f"unknown kv_cache key {key!r}")
+            current = getattr(cfg.kv_cache, key)
+            setattr(cfg.kv_cache, key, value if current is None else type(current)(value))
         cfg.workers = [WorkerSpec.from_dict(w) for w in workers]
         cfg.profiles = dict(profiles)
         return cfg

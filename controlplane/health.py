@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,11 +30,17 @@ class HealthConfig:
     poll_metrics: bool = True
 
 
-def parse_engine_metrics(text: str) -> tuple[int, int, float]:
-    """Sum vLLM's running/waiting gauges over engines; average KV usage. -1 = absent."""
+def parse_engine_metrics(text: str) -> tuple[int, int, float, float, float]:
+    """Sum vLLM's running/waiting gauges and prefix-cache counters over engines; average
+    KV usage. -1 = absent."""
     running = waiting = -1
+    hits = queries = -1.0
     kv_total, kv_n = 0.0, 0
     for family in text_string_to_metric_families(text):
+        if family.name == "vllm:prefix_cache_hits":
+            hits = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        elif family.name == "vllm:prefix_cache_queries":
+            queries = sum(s.value for s in family.samples if s.name.endswith("_total"))
         if family.name == "vllm:num_requests_running":
             running = int(sum(s.value for s in family.samples))
         elif family.name == "vllm:num_requests_waiting":
@@ -42,7 +49,7 @@ def parse_engine_metrics(text: str) -> tuple[int, int, float]:
             for s in family.samples:
                 kv_total += s.value
                 kv_n += 1
-    return running, waiting, (kv_total / kv_n if kv_n else -1.0)
+    return running, waiting, (kv_total / kv_n if kv_n else -1.0), hits, queries
 
 
 class HealthChecker:
@@ -51,6 +58,8 @@ class HealthChecker:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        # How an expired worker is removed (the registry's remove, so every hook runs).
+        self.remove: Callable[[str], Awaitable[object]] | None = None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
@@ -132,8 +141,9 @@ class HealthChecker:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
-        running, waiting, kv = parse_engine_metrics(text)
-        worker.engine.running, worker.engine.waiting, worker.engine.kv_usage = running, waiting, kv
+        running, waiting, kv, hits, queries = parse_engine_metrics(text)
+        eng = worker.engine
+        eng.running, eng.waiting, eng.kv_usage, eng.prefix_hits, eng.prefix_queries = running, waiting, kv, hits, queries
         worker.engine.updated_at = time.monotonic()
 
     async def expire_heartbeats(self) -> None:
@@ -141,4 +151,7 @@ class HealthChecker:
         for worker in await self.store.list_workers():
             if worker.heartbeat_ttl_s > 0 and now - worker.last_heartbeat > worker.heartbeat_ttl_s:
                 log.warning("worker %s missed heartbeats for %.1fs: removed", worker.id, now - worker.last_heartbeat)
-                await self.store.remove_worker(worker.id)
+                if self.remove is not None:
+                    await self.remove(worker.id)
+                else:
+                    await self.store.remove_worker(worker.id)

@@ -5,14 +5,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from controlplane.kvcache.manager import KVCache
 from controlplane.placement import PlacementStats
 from controlplane.workers import Health, Worker
 
 
 class _Snapshot:
-    def __init__(self, workers: list[Worker], stats: PlacementStats) -> None:
+    def __init__(self, workers: list[Worker], stats: PlacementStats, kv: KVCache | None) -> None:
         self.workers = workers
         self.stats = stats
+        self.kv = kv
 
     def collect(self):
         labels = ["worker", "role", "model"]
@@ -33,9 +35,44 @@ class _Snapshot:
         for code, n in self.stats.errors.items():
             errors.add_metric([code], n)
         yield from (reqs, toks, healthy, draining, placed, errors)
+        yield from self._cache_metrics()
+
+    def _cache_metrics(self):
+        """Predicted prefix hits (router) next to what the engines report, per worker."""
+        pred = CounterMetricFamily("omni_kv_predicted_hit_blocks", "Prompt blocks the index said the chosen "
+                                   "worker held", labels=["worker"])
+        query = CounterMetricFamily("omni_kv_query_blocks", "Prompt blocks placed with a hash chain",
+                                    labels=["worker"])
+        for worker_id, n in self.stats.predicted_hit_blocks.items():
+            pred.add_metric([worker_id], n)
+        for worker_id, n in self.stats.query_blocks.items():
+            query.add_metric([worker_id], n)
+        eng_hits = GaugeMetricFamily("omni_engine_prefix_cache_hits_tokens", "The engine's own "
+                                     "vllm:prefix_cache_hits_total, last polled", labels=["worker"])
+        eng_queries = GaugeMetricFamily("omni_engine_prefix_cache_queries_tokens", "The engine's own "
+                                        "vllm:prefix_cache_queries_total, last polled", labels=["worker"])
+        for w in self.workers:
+            if w.engine.prefix_hits >= 0:
+                eng_hits.add_metric([w.id], w.engine.prefix_hits)
+                eng_queries.add_metric([w.id], max(w.engine.prefix_queries, 0))
+        yield from (pred, query, eng_hits, eng_queries)
+        if self.kv is None:
+            return
+        blocks = GaugeMetricFamily("omni_kv_index_blocks", "Blocks in the prefix index", labels=["source"])
+        refs = GaugeMetricFamily("omni_kv_index_block_refs", "(block, worker) pairs in the prefix index",
+                                 labels=["source"])
+        for source, index in (("events", self.kv.exact), ("routed", self.kv.approx)):
+            st = index.stats()
+            blocks.add_metric([source], st.blocks)
+            refs.add_metric([source], st.block_refs)
+        events = CounterMetricFamily("omni_kv_events", "KV event subscriber counters", labels=["worker", "kind"])
+        for worker_id, counters in self.kv.counters().items():
+            for kind, n in counters.items():
+                events.add_metric([worker_id, kind], n)
+        yield from (blocks, refs, events)
 
 
-def render(workers: list[Worker], stats: PlacementStats) -> bytes:
+def render(workers: list[Worker], stats: PlacementStats, kv: KVCache | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(workers, stats))
+    registry.register(_Snapshot(workers, stats, kv))
     return generate_latest(registry)

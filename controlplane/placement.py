@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from controlplane.kvcache.manager import KVCache
 from controlplane.scheduling import PlacementContext, Profile
 from controlplane.state import Charge, RequestRecord, StateStore
 from controlplane.workers import Health, Role, Worker
@@ -37,10 +38,12 @@ class PlacementStats:
 
     placed: Counter
     errors: Counter
+    predicted_hit_blocks: Counter   # per worker: blocks the index said it held at placement
+    query_blocks: Counter           # per worker: blocks of the prompts placed on it
 
     @classmethod
     def new(cls) -> "PlacementStats":
-        return cls(placed=Counter(), errors=Counter())
+        return cls(placed=Counter(), errors=Counter(), predicted_hit_blocks=Counter(), query_blocks=Counter())
 
 
 class Placer:
@@ -54,6 +57,7 @@ class Placer:
         self.metrics_max_age_s = metrics_max_age_s
         self.max_request_age_s = max_request_age_s
         self.stats = PlacementStats.new()
+        self.kv: KVCache | None = None     # prefix-cache view; None = placement ignores caches
         self.metaserver_url = ""
         # Hooks for the metaserver: a layerwise request was placed / a request ended.
         self.on_layerwise: Callable[[pb.PlaceRequest, pb.Placement], None] | None = None
@@ -73,7 +77,9 @@ class Placer:
         else:
             roles = _LEG_ROLES[leg]
         want_explain = req.explain or dry_run
-        decision = self.profile.place(self._context(req, leg, roles), workers)
+        chain = list(req.block_hashes) if self.kv is not None else []
+        match = self.kv.match(chain, [w for w in workers if w.serves(req.model)]) if chain else {}
+        decision = self.profile.place(self._context(req, leg, roles, chain, match), workers)
         explanation = decision.explain() if want_explain else ""
         chosen = decision.worker
         if chosen is None:
@@ -89,7 +95,8 @@ class Placer:
         elif chosen.role is Role.PREFILL and leg == "entry" and flow in (pb.FLOW_PARALLEL, pb.FLOW_LAYERWISE):
             # Both flows need D now: parallel sends to P and D at once; layerwise sends
             # to D first and lets the metaserver choose P when D asks for its prefill.
-            d_decision = self.profile.place(self._context(req, "decode", _LEG_ROLES["decode"]), workers)
+            d_decision = self.profile.place(self._context(req, "decode", _LEG_ROLES["decode"], chain, match),
+                                            workers)
             if want_explain:
                 explanation += " | decode: " + d_decision.explain()
             if d_decision.worker is None:
@@ -121,6 +128,11 @@ class Placer:
             await self.store.put_request(record)
         for worker, charge_leg in charges:
             await self.charge(record, worker, charge_leg)
+            if chain and charge_leg in ("aggregated", "prefill") and self.kv is not None:
+                # The worker that computes the prompt is the one whose cache counts.
+                self.kv.placed(worker, chain, match.get(worker.id, 0))
+                self.stats.predicted_hit_blocks[worker.id] += match.get(worker.id, 0)
+                self.stats.query_blocks[worker.id] += len(chain)
         if flow == pb.FLOW_LAYERWISE and leg == "entry" and self.on_layerwise is not None:
             self.on_layerwise(req, out)
         return out
@@ -132,11 +144,13 @@ class Placer:
         worker.placements_total += 1
         self.stats.placed[(worker.id, leg)] += 1
 
-    def _context(self, req: pb.PlaceRequest, leg: str, roles: frozenset[Role]) -> PlacementContext:
+    def _context(self, req: pb.PlaceRequest, leg: str, roles: frozenset[Role], chain: list[int] = (),
+                 match: dict[str, int] | None = None) -> PlacementContext:
         return PlacementContext(
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
-            metrics_max_age_s=self.metrics_max_age_s, roles=roles)
+            metrics_max_age_s=self.metrics_max_age_s, roles=roles, chain_blocks=len(chain),
+            match_blocks=match or {})
 
     def _refusal(self, req: pb.PlaceRequest, leg: str, workers: list[Worker], dropped: dict[str, str],
                  explanation: str) -> pb.Placement:

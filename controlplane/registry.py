@@ -27,10 +27,12 @@ class WorkerRegistry:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         # Called for each new worker so it can be health-checked at once, not next round.
         self.on_added: Callable[[Worker], Awaitable[None]] | None = None
+        self.on_removed: Callable[[str], Awaitable[None]] | None = None
 
     async def add(self, *, url: str, role: Role, model: str = "", weight: float = 1.0,
                   worker_id: str = "", labels: dict[str, str] | None = None, bootstrap_port: int = 0,
-                  source: str = "config", heartbeat_ttl_s: float = 0.0) -> Worker:
+                  source: str = "config", heartbeat_ttl_s: float = 0.0, kv_events: str = "",
+                  kv_replay: str = "", dp_size: int = 1) -> Worker:
         url = normalize_url(url)
         worker_id = worker_id or _id_from_url(url, role)
         existing = await self.store.get_worker(worker_id)
@@ -41,12 +43,14 @@ class WorkerRegistry:
             existing.labels = dict(labels or {})
             existing.bootstrap_port = bootstrap_port
             existing.heartbeat_ttl_s = heartbeat_ttl_s
+            existing.kv_events, existing.kv_replay, existing.dp_size = kv_events, kv_replay, dp_size
             existing.last_heartbeat = time.monotonic()
             worker = existing
         else:
             worker = Worker(id=worker_id, url=url, role=role, model=model, weight=weight, source=source,
                             labels=dict(labels or {}), bootstrap_port=bootstrap_port,
-                            heartbeat_ttl_s=heartbeat_ttl_s)
+                            heartbeat_ttl_s=heartbeat_ttl_s, kv_events=kv_events, kv_replay=kv_replay,
+                            dp_size=dp_size)
             await self.store.upsert_worker(worker)
             log.info("worker %s added (%s, %s, source=%s)", worker.id, url, role.value, source)
         if self.on_added is not None:
@@ -55,6 +59,8 @@ class WorkerRegistry:
 
     async def remove(self, worker_id: str) -> bool:
         removed = await self.store.remove_worker(worker_id)
+        if removed is not None and self.on_removed is not None:
+            await self.on_removed(worker_id)
         if removed is not None:
             log.info("worker %s removed (%d requests were in flight)", worker_id, removed.inflight_requests)
         return removed is not None

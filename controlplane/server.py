@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from controlplane import metrics
 from controlplane.config import ControlPlaneConfig
 from controlplane.health import HealthChecker
+from controlplane.kvcache.manager import KVCache
 from controlplane.placement import Placer
 from controlplane.registry import WorkerRegistry
 from controlplane.scheduling import build_profile
@@ -35,9 +36,13 @@ class ControlPlane:
                              pd_flow=config.pd_flow, max_request_age_s=config.max_request_age_s,
                              metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
         self.health = HealthChecker(self.store, config.health)
+        self.health.remove = self.registry.remove
+        self.kv = KVCache(config.kv_cache)
+        self.placer.kv = self.kv
+        self.registry.on_removed = self.kv.unwatch
         self.metaserver = Metaserver(self.placer, prefill_retries=config.prefill_retries,
                                      timeout_s=config.layerwise_timeout_s)
-        self.registry.on_added = self.health.check
+        self.registry.on_added = self._worker_added
         self.grpc_port = 0
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
@@ -45,15 +50,24 @@ class ControlPlane:
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
+        self.registry.on_added = None  # config workers are checked together by health.start()
         for spec in self.config.workers:
             await self.registry.add(url=spec.url, role=spec.role, model=spec.model, weight=spec.weight,
-                                    worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port)
-        self.registry.on_added = None  # config workers are checked together by health.start()
+                                    worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port,
+                                    kv_events=spec.kv_events, kv_replay=spec.kv_replay, dp_size=spec.dp_size)
         await self.health.start()
-        self.registry.on_added = self.health.check
+        for worker in await self.store.list_workers():
+            await self.kv.watch(worker)
+        self.registry.on_added = self._worker_added
 
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        info = pb.SessionInfo(pd_flow=self.placer.pd_flow, parallel_protocol=self.config.parallel_protocol)
+        kvc = self.config.kv_cache
+        uses_cache = any(scorer.name == "prefix_cache" for scorer, _ in self.placer.profile.scorers)
+        info = pb.SessionInfo(
+            pd_flow=self.placer.pd_flow, parallel_protocol=self.config.parallel_protocol,
+            kv_hash=pb.KVHashConfig(enabled=uses_cache, block_size=kvc.block_size, algo=kvc.hash_algo,
+                                    seed=kvc.hash_seed or "", seed_set=kvc.hash_seed is not None,
+                                    lora_key_format=kvc.lora_key_format))
         pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.registry, info), self._server)
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer), self._server)
@@ -84,7 +98,12 @@ class ControlPlane:
         if self._runner:
             await self._runner.cleanup()
         await self.metaserver.stop()
+        await self.kv.stop()
         await self.health.stop()
+
+    async def _worker_added(self, worker) -> None:
+        await self.health.check(worker)
+        await self.kv.watch(worker)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -100,7 +119,7 @@ class ControlPlane:
             return web.json_response({"status": "ok"})
 
         async def prom(_: web.Request) -> web.Response:
-            body = metrics.render(await self.store.list_workers(), self.placer.stats)
+            body = metrics.render(await self.store.list_workers(), self.placer.stats, self.kv)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app.router.add_get("/health", health)

@@ -22,9 +22,10 @@ _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HE
 _PB_TO_ROLE = {pb.ROLE_BOTH: Role.BOTH, pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 
 
-def worker_info(w: Worker) -> pb.WorkerInfo:
+def worker_info(w: Worker, cached_blocks: int = 0) -> pb.WorkerInfo:
     now = time.monotonic()
     return pb.WorkerInfo(
+        kv_events=w.kv_events, cached_blocks=cached_blocks,
         id=w.id, url=w.url, role=ROLE_TO_PB[w.role], model=w.model, weight=w.weight,
         status=_HEALTH_TO_PB[w.health], draining=w.draining, source=w.source,
         placements_total=w.placements_total, failures_total=w.failures_total, last_error=w.last_error,
@@ -95,7 +96,8 @@ def _spec_from_register(req: pb.RegisterRequest) -> dict:
     if req.weight < 0:
         raise ValueError("weight must be >= 0")
     return dict(url=req.url, role=role, model=req.model, weight=req.weight or 1.0,
-                worker_id=req.worker_id, labels=dict(req.labels), bootstrap_port=req.bootstrap_port)
+                worker_id=req.worker_id, labels=dict(req.labels), bootstrap_port=req.bootstrap_port,
+                kv_events=req.kv_events, kv_replay=req.kv_replay, dp_size=req.dp_size or 1)
 
 
 class RegistryService(pb_grpc.RegistryServicer):
@@ -135,7 +137,9 @@ class AdminService(pb_grpc.AdminServicer):
         workers = await self.registry.store.list_workers()
         if request.model:
             workers = [w for w in workers if w.model == request.model]
-        return pb.ListWorkersResponse(workers=[worker_info(w) for w in sorted(workers, key=lambda w: w.id)],
+        kv = self.placer.kv
+        return pb.ListWorkersResponse(workers=[worker_info(w, kv.cached_blocks(w.id) if kv else 0)
+                                               for w in sorted(workers, key=lambda w: w.id)],
                                       policy=self.placer.profile.name)
 
     async def AddWorker(self, request, context):

@@ -33,6 +33,8 @@ class EngineMetrics:
     running: int = -1
     waiting: int = -1
     kv_usage: float = -1.0
+    prefix_hits: float = -1.0       # vllm:prefix_cache_hits_total (tokens)
+    prefix_queries: float = -1.0    # vllm:prefix_cache_queries_total (tokens)
     updated_at: float = 0.0
 
     def fresh(self, max_age_s: float, now: float | None = None) -> bool:
@@ -60,6 +62,9 @@ class Worker:
     consecutive_failures: int = 0
     last_error: str = ""
     heartbeat_ttl_s: float = 0.0      # 0: never expires (static workers)
+    kv_events: str = ""               # ZMQ KV-event publisher; empty: approximate cache tracking
+    kv_replay: str = ""
+    dp_size: int = 1
     last_heartbeat: float = field(default_factory=time.monotonic)
 
     @property

@@ -22,6 +22,7 @@ class PendingPrefill:
     prompt_tokens: int
     max_tokens: int
     expected: list[str]             # engine ids that must report before P is sent
+    block_hashes: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     result: asyncio.Future | None = None    # set once: None = ok, str = error message

@@ -76,7 +76,8 @@ class Metaserver:
             path=req.path or "/v1/completions", body=req.body, model=req.model,
             prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
             expected=engine_request_ids(req.engine_request_id or req.request_id, req.path == CHAT_PATH,
-                                        req.num_prompts))
+                                        req.num_prompts),
+            block_hashes=list(req.block_hashes))
         self.table.add(entry)
 
     def drop(self, placement_id: str, reason: str = "the request ended before its prefill") -> None:
@@ -137,7 +138,8 @@ class Metaserver:
             for _ in range(self.prefill_retries + 1):
                 placement = await self.placer.place(pb.PlaceRequest(
                     request_id=entry.placement_id, model=entry.model, leg=pb.LEG_PREFILL,
-                    prompt_tokens=entry.prompt_tokens, max_tokens=entry.max_tokens, exclude_workers=tried))
+                    prompt_tokens=entry.prompt_tokens, max_tokens=entry.max_tokens, exclude_workers=tried,
+                    block_hashes=entry.block_hashes))
                 if placement.error:
                     error = placement.error_message
                     return

@@ -110,7 +110,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., engine_running: _Optional[int] = ..., engine_waiting: _Optional[int] = ..., engine_kv_usage: _Optional[float] = ..., metrics_age_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port")
+    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class WorkerInfo(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     url: str
     role: Role
@@ -146,10 +148,12 @@ class WorkerInfo(_message.Message):
     last_error: str
     labels: _containers.ScalarMap[str, str]
     bootstrap_port: int
-    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
+    kv_events: str
+    cached_blocks: int
+    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts")
+    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,7 @@ class PlaceRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     request_id: str
     model: str
@@ -174,7 +179,8 @@ class PlaceRequest(_message.Message):
     path: str
     engine_request_id: str
     num_prompts: int
-    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("seq", "request_id", "flow", "prefill", "decode", "explanation", "error", "error_message", "metaserver_url")
@@ -237,12 +243,30 @@ class DataPlaneMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., place: _Optional[_Union[PlaceRequest, _Mapping]] = ..., event: _Optional[_Union[LifecycleEvent, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("pd_flow", "parallel_protocol")
+    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash")
     PD_FLOW_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    KV_HASH_FIELD_NUMBER: _ClassVar[int]
     pd_flow: Flow
     parallel_protocol: str
-    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ...) -> None: ...
+    kv_hash: KVHashConfig
+    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ...) -> None: ...
+
+class KVHashConfig(_message.Message):
+    __slots__ = ("enabled", "block_size", "algo", "seed", "seed_set", "lora_key_format")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALGO_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_SET_FIELD_NUMBER: _ClassVar[int]
+    LORA_KEY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    block_size: int
+    algo: str
+    seed: str
+    seed_set: bool
+    lora_key_format: str
+    def __init__(self, enabled: _Optional[bool] = ..., block_size: _Optional[int] = ..., algo: _Optional[str] = ..., seed: _Optional[str] = ..., seed_set: _Optional[bool] = ..., lora_key_format: _Optional[str] = ...) -> None: ...
 
 class ControlPlaneMessage(_message.Message):
     __slots__ = ("placement", "info")
@@ -277,7 +301,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s")
+    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +317,9 @@ class RegisterRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     url: str
     role: Role
     model: str
@@ -301,7 +328,10 @@ class RegisterRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     bootstrap_port: int
     heartbeat_ttl_s: float
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
+    kv_events: str
+    kv_replay: str
+    dp_size: int
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")

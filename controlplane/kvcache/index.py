@@ -91,6 +91,10 @@ class PrefixIndex:
     def workers(self) -> list[WorkerKey]:
         return list(self._slot_of)
 
+    def blocks_held(self, worker_id: str) -> int:
+        """Blocks held by a worker, summed over its DP ranks (for admin views and metrics)."""
+        return sum(len(self._blocks_of[s]) for k, s in self._slot_of.items() if k[0] == worker_id)
+
     def drop_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Forget a worker (every DP rank when ``dp_rank`` is None) and free its slot(s)."""
         keys = [k for k in self._slot_of if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]

@@ -23,6 +23,10 @@ class PlacementContext:
     metrics_max_age_s: float = 5.0
     # Workers that run a leg of this kind (entry: aggregated or prefill).
     roles: frozenset[Role] = frozenset()
+    # Prefix cache: blocks in the prompt's hash chain, and per worker how many leading
+    # blocks it holds (looked up once per placement, before the plugins run).
+    chain_blocks: int = 0
+    match_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,13 +42,17 @@ class Decision:
     candidates: list[Candidate]
     dropped: dict[str, str]        # worker id -> the filter that removed it
     policy: str
+    chain_blocks: int = 0
+    match_blocks: dict[str, int] = field(default_factory=dict)
 
     def explain(self) -> str:
         parts = [f"policy={self.policy}"]
         for c in sorted(self.candidates, key=lambda c: -c.score):
             detail = ",".join(f"{k}={v:.3f}" for k, v in c.scores.items())
             mark = "*" if self.worker is not None and c.worker.id == self.worker.id else " "
-            parts.append(f"{mark}{c.worker.id} score={c.score:.3f} [{detail}] "
+            cache = (f" match={self.match_blocks.get(c.worker.id, 0)}/{self.chain_blocks}blk"
+                     if self.chain_blocks else "")
+            parts.append(f"{mark}{c.worker.id} score={c.score:.3f} [{detail}]{cache} "
                          f"load={c.worker.inflight_requests}req/{c.worker.inflight_tokens}tok")
         for wid, why in sorted(self.dropped.items()):
             parts.append(f"-{wid} dropped by {why}")

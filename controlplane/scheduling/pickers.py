@@ -72,7 +72,36 @@ class PowerOfTwoPicker:
         return a if a.score > b.score else b
 
 
+@dataclass
+class CacheAwarePicker:
+    """SGLang's cache-aware rule: follow the cache unless the load is out of balance.
+
+    Out of balance means ``max - min > abs_threshold`` and ``max > rel_threshold * min``
+    over the candidates' in-flight requests; then the least-loaded worker wins outright,
+    because a warm cache on an overloaded worker costs more than it saves.
+    """
+
+    abs_threshold: int = 32
+    rel_threshold: float = 1.5
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "cache_aware"
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
+        from controlplane.scheduling.scorers import effective_requests
+
+        loads = [effective_requests(c.worker, ctx) for c in candidates]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
+            best = min(loads)
+            top = [c for c, load in zip(candidates, loads) if load == best]
+        else:
+            best_score = max(c.score for c in candidates)
+            top = [c for c in candidates if c.score >= best_score - 1e-12]
+        return top[0] if len(top) == 1 else self.rng.choice(top)
+
+
 PICKERS = {
+    "cache_aware": CacheAwarePicker,
     "max_score": MaxScorePicker,
     "random": WeightedRandomPicker,
     "round_robin": RoundRobinPicker,

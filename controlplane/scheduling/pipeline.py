@@ -38,13 +38,15 @@ class Profile:
             remaining = kept
         candidates = [Candidate(worker=w) for w in remaining]
         if not candidates:
-            return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name)
+            return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name,
+                            chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks)
         for scorer, weight in self.scorers:
             for cand, value in zip(candidates, scorer.score(ctx, remaining)):
                 cand.scores[scorer.name] = value
                 cand.score += weight * value
         chosen = self.picker.pick(ctx, candidates)
-        return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name)
+        return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name,
+                        chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks)
 
     @staticmethod
     def _apply(flt: Filter, ctx: PlacementContext, workers: list[Worker],
@@ -64,6 +66,14 @@ POLICIES: dict[str, dict[str, Any]] = {
     "random": {"picker": "random"},
     "power_of_two": {"scorers": [{"name": "least_load"}], "picker": "power_of_two"},
     "least_load": {"scorers": [{"name": "least_load"}], "picker": "max_score"},
+    # SGLang-style: most cached prefix, unless loads are too far apart (then least load).
+    "cache_aware": {"scorers": [{"name": "prefix_cache", "weight": 1.0}, {"name": "least_load", "weight": 1e-3}],
+                    "picker": "cache_aware"},
+    # Omni's APC-first: deepest match among workers within their token/sequence budgets,
+    # ties to the lower load.
+    "apc_first": {"filters": [{"name": "overload"}],
+                  "scorers": [{"name": "prefix_cache", "weight": 1.0}, {"name": "least_load", "weight": 1e-6}],
+                  "picker": "max_score"},
 }
 
 

@@ -45,4 +45,20 @@ class LeastLoadScorer:
         return [1.0 - load / top for load in loads]
 
 
-SCORERS = {"least_load": LeastLoadScorer}
+@dataclass
+class PrefixCacheScorer:
+    """Prefers the worker that already holds more of the prompt's KV blocks.
+
+    Score = leading blocks held / blocks in the prompt, from the control plane's prefix
+    index (exact from engine KV events, or remembered routing for engines without them).
+    """
+
+    name: str = "prefix_cache"
+
+    def score(self, ctx: PlacementContext, workers: list[Worker]) -> list[float]:
+        if not ctx.chain_blocks:
+            return [0.0] * len(workers)
+        return [ctx.match_blocks.get(w.id, 0) / ctx.chain_blocks for w in workers]
+
+
+SCORERS = {"least_load": LeastLoadScorer, "prefix_cache": PrefixCacheScorer}
