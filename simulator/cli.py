@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one (default 0)")
     g.add_argument("--ready-file", default=None,
-                   help="write {pid, port, model, role, engine_id} as JSON here once listening")
+                   help="write {pid, port, bootstrap_port, model, role, engine_id} as JSON here once listening")
     g.add_argument("--model", default="sim-model", help="served model name (default sim-model)")
     g.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                    help="both = aggregated; prefill = kv_producer; decode = kv_consumer (default both)")
@@ -40,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV pool size in blocks; when full, admission waits and decodes preempt (default 32768)")
     s.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="how long a prefill node keeps KV for a decode node to pull (default 30)")
+    k = parser.add_argument_group("parallel / layerwise PD")
+    k.add_argument("--bootstrap-port", type=int, default=0,
+                   help="port serving /sim/bootstrap/pull, i.e. the bootstrap_port a proxy puts in requests; "
+                        "0 = the HTTP port (default 0)")
+    k.add_argument("--bootstrap-timeout-s", type=float, default=30.0,
+                   help="how long a prefill node holds a bootstrap room's KV waiting for its decode peer, "
+                        "and how long a decode node's fetch waits for the prefill (default 30)")
+    k.add_argument("--metaserver-timeout-s", type=float, default=60.0,
+                   help="layerwise decode: how long to wait for the metaserver's answer (default 60)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -52,6 +61,8 @@ def config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_lease_s=args.kv_lease_s,
+        bootstrap_port=args.bootstrap_port, bootstrap_timeout_s=args.bootstrap_timeout_s,
+        metaserver_timeout_s=args.metaserver_timeout_s,
     )
     if args.engine_id:
         kwargs["engine_id"] = args.engine_id

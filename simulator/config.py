@@ -38,6 +38,12 @@ class SimConfig:
     # KV pool: 32768 blocks x 16 tokens ~ 512k tokens, a mid-size model on one 80 GB GPU.
     num_gpu_blocks: int = 32768
     kv_lease_s: float = 30.0
+    # Parallel (bootstrap) PD: the port D fetches KV from (0 = the HTTP port) and how long a
+    # prefill node holds a room's KV for its decode peer (and a fetch waits for its prefill).
+    bootstrap_port: int = 0
+    bootstrap_timeout_s: float = 30.0
+    # Layerwise PD (D first): how long a decode node waits for the metaserver's answer.
+    metaserver_timeout_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -48,9 +54,12 @@ class SimConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("prefill_ms_per_token", "decode_ms_per_step", "decode_ms_per_seq",
-                     "kv_transfer_ms_per_token", "kv_lease_s"):
+                     "kv_transfer_ms_per_token", "kv_lease_s", "bootstrap_timeout_s",
+                     "metaserver_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError("bootstrap_port must be in 0..65535")
         # A request that can never fit in the KV pool would sit at the head of the queue forever.
         if self.num_gpu_blocks * self.block_size < self.max_model_len:
             raise ValueError(

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from simulator.bootstrap import BootstrapRooms
 from simulator.config import SimConfig
 from simulator.engine import Engine
 from simulator.faults import Faults
 from simulator.kv_transfer import KvLeaseTable, PullCounters
+from simulator.layerwise import PushTable
 from simulator.metrics import SimMetrics
 from simulator.request_log import RequestLog
 
@@ -21,20 +23,28 @@ class SimContext:
     engine: Engine
     metrics: SimMetrics
     leases: KvLeaseTable
+    rooms: BootstrapRooms
     faults: Faults = field(default_factory=Faults)
     log: RequestLog = field(default_factory=RequestLog)
     pulls: PullCounters = field(default_factory=PullCounters)
+    pushes: PushTable = field(default_factory=PushTable)
     # Filled in once the server is bound / started.
     port: int = 0
     http: aiohttp.ClientSession | None = None
+
+    @property
+    def bootstrap_port(self) -> int:
+        """The port a proxy names as this node's bootstrap_port (serves /sim/bootstrap/pull)."""
+        return self.cfg.bootstrap_port or self.port
 
     @classmethod
     def create(cls, cfg: SimConfig) -> "SimContext":
         metrics = SimMetrics(cfg)
         engine = Engine(cfg, observer=metrics)
         metrics.watch(engine)
-        return cls(cfg=cfg, engine=engine, metrics=metrics, leases=KvLeaseTable(engine, cfg.kv_lease_s),
-                   port=cfg.port)
+        rooms = BootstrapRooms()
+        return cls(cfg=cfg, engine=engine, metrics=metrics, leases=KvLeaseTable(engine, cfg.kv_lease_s, rooms),
+                   rooms=rooms, port=cfg.port)
 
 
 SIM = web.AppKey("sim", SimContext)

@@ -9,7 +9,9 @@ so a disconnect frees its batch slot and KV blocks the way vLLM's ``with_cancell
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -17,12 +19,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from simulator.bootstrap import BootstrapSource, RoomHold, fetch_room
 from simulator.context import SIM, SimContext
 from simulator.engine import SimRequest
 from simulator.kv_transfer import KvPlan, plan_kv, producer_params, pull_kv
+from simulator.layerwise import PushTarget, call_metaserver, push_kv
 from simulator.parsing import ParsedRequest, parse_request
-from simulator.protocol import (SSE_DONE, ApiError, Kind, ResponseHead, StreamFormatter, error_body,
-                                response_body, usage)
+from simulator.protocol import (SSE_DONE, ApiError, Kind, KvTransferError, ResponseHead, StreamFormatter,
+                                error_body, response_body, usage)
 from simulator.tokens import VOCAB_JSON, detokenize, initial_state, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -81,28 +85,57 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
 
     response_id = f"cmpl-{base_id}" if kind == "completion" else f"chatcmpl-{base_id}"
     engine_id = f"{response_id}-0" if kind == "completion" else response_id  # vLLM's internal ids
-    kv = plan_kv(ctx.cfg.role, parsed.kv_transfer_params, engine_id)
+    try:
+        kv = plan_kv(ctx.cfg.role, parsed.kv_transfer_params, engine_id, body, base_id)
+    except ApiError as exc:
+        return web.Response(body=exc.body(), status=exc.status, content_type="application/json",
+                            headers=headers)
     if kv.produce and ctx.faults.take_omit_kv():
         kv = KvPlan()
         produce_omitted = True
     else:
         produce_omitted = False
+    room_hold: RoomHold | None = None
+    hold_kv = None
+    if kv.produce:
+        hold_kv = functools.partial(ctx.leases.hold, room=kv.lease_room)
+    elif kv.bootstrap_room is not None:
+        if not ctx.rooms.claim(kv.bootstrap_room):
+            return error_response(409, f"bootstrap_room {kv.bootstrap_room} is already in use on this "
+                                       "prefill node", "bootstrap_room", headers=headers)
+        room_hold = hold_kv = RoomHold(ctx.engine, ctx.rooms, kv.bootstrap_room)
     seed = ctx.cfg.seed if parsed.seed is None else parsed.seed
     req = SimRequest(
         request_id=engine_id,
         prompt_tokens=parsed.prompt_tokens,
         # A prefill node answers with the single token sampled at the end of prefill.
-        max_tokens=1 if (kv.produce or produce_omitted) else parsed.max_tokens,
+        max_tokens=1 if (kv.prefill_only or produce_omitted) else parsed.max_tokens,
         rng=initial_state(seed, parsed.prompt_fingerprint),
         arrival=arrival,
         stop_ids=stop_token_ids(parsed.stop) if parsed.stop else frozenset(),
-        hold_kv=ctx.leases.hold if kv.produce else None,
+        hold_kv=hold_kv,
     )
     head = ResponseHead(kind=kind, id=response_id, created=int(time.time()), model=ctx.cfg.model)
     try:
         if kv.pull is not None:
             req.external_tokens = await _receive_kv(ctx, kv, parsed, engine_id)
+        elif kv.fetch is not None:
+            req.external_tokens = await _fetch_kv(ctx, kv.fetch, parsed)
+        elif kv.metaserver is not None:
+            req.external_tokens = await _receive_pushed_kv(ctx, kv.metaserver, parsed, engine_id)
         ctx.engine.submit(req)
+        if room_hold is not None or kv.push:
+            # These prefill nodes hand the KV over before answering their own client.
+            await req.finished.wait()
+            if req.finish_reason == "abort":
+                return error_response(503, "The request was aborted: the engine is shutting down.",
+                                      headers=headers)
+            if room_hold is not None and not await room_hold.wait_for_peer(ctx.cfg.bootstrap_timeout_s):
+                return error_response(500, f"bootstrap peer never came: no decode node fetched bootstrap_room "
+                                           f"{room_hold.room} within {ctx.cfg.bootstrap_timeout_s:g}s",
+                                      headers=headers)
+            if kv.push:
+                await _push_kv(ctx, kv.push, req)
         if parsed.stream:
             return await _stream(request, ctx, req, parsed, head, kv, headers)
         await req.finished.wait()
@@ -110,9 +143,14 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             return error_response(503, "The request was aborted: the engine is shutting down.",
                                   headers=headers)
         return json_response(_final_body(ctx, req, parsed, head, kv), headers=headers)
+    except KvTransferError as exc:
+        log.warning("request %s failed: %s", engine_id, exc)
+        return error_response(500, str(exc), headers=headers)
     finally:
         if not req.done:
             ctx.engine.abort(req)
+        if room_hold is not None:
+            room_hold.close()
 
 
 def _base_request_id(request: web.Request, body: Any) -> str:
@@ -135,10 +173,86 @@ async def _receive_kv(ctx: SimContext, kv: KvPlan, parsed: ParsedRequest, reques
             return 0
         ctx.pulls.ok += 1
         tokens = min(held, parsed.prompt_tokens)
-        transfer_s = ctx.cfg.kv_transfer_ms_per_token * tokens / 1000.0
-        if transfer_s > 0:
-            await asyncio.sleep(transfer_s)
+        await _pay_transfer(ctx, tokens)
         return tokens
+
+
+async def _pay_transfer(ctx: SimContext, tokens: int) -> None:
+    transfer_s = ctx.cfg.kv_transfer_ms_per_token * tokens / 1000.0
+    if transfer_s > 0:
+        await asyncio.sleep(transfer_s)
+
+
+async def _fetch_kv(ctx: SimContext, src: BootstrapSource, parsed: ParsedRequest) -> int:
+    """Bootstrap flow, decode side: long-poll P for the room's KV; KvTransferError if it fails."""
+    assert ctx.http is not None
+    with ctx.engine.remote_kv_wait():
+        try:
+            held = await fetch_room(ctx.http, src, ctx.cfg.bootstrap_timeout_s)
+        except KvTransferError:
+            ctx.rooms.counters.pulls_failed += 1
+            raise
+        ctx.rooms.counters.pulls_ok += 1
+        tokens = min(held, parsed.prompt_tokens)
+        await _pay_transfer(ctx, tokens)
+        return tokens
+
+
+async def _receive_pushed_kv(ctx: SimContext, url: str, parsed: ParsedRequest, request_id: str) -> int:
+    """Layerwise flow, decode side: post our receive ticket to the metaserver, then wait until
+    the metaserver answered ok and P's push arrived. KvTransferError otherwise, never a hang."""
+    assert ctx.http is not None
+    cfg = ctx.cfg
+    wait = ctx.pushes.expect(request_id)
+    if wait is None:
+        raise KvTransferError(f"a request with id {request_id!r} is already waiting for pushed KV here")
+    ticket = {
+        "token_ids": [],
+        "request_id": request_id,
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": ctx.engine.block_ids(math.ceil(parsed.prompt_tokens / cfg.block_size)),
+        "remote_block_size": cfg.block_size,
+        "remote_engine_id": cfg.engine_id,
+        "remote_host": cfg.advertised_host,
+        "remote_port": ctx.port,
+        "remote_tp_size": 1,
+        "remote_pcp_size": 1,
+        "remote_dcp_size": 1,
+        "remote_cached_tokens": 0,
+    }
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.metaserver_timeout_s
+    try:
+        with ctx.engine.remote_kv_wait():
+            try:
+                await call_metaserver(ctx.http, url, ticket, cfg.metaserver_timeout_s)
+            except KvTransferError:
+                ctx.pushes.counters.metaserver_calls_failed += 1
+                raise
+            ctx.pushes.counters.metaserver_calls_ok += 1
+            if wait.num_tokens is None:
+                try:
+                    await asyncio.wait_for(wait.arrived.wait(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise KvTransferError(f"metaserver {url} answered ok but no KV was pushed for "
+                                          f"{request_id!r}") from None
+            assert wait.num_tokens is not None
+            return min(wait.num_tokens, parsed.prompt_tokens)
+    finally:
+        ctx.pushes.forget(wait)
+
+
+async def _push_kv(ctx: SimContext, targets: tuple[PushTarget, ...], req: SimRequest) -> None:
+    """Layerwise flow, prefill side: push the prompt's KV into each decode ticket."""
+    assert ctx.http is not None
+    for target in targets:
+        try:
+            await push_kv(ctx.http, target, req.prompt_tokens)
+        except KvTransferError:
+            ctx.pushes.counters.pushes_failed += 1
+            raise
+        ctx.pushes.counters.pushes_sent += 1
 
 
 def _text_tokens(req: SimRequest) -> list[int]:

@@ -1,4 +1,12 @@
-"""Prefill/decode roles, following vLLM's NixlConnector pull protocol.
+"""Prefill/decode roles: which KV-transfer flow a request takes, and vLLM's NIXL pull flow.
+
+``plan_kv`` reads a request and decides its flow on this node:
+
+* pull (vLLM NixlConnector, sequential P then D): below;
+* bootstrap (SGLang rooms, vLLM MooncakeConnector; parallel P and D): ``bootstrap``;
+* layerwise push (vllm-ascend MooncakeLayerwiseConnector; D first): ``layerwise``.
+
+Pull flow:
 
 A prefill node (kv_producer) asked for ``do_remote_decode`` keeps the prompt's KV blocks
 after answering and hands the decode node a ``kv_transfer_params`` ticket. A decode node
@@ -17,8 +25,11 @@ from typing import Any
 
 import aiohttp
 
+from simulator.bootstrap import BootstrapRooms, BootstrapSource, RoomOffer, room_key
 from simulator.config import Role, SimConfig
 from simulator.engine import Engine, SimRequest
+from simulator.layerwise import PushTarget
+from simulator.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +53,111 @@ class PullTarget:
 
 @dataclass(frozen=True)
 class KvPlan:
-    """What this request does with KV transfer on this node."""
+    """What this request does with KV transfer on this node (at most one flow is set)."""
 
-    produce: bool = False
-    pull: PullTarget | None = None
+    # Prefill side.
+    produce: bool = False                  # pull flow: keep a lease, return a NIXL ticket
+    lease_room: str | None = None          # ... also reachable by Mooncake bootstrap fetch as this room
+    bootstrap_room: str | None = None      # SGLang: offer the room, answer once D took it
+    push: tuple[PushTarget, ...] = ()      # layerwise: push the KV to these decode tickets
+    # Decode side.
+    pull: PullTarget | None = None         # pull flow: NIXL ticket from P's response
+    fetch: BootstrapSource | None = None   # bootstrap flow: long-poll P's bootstrap port
+    metaserver: str | None = None          # layerwise: post our ticket here, then wait for the push
+
+    @property
+    def prefill_only(self) -> bool:
+        """This node computes the prompt and samples one token for a decode node."""
+        return self.produce or self.bootstrap_room is not None or bool(self.push)
 
 
-def plan_kv(role: Role, params: dict[str, Any] | None, request_id: str) -> KvPlan:
-    if not params:
+def plan_kv(role: Role, params: dict[str, Any] | None, request_id: str, body: dict[str, Any] | None = None,
+            base_id: str = "") -> KvPlan:
+    """Decide the request's flow; ApiError (400) for fields no engine would accept.
+
+    ``request_id`` is the engine-side id (``cmpl-<base>-0`` / ``chatcmpl-<base>``), ``base_id``
+    the X-Request-Id, ``body`` the request (SGLang puts its bootstrap fields at top level).
+    """
+    body = body or {}
+    if role == "prefill":
+        if body.get("bootstrap_room") is not None:
+            return KvPlan(bootstrap_room=room_key(_single(body, "bootstrap_room", (int, str))))
+        if params and params.get("do_remote_decode"):
+            if params.get("remote_host") is not None and params.get("remote_port") is not None:
+                return KvPlan(push=_push_targets(params, request_id))
+            return KvPlan(produce=True, lease_room=room_key(params.get("transfer_id") or base_id))
         return KvPlan()
-    if role == "prefill" and params.get("do_remote_decode"):
-        return KvPlan(produce=True)
-    if role == "decode" and params.get("do_remote_prefill"):
-        target = _pull_target(params)
-        if target is None:
-            log.warning("Got invalid KVTransferParams for %s: %s. This request will not utilize "
-                        "KVTransfer and will recompute the prompt locally.", request_id, params)
-            return KvPlan()
-        return KvPlan(pull=target)
+    if role == "decode":
+        if params and params.get("do_remote_prefill"):
+            if params.get("metaserver") is not None:
+                url = params["metaserver"]
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise ApiError(400, "kv_transfer_params.metaserver must be an http(s) URL",
+                                   "kv_transfer_params")
+                return KvPlan(metaserver=url)
+            if "bootstrap_server_host" in params:
+                host, port = params.get("bootstrap_server_host"), params.get("bootstrap_server_port")
+                if not isinstance(host, str) or not host or type(port) is not int:
+                    log.warning("Got invalid KVTransferParams for %s: %s (bootstrap_server_host/port). "
+                                "This request will not utilize KVTransfer.", request_id, params)
+                    return KvPlan()
+                return KvPlan(fetch=BootstrapSource(host, port, params.get("transfer_id") or base_id))
+            target = _pull_target(params)
+            if target is None:
+                log.warning("Got invalid KVTransferParams for %s: %s. This request will not utilize "
+                            "KVTransfer and will recompute the prompt locally.", request_id, params)
+                return KvPlan()
+            return KvPlan(pull=target)
+        if body.get("bootstrap_room") is not None or body.get("bootstrap_host") is not None:
+            room = _single(body, "bootstrap_room", (int, str))
+            host = _single(body, "bootstrap_host", (str,))
+            port = _single(body, "bootstrap_port", (int,))
+            return KvPlan(fetch=BootstrapSource(host, port, room))
+        return KvPlan()
     return KvPlan()
+
+
+def _single(body: dict[str, Any], name: str, types: tuple[type, ...]) -> Any:
+    """A SGLang bootstrap field: a value, or a list of one (a batch of one prompt)."""
+    value = body.get(name)
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ApiError(400, f"The simulator serves one prompt per request; {name} has "
+                                f"{len(value)} entries.", name)
+        value = value[0]
+    if value is None:
+        raise ApiError(400, f"{name} is required for a bootstrap (parallel) prefill/decode request", name)
+    if isinstance(value, bool) or not isinstance(value, types):
+        want = " or ".join(t.__name__ for t in types)
+        raise ApiError(400, f"{name} must be {want}", name)
+    return value
+
+
+def _push_targets(params: dict[str, Any], request_id: str) -> tuple[PushTarget, ...]:
+    """Layerwise P: D's ticket, or one per child in ``batch_kv_transfer_params``."""
+    batch = params.get("batch_kv_transfer_params")
+    if batch is None:
+        return (_push_target(params, request_id),)
+    if not isinstance(batch, dict) or not batch:
+        raise ApiError(400, "kv_transfer_params.batch_kv_transfer_params must be a non-empty object "
+                            "{child_request_id: kv_transfer_params}", "kv_transfer_params")
+    targets = []
+    for child_id, child in batch.items():
+        if not isinstance(child, dict):
+            raise ApiError(400, f"batch_kv_transfer_params[{child_id!r}] must be an object", "kv_transfer_params")
+        targets.append(_push_target(child, child_id))
+    return tuple(targets)
+
+
+def _push_target(params: dict[str, Any], default_id: str) -> PushTarget:
+    host, port, engine = params.get("remote_host"), params.get("remote_port"), params.get("remote_engine_id")
+    rid = params.get("request_id") or default_id
+    if not isinstance(host, str) or not host or type(port) is not int or not isinstance(engine, str) \
+            or not isinstance(rid, str):
+        raise ApiError(400, "a layerwise (push) prefill needs kv_transfer_params with string remote_host, "
+                            "int remote_port, string remote_engine_id and string request_id",
+                       "kv_transfer_params")
+    return PushTarget(request_id=rid, remote_engine_id=engine, remote_host=host, remote_port=port)
 
 
 def _pull_target(params: dict[str, Any]) -> PullTarget | None:
@@ -82,6 +179,7 @@ class KvLease:
     block_ids: list[int]
     num_tokens: int
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    offer: RoomOffer | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -94,9 +192,10 @@ class LeaseCounters:
 class KvLeaseTable:
     """KV blocks a prefill node keeps for decode nodes, each for at most ``lease_s``."""
 
-    def __init__(self, engine: Engine, lease_s: float) -> None:
+    def __init__(self, engine: Engine, lease_s: float, rooms: BootstrapRooms | None = None) -> None:
         self._engine = engine
         self._lease_s = lease_s
+        self._rooms = rooms
         self._leases: dict[str, KvLease] = {}
         self.counters = LeaseCounters()
 
@@ -109,12 +208,19 @@ class KvLeaseTable:
     def get(self, remote_request_id: str) -> KvLease | None:
         return self._leases.get(remote_request_id)
 
-    def hold(self, req: SimRequest, blocks: int) -> None:
-        """Engine hook: ``req`` finished its prefill and hands its blocks to a lease."""
-        self._drop(req.request_id)  # a reused request id replaces the old lease
-        lease = KvLease(req.request_id, self._engine.block_ids(blocks), req.prompt_tokens)
-        lease.timer = asyncio.get_running_loop().call_later(self._lease_s, self._expire, req.request_id, lease)
-        self._leases[req.request_id] = lease
+    def hold(self, req: SimRequest, blocks: int, room: str | None = None) -> None:
+        """Engine hook: ``req`` finished its prefill and hands its blocks to a lease.
+
+        With ``room`` the lease is also offered as that bootstrap room, so a MooncakeConnector
+        decode node can fetch it by request id instead of by NIXL ticket.
+        """
+        rid = req.request_id
+        self._drop(rid)  # a reused request id replaces the old lease
+        lease = KvLease(rid, self._engine.block_ids(blocks), req.prompt_tokens)
+        lease.timer = asyncio.get_running_loop().call_later(self._lease_s, self._expire, rid, lease)
+        if room is not None and self._rooms is not None:
+            lease.offer = self._rooms.offer(room, lease.num_tokens, lease.block_ids, lambda: self.take(rid))
+        self._leases[rid] = lease
         self.counters.created += 1
 
     def take(self, remote_request_id: str) -> KvLease | None:
@@ -139,6 +245,8 @@ class KvLeaseTable:
         if lease is not None:
             if lease.timer is not None:
                 lease.timer.cancel()
+            if lease.offer is not None and self._rooms is not None:
+                self._rooms.withdraw(lease.offer)
             self._engine.release_held_blocks(len(lease.block_ids))
         return lease
 

@@ -46,6 +46,10 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
+class KvTransferError(Exception):
+    """A KV transfer a request depends on failed (fetch, push or metaserver); answered as a 500."""
+
+
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
     err_type = ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return orjson.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})

@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from simulator import generate
+from simulator.bootstrap import room_key
 from simulator.config import SimConfig
 from simulator.context import SIM, SimContext
 from simulator.generate import error_response, json_response
@@ -41,6 +42,8 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.router.add_post("/sim/faults", set_faults)
     app.router.add_get("/sim/state", state)
     app.router.add_post("/sim/kv/pull", kv_pull)
+    app.router.add_post("/sim/kv/push", kv_push)
+    app.router.add_post("/sim/bootstrap/pull", bootstrap_pull)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)
@@ -74,9 +77,13 @@ async def serve(cfg: SimConfig, ready_file: str | None) -> None:
     runner, port = await start_http_site(app, cfg.host, cfg.port)
     ctx = app[SIM]
     ctx.port = port
-    log.info("sim %s (role=%s, engine_id=%s) serving %s on %s:%d", cfg.model, cfg.role, cfg.engine_id,
-             cfg.model, cfg.host, port)
-    write_ready_file(ready_file, port=port, model=cfg.model, role=cfg.role, engine_id=cfg.engine_id)
+    if cfg.bootstrap_port and cfg.bootstrap_port != port:
+        # A separate bootstrap port serves the same app (a proxy only calls /sim/bootstrap/pull there).
+        await web.TCPSite(runner, cfg.host, cfg.bootstrap_port, reuse_address=True).start()
+    log.info("sim %s (role=%s, engine_id=%s) serving %s on %s:%d (bootstrap port %d)", cfg.model, cfg.role,
+             cfg.engine_id, cfg.model, cfg.host, port, ctx.bootstrap_port)
+    write_ready_file(ready_file, port=port, bootstrap_port=ctx.bootstrap_port, model=cfg.model, role=cfg.role,
+                     engine_id=cfg.engine_id)
     try:
         await wait_for_stop_signal()
     finally:
@@ -144,6 +151,7 @@ async def state(request: web.Request) -> web.Response:
 def state_snapshot(ctx: SimContext) -> dict:
     """Flat counters tests and capacity planning read; totals only ever grow."""
     e, t = ctx.engine, ctx.engine.totals
+    rooms, lw = ctx.rooms, ctx.pushes.counters
     return {
         "engine_id": ctx.cfg.engine_id,
         "role": ctx.cfg.role,
@@ -163,6 +171,24 @@ def state_snapshot(ctx: SimContext) -> dict:
         "kv_leases_expired": ctx.leases.counters.expired,
         "kv_pulls_ok": ctx.pulls.ok,
         "kv_pulls_failed": ctx.pulls.failed,
+        # Parallel / bootstrap flow (SGLang rooms, vLLM MooncakeConnector).
+        "bootstrap_port": ctx.bootstrap_port,
+        "bootstrap_rooms_waiting": rooms.holds_waiting,
+        "bootstrap_room_ids": rooms.offered(),
+        "bootstrap_pulls_waiting": rooms.pulls_waiting,
+        "bootstrap_transfers": rooms.counters.transfers,
+        "bootstrap_timeouts": rooms.counters.timeouts,
+        "bootstrap_pull_timeouts": rooms.counters.pull_timeouts,
+        "bootstrap_fetches_ok": rooms.counters.pulls_ok,
+        "bootstrap_fetches_failed": rooms.counters.pulls_failed,
+        # Layerwise push flow (vllm-ascend MooncakeLayerwiseConnector).
+        "kv_push_waits": len(ctx.pushes),
+        "metaserver_calls_ok": lw.metaserver_calls_ok,
+        "metaserver_calls_failed": lw.metaserver_calls_failed,
+        "kv_pushes_received": lw.pushes_received,
+        "kv_pushes_rejected": lw.pushes_rejected,
+        "kv_pushes_sent": lw.pushes_sent,
+        "kv_pushes_failed": lw.pushes_failed,
         "requests_total": t.requests,
         "finished": dict(t.finished),
         "prompt_tokens_total": t.prompt_tokens,
@@ -193,3 +219,47 @@ async def kv_pull(request: web.Request) -> web.Response:
     return json_response({"remote_request_id": rid, "num_tokens": lease.num_tokens,
                           "num_blocks": len(lease.block_ids)})
 
+
+
+async def kv_push(request: web.Request) -> web.Response:
+    """Layerwise flow: a prefill node pushes a prompt's KV into this decode node."""
+    ctx = request.app[SIM]
+    try:
+        body = orjson.loads(await request.read())
+        rid, engine_id, num_tokens = body["request_id"], body["remote_engine_id"], body["num_tokens"]
+        if not isinstance(rid, str) or type(num_tokens) is not int or num_tokens < 0:
+            raise TypeError("request_id must be a string and num_tokens a non-negative int")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        return error_response(400, f"bad push request: {exc!r}")
+    if engine_id != ctx.cfg.engine_id:
+        ctx.pushes.counters.pushes_rejected += 1
+        return error_response(404, f"engine {engine_id!r} is not this engine ({ctx.cfg.engine_id!r})")
+    status, message = ctx.pushes.deliver(rid, num_tokens)
+    if status != 200:
+        return error_response(status, message)
+    return json_response({"request_id": rid, "num_tokens": num_tokens})
+
+
+async def bootstrap_pull(request: web.Request) -> web.Response:
+    """Bootstrap flow: a decode node long-polls for a room's KV (taking it frees the blocks here).
+
+    Body ``{"room": R, "timeout_s"?: float}``; waits at most min(timeout_s, --bootstrap-timeout-s)
+    for the room to be offered, then answers 404.
+    """
+    ctx = request.app[SIM]
+    try:
+        body = orjson.loads(await request.read())
+        room = body["room"]
+        timeout = body.get("timeout_s", ctx.cfg.bootstrap_timeout_s)
+        if room is None or isinstance(room, (bool, dict, list)):
+            raise TypeError("room must be an int or a string")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise TypeError("timeout_s must be a non-negative number")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        return error_response(400, f"bad bootstrap pull request: {exc!r}")
+    timeout = min(float(timeout), ctx.cfg.bootstrap_timeout_s)
+    offer = await ctx.rooms.take(room_key(room), timeout)
+    if offer is None:
+        return error_response(404, f"no KV offered for bootstrap room {room!r} within {timeout:g}s")
+    return json_response({"room": room, "engine_id": ctx.cfg.engine_id, "num_tokens": offer.num_tokens,
+                          "num_blocks": len(offer.block_ids)})
