@@ -17,6 +17,7 @@ from dataplane.flows.context import FlowContext
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.placing import place
+from dataplane.prefix import PrefixHasher
 from dataplane.requests import CHAT, COMPLETIONS, parse_request
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
@@ -47,6 +48,7 @@ class DataPlane:
         self.config = config
         self.metrics = DataPlaneMetrics()
         self.upstream = Upstream(config.upstream)
+        self.prefix = PrefixHasher()
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s)
 
@@ -113,6 +115,9 @@ class DataPlane:
     async def _generate(self, http: web.Request) -> web.StreamResponse:
         raw = await http.read()
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"))
+        kv_hash = self.placements.info.kv_hash
+        if kv_hash.enabled:
+            req.block_hashes = await self.prefix.chain(kv_hash, req.token_ids, req.body.get("cache_salt"))
         t0 = time.perf_counter()
         placement = await place(self.placements, req, pb.LEG_ENTRY)
         self.metrics.placement.observe(time.perf_counter() - t0)

@@ -7,7 +7,7 @@ the original bytes are what goes upstream whenever a leg does not change the bod
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -30,6 +30,8 @@ class ClientRequest:
     request_id: str          # what the engines see as X-Request-Id
     placement_id: str        # unique per request, for the control plane's ledger
     num_prompts: int = 1     # completions batch size; each prompt is its own engine request
+    token_ids: list[int] | None = None   # the prompt's token ids, when known (one prompt only)
+    block_hashes: list[int] = field(default_factory=list)   # vLLM hash chain, when placement wants it
 
     @property
     def is_chat(self) -> bool:
@@ -121,10 +123,15 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None) -> Clien
     prompt = body.get("prompt")
     if path != CHAT and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         num_prompts = len(prompt)
+    token_ids = None
+    if path != CHAT and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        token_ids = prompt
+    elif path != CHAT and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        token_ids = prompt[0]
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
     placement_id = uuid.uuid4().hex
     request_id = client_request_id.strip() if client_request_id and client_request_id.strip() else placement_id
     return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "",
                          stream=bool(body.get("stream")), max_tokens=int(max_tokens),
                          prompt_tokens=prompt_tokens, request_id=request_id, placement_id=placement_id,
-                         num_prompts=num_prompts)
+                         num_prompts=num_prompts, token_ids=token_ids)
