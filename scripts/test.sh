@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
 # Install omni-proxy with its test dependencies (once) and run the whole test suite.
 source "$(dirname "$0")/bootstrap.sh" test
+source "$ROOT/scripts/install_vllm.sh"   # real vLLM for tests/test_vllm_pd_nixl.py (cached)
 exec python -m pytest "$@"

