@@ -84,7 +84,10 @@ def start_cluster(sims: dict[str, str], *, policy: str = "least_load", cp_args: 
         args = ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--policy", policy,
                 "--health-interval", "0.2", "--metrics-interval", "0.2", *cp_args]
         for name, role in sims.items():
-            args += ["--worker", f"{children[name].url},role={role},id={name}"]
+            spec = f"{children[name].url},role={role},id={name}"
+            if children[name].info.get("bootstrap_port"):
+                spec += f",bootstrap_port={children[name].info['bootstrap_port']}"
+            args += ["--worker", spec]
         cp = group.start("controlplane", args)
         dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address, *dp_args])
         return Cluster(group=group, sims=children, cp=cp, dp=dp, worker_ids={n: n for n in sims})

@@ -1,0 +1,144 @@
+"""Parallel (bootstrap) and layerwise (metaserver) PD flows through real processes."""
+
+from __future__ import annotations
+
+import openai
+import orjson
+import pytest
+
+from tests.conftest import Cluster, start_cluster, wait_until
+
+MODEL = "sim-model"
+PD = {"prefill-0": "prefill", "decode-0": "decode"}
+
+
+def _cluster(*cp_args, sim_args=None):
+    c = start_cluster(PD, cp_args=list(cp_args), sim_args=sim_args)
+    return c
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    c = _cluster("--pd-flow", "parallel", "--parallel-protocol", "sglang")
+    yield c
+    c.group.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    c = _cluster("--pd-flow", "parallel", "--parallel-protocol", "mooncake")
+    yield c
+    c.group.close()
+
+
+@pytest.fixture(scope="module")
+def layerwise():
+    c = _cluster("--pd-flow", "layerwise", "--metaserver-host", "127.0.0.1")
+    yield c
+    c.group.close()
+
+
+async def _fresh(c: Cluster):
+    await wait_until(c.all_idle, what="idle before the test")
+    await c.clear_sim_requests()
+    for name in c.sims:
+        await c.sim_post(name, "/sim/faults", {"clear": True})
+
+
+async def test_sglang_parallel_sends_the_same_body_with_one_room_to_both(sglang: Cluster, http):
+    await _fresh(sglang)
+    before = await sglang.sim_get("decode-0", "/sim/state")
+    body = {"model": MODEL, "prompt": "parallel please " * 10, "max_tokens": 6, "stream": True}
+    async with http.post(sglang.url + "/v1/completions", json=body, headers={"X-Request-Id": "par-1"}) as r:
+        assert r.status == 200
+        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+    (p,) = await sglang.sim_requests("prefill-0")
+    (d,) = await sglang.sim_requests("decode-0")
+    assert p["body"] == d["body"]
+    room = d["body"]["bootstrap_room"]
+    assert isinstance(room, int) and 0 <= room < 2**63
+    assert d["body"]["bootstrap_host"] == "127.0.0.1"
+    assert d["body"]["bootstrap_port"] == sglang.sims["prefill-0"].info["bootstrap_port"]
+    assert p["request_id"] == d["request_id"] == "par-1"
+    after = await sglang.sim_get("decode-0", "/sim/state")
+    assert after["prompt_tokens_external"] > before["prompt_tokens_external"]
+    assert after["prompt_tokens_local"] == before["prompt_tokens_local"]
+    await wait_until(sglang.all_idle, what="P drained and released")
+
+
+async def test_parallel_prefill_failure_cancels_decode(sglang: Cluster, http):
+    await _fresh(sglang)
+    await sglang.sim_post("prefill-0", "/sim/faults", {"status": 500, "message": "prefill broke", "count": 1})
+    async with http.post(sglang.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 4}) as r:
+        assert r.status == 502
+        assert "prefill broke" in (await r.json())["error"]["message"]
+
+    async def decode_idle():
+        s = await sglang.sim_get("decode-0", "/sim/state")
+        return s["running"] == 0 and s["waiting"] == 0
+
+    await wait_until(decode_idle, what="decode abandoned its wait for KV")
+    await wait_until(sglang.all_idle, what="load released")
+
+
+async def test_mooncake_bootstrap_variant(mooncake: Cluster, http):
+    await _fresh(mooncake)
+    client = openai.AsyncOpenAI(base_url=mooncake.url + "/v1", api_key="unused")
+    resp = await client.completions.create(model=MODEL, prompt="mooncake " * 12, max_tokens=5,
+                                           extra_headers={"X-Request-Id": "mc-1"})
+    assert resp.usage.completion_tokens == 5
+    await client.close()
+    (p,) = await mooncake.sim_requests("prefill-0")
+    (d,) = await mooncake.sim_requests("decode-0")
+    assert p["body"]["max_tokens"] == 1 and p["body"]["kv_transfer_params"]["do_remote_decode"] is True
+    ktp = d["body"]["kv_transfer_params"]
+    assert ktp["do_remote_prefill"] is True and ktp["bootstrap_server_host"] == "127.0.0.1"
+    assert ktp["bootstrap_server_port"] == mooncake.sims["prefill-0"].info["bootstrap_port"]
+    assert p["request_id"] == d["request_id"] == "mc-1"
+
+
+async def test_layerwise_decode_first_then_metaserver_drives_prefill(layerwise: Cluster, http):
+    await _fresh(layerwise)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "push it layer by layer"}],
+            "max_tokens": 5, "stream": True}
+    async with http.post(layerwise.url + "/v1/chat/completions", json=body,
+                         headers={"X-Request-Id": "lw-1"}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert raw.endswith(b"data: [DONE]\n\n")
+    (d,) = await layerwise.sim_requests("decode-0")
+    (p,) = await layerwise.sim_requests("prefill-0")
+    assert d["body"]["kv_transfer_params"] == {
+        "do_remote_decode": False, "do_remote_prefill": True,
+        "metaserver": f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver"}
+    # P got the original request, capped, with D's KV destination from the metaserver call.
+    assert p["body"]["messages"] == body["messages"] and p["body"]["max_tokens"] == 1
+    assert p["body"]["stream"] is False
+    pk = p["body"]["kv_transfer_params"]
+    d_state = await layerwise.sim_get("decode-0", "/sim/state")
+    assert pk["do_remote_decode"] is True and pk["remote_engine_id"] == d_state["engine_id"]
+    assert pk["request_id"] == "chatcmpl-lw-1" and p["request_id"] == "lw-1"
+    assert d_state["metaserver_calls_ok"] >= 1 and d_state["kv_pushes_received"] >= 1
+    await wait_until(layerwise.all_idle, what="load released")
+
+
+async def test_layerwise_prefill_failure_fails_fast(layerwise: Cluster, http):
+    await _fresh(layerwise)
+    await layerwise.sim_post("prefill-0", "/sim/faults", {"status": 500, "message": "no prefill today", "count": 2})
+    async with http.post(layerwise.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 3}) as r:
+        assert r.status == 502
+    d_state = await layerwise.sim_get("decode-0", "/sim/state")
+    assert d_state["metaserver_calls_failed"] >= 1
+    await wait_until(layerwise.all_idle, what="load released")
+
+
+async def test_metaserver_rejects_unknown_ids_and_bad_bodies(layerwise: Cluster, http):
+    url = f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver"
+    async with http.post(url, json={"request_id": "cmpl-nobody-0"}) as r:
+        assert r.status == 404
+    async with http.post(url, data=b"{nope") as r:
+        assert r.status == 400
+    async with http.post(url, data=orjson.dumps({"request_id": 5})) as r:
+        assert r.status == 400
