@@ -3,7 +3,8 @@
 Stands in for GPU vLLM engines in tests, demos and capacity planning. Layout:
 ``config`` (SimConfig), ``tokens`` (toy tokenizer/text), ``engine`` (continuous-batching
 cost model), ``parsing`` and ``protocol`` (OpenAI request/response shapes), ``kv_transfer``
-(prefill/decode roles: flow choice and NIXL pull), ``bootstrap`` (parallel P+D: SGLang rooms,
-MooncakeConnector), ``layerwise`` (D-first push via a metaserver), ``faults``, ``request_log``, ``metrics``, ``context`` (per-app state),
+(prefill/decode roles: which KV flow a request takes, and the NIXL pull flow), ``bootstrap``
+(parallel P+D: SGLang rooms, vLLM MooncakeConnector), ``layerwise`` (D-first push through a
+metaserver), ``faults``, ``request_log``, ``metrics``, ``context`` (per-app state),
 ``generate`` (generation handlers), ``server`` (app + ops routes) and ``cli``.
 """

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -31,6 +34,26 @@ class SimContext:
     # Filled in once the server is bound / started.
     port: int = 0
     http: aiohttp.ClientSession | None = None
+    # Handlers parked in a KV-transfer wait (room hold, fetch, metaserver, long-poll).
+    _kv_waits: set[asyncio.Task] = field(default_factory=set, repr=False)
+
+    @contextmanager
+    def kv_wait(self) -> Iterator[None]:
+        """Mark the current handler as waiting on a peer, so shutdown can end the wait."""
+        task = asyncio.current_task()
+        if task is None:
+            yield
+            return
+        self._kv_waits.add(task)
+        try:
+            yield
+        finally:
+            self._kv_waits.discard(task)
+
+    def cancel_kv_waits(self) -> None:
+        """Shutdown: a peer that may never come must not hold the server open."""
+        for task in list(self._kv_waits):
+            task.cancel()
 
     @property
     def bootstrap_port(self) -> int:

@@ -120,9 +120,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         if kv.pull is not None:
             req.external_tokens = await _receive_kv(ctx, kv, parsed, engine_id)
         elif kv.fetch is not None:
-            req.external_tokens = await _fetch_kv(ctx, kv.fetch, parsed)
+            with ctx.kv_wait():
+                req.external_tokens = await _fetch_kv(ctx, kv.fetch, parsed)
         elif kv.metaserver is not None:
-            req.external_tokens = await _receive_pushed_kv(ctx, kv.metaserver, parsed, engine_id)
+            with ctx.kv_wait():
+                req.external_tokens = await _receive_pushed_kv(ctx, kv.metaserver, parsed, engine_id)
         ctx.engine.submit(req)
         if room_hold is not None or kv.push:
             # These prefill nodes hand the KV over before answering their own client.
@@ -130,10 +132,13 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             if req.finish_reason == "abort":
                 return error_response(503, "The request was aborted: the engine is shutting down.",
                                       headers=headers)
-            if room_hold is not None and not await room_hold.wait_for_peer(ctx.cfg.bootstrap_timeout_s):
-                return error_response(500, f"bootstrap peer never came: no decode node fetched bootstrap_room "
-                                           f"{room_hold.room} within {ctx.cfg.bootstrap_timeout_s:g}s",
-                                      headers=headers)
+            if room_hold is not None:
+                with ctx.kv_wait():
+                    came = await room_hold.wait_for_peer(ctx.cfg.bootstrap_timeout_s)
+                if not came:
+                    return error_response(500, f"bootstrap peer never came: no decode node fetched "
+                                               f"bootstrap_room {room_hold.room} within "
+                                               f"{ctx.cfg.bootstrap_timeout_s:g}s", headers=headers)
             if kv.push:
                 await _push_kv(ctx, kv.push, req)
         if parsed.stream:

@@ -57,8 +57,9 @@ async def _on_startup(app: web.Application) -> None:
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    # Ends open streams now instead of letting shutdown wait them out.
+    # Ends open streams and KV-transfer waits now instead of letting shutdown wait them out.
     app[SIM].engine.abort_all()
+    app[SIM].cancel_kv_waits()
 
 
 async def _on_cleanup(app: web.Application) -> None:
@@ -88,6 +89,7 @@ async def serve(cfg: SimConfig, ready_file: str | None) -> None:
         await wait_for_stop_signal()
     finally:
         ctx.engine.abort_all()
+        ctx.cancel_kv_waits()
         await runner.cleanup()
 
 
@@ -258,7 +260,8 @@ async def bootstrap_pull(request: web.Request) -> web.Response:
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         return error_response(400, f"bad bootstrap pull request: {exc!r}")
     timeout = min(float(timeout), ctx.cfg.bootstrap_timeout_s)
-    offer = await ctx.rooms.take(room_key(room), timeout)
+    with ctx.kv_wait():
+        offer = await ctx.rooms.take(room_key(room), timeout)
     if offer is None:
         return error_response(404, f"no KV offered for bootstrap room {room!r} within {timeout:g}s")
     return json_response({"room": room, "engine_id": ctx.cfg.engine_id, "num_tokens": offer.num_tokens,

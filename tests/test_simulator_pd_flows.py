@@ -18,6 +18,9 @@ from aiohttp import web
 
 from omni_proxy.launcher import Child, ProcessGroup
 from omni_proxy.runtime import start_http_site
+from simulator.config import SimConfig
+from simulator.context import SIM
+from simulator.server import build_app
 from simulator.tokens import count_text_tokens
 from tests.conftest import wait_until
 
@@ -242,7 +245,7 @@ async def test_mooncake_decode_first_in_parallel(sims, http):
 class FakeMetaserver:
     """The proxy's /v1/metaserver: D posts its ticket, we send the prefill to P with it."""
 
-    def __init__(self, p: Child) -> None:
+    def __init__(self, p: Child | None) -> None:
         self.p = p
         self.mode = "ok"          # ok | fail (502) | hang
         self.batch = False        # send P batch_kv_transfer_params like a multi-prompt parent
@@ -436,3 +439,45 @@ async def test_disconnects_during_waits_leave_sims_idle(sims, http, metaserver):
     await wait_until(lambda: idle(http, d), what="D to forget the push wait")
     # Nothing reached D's engine: the waits ended before admission.
     assert (await state(http, d))["finished"]["abort"] == aborts0
+
+
+# ---- in-process: timeouts and shutdown --------------------------------------------------
+
+async def test_metaserver_timeout_and_shutdown_end_waits(http):
+    """A metaserver that never answers fails D after --metaserver-timeout-s; a stopping sim
+    ends its KV waits (held room, long-poll) at once instead of waiting for peers."""
+    d_app = build_app(SimConfig(role="decode", metaserver_timeout_s=0.3))
+    p_app = build_app(SimConfig(role="prefill"))
+    d_runner, d_port = await start_http_site(d_app, "127.0.0.1", 0)
+    p_runner, p_port = await start_http_site(p_app, "127.0.0.1", 0)
+    p_url = f"http://127.0.0.1:{p_port}"
+    ms = FakeMetaserver(None)  # type: ignore[arg-type]
+    ms.mode = "hang"
+    await ms.start()
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_prefill": True, "metaserver": ms.url}}
+        status, err = await post(http, f"http://127.0.0.1:{d_port}/v1/completions", body)
+        assert status == 500 and "did not answer within 0.3s" in err["error"]["message"]
+        assert d_app[SIM].pushes.counters.metaserver_calls_failed == 1 and len(d_app[SIM].pushes) == 0
+
+        room = {"prompt": PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_port": p_port, "bootstrap_room": 8}
+        hold = asyncio.create_task(post(http, p_url + "/v1/completions", room))
+        poll = asyncio.create_task(post(http, p_url + "/sim/bootstrap/pull", {"room": 9}))
+
+        async def both_waiting() -> bool:
+            rooms = p_app[SIM].rooms
+            return rooms.holds_waiting == 1 and rooms.pulls_waiting == 1
+
+        await wait_until(both_waiting, what="a held room and a long-poll")
+        await asyncio.wait_for(p_runner.cleanup(), 10)  # a deadline, not a timing assert
+        p_runner = None
+        for task in (hold, poll):
+            with pytest.raises(aiohttp.ClientError):
+                await task
+        assert p_app[SIM].rooms.holds_waiting == 0 and p_app[SIM].rooms.pulls_waiting == 0
+    finally:
+        await ms.stop()
+        await d_runner.cleanup()
+        if p_runner is not None:
+            await p_runner.cleanup()
