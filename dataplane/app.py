@@ -18,6 +18,8 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
+from dataplane.prompt import PromptProcessor
+from dataplane.tokenizer import Tokenizer
 from dataplane.requests import CHAT, COMPLETIONS, parse_request
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
@@ -38,6 +40,9 @@ class DataPlaneConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     placement_timeout_s: float = 5.0
     prefill_retries: int = 1
+    tokenizer: str = ""            # model directory with tokenizer.json: tokenize in the data plane
+    chat_template: str = ""        # like vLLM's --chat-template
+    reuse_tokens: bool = True      # send completions prompts to the engines as token ids
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
 
 
@@ -49,6 +54,7 @@ class DataPlane:
         self.metrics = DataPlaneMetrics()
         self.upstream = Upstream(config.upstream)
         self.prefix = PrefixHasher()
+        self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s)
 
@@ -64,6 +70,10 @@ class DataPlane:
         return app
 
     async def _startup(self, app: web.Application) -> None:
+        if self.config.tokenizer:
+            loop = asyncio.get_running_loop()
+            self.prompts.tokenizer = await loop.run_in_executor(None, lambda: Tokenizer.from_dir(
+                self.config.tokenizer, chat_template=self.config.chat_template or None))
         await self.upstream.start()
         await self.placements.start()
 
@@ -115,6 +125,7 @@ class DataPlane:
     async def _generate(self, http: web.Request) -> web.StreamResponse:
         raw = await http.read()
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"))
+        await self.prompts.process(req)
         kv_hash = self.placements.info.kv_hash
         if kv_hash.enabled:
             req.block_hashes = await self.prefix.chain(kv_hash, req.token_ids, req.body.get("cache_salt"))

@@ -14,6 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-timeout", type=float, default=5.0, help="seconds to wait for a placement")
     p.add_argument("--prefill-retries", type=int, default=1,
                    help="sequential PD: other prefill workers to try when one fails")
+    p.add_argument("--tokenizer", default="",
+                   help="model directory with tokenizer.json (+ tokenizer_config.json): tokenize once here")
+    p.add_argument("--chat-template", default="", help="chat template file or text, as vLLM's --chat-template")
+    p.add_argument("--no-reuse-tokens", action="store_true",
+                   help="keep sending completions prompts as text (default: send the token ids)")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=float, default=600.0,
                    help="longest silence from an engine before the leg fails")
@@ -28,7 +33,8 @@ def config_from_args(args: argparse.Namespace):
 
     cfg = DataPlaneConfig(host=args.host, port=args.port, controlplane=args.controlplane,
                           max_body_bytes=args.max_body_bytes, placement_timeout_s=args.placement_timeout,
-                          prefill_retries=args.prefill_retries,
+                          prefill_retries=args.prefill_retries, tokenizer=args.tokenizer,
+                          chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   engine_api_key=args.engine_api_key))

@@ -1,0 +1,55 @@
+"""Tokenize the client's prompt once, and use the ids everywhere they help.
+
+The ids give placement an exact token count and the prompt's block-hash chain. For
+completions they also go to the engines in place of the text ("tokenizer reuse", seed 000's
+冗余计算问题): neither P nor D tokenizes the prompt again. That does not apply to chat
+requests, whose chat template the engine renders itself, and which vLLM's chat endpoint
+cannot take as token ids; for chat the ids serve placement only and the body is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from dataplane.chat_template import TokenizeError
+from dataplane.requests import ClientRequest
+from dataplane.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class PromptProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, *, reuse_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.reuse_tokens = reuse_tokens
+        self.failures = 0    # prompts the tokenizer could not handle (routed without ids)
+
+    async def process(self, req: ClientRequest) -> None:
+        tok = self.tokenizer
+        if tok is None:
+            return
+        try:
+            if req.is_chat:
+                req.token_ids = await tok.encode_chat_request_async(req.body)
+                req.prompt_tokens = len(req.token_ids)
+                return
+            prompts = await tok.encode_completion_request_async(req.body)
+        except TokenizeError as exc:
+            # The engine decides what is valid; we just route this one without token ids.
+            self.failures += 1
+            log.debug("routing without token ids: %s", exc)
+            return
+        req.prompt_tokens = sum(len(p) for p in prompts)
+        req.token_ids = prompts[0] if len(prompts) == 1 else None
+        if self.reuse_tokens and isinstance(req.body.get("prompt"), (str, list)) and _has_text(req.body["prompt"]):
+            body = dict(req.body)
+            body["prompt"] = prompts[0] if len(prompts) == 1 else prompts
+            body.pop("add_special_tokens", None)   # already applied
+            req.body = body
+            req.raw = orjson.dumps(body)
+
+
+def _has_text(prompt) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))

@@ -1,0 +1,53 @@
+"""The data plane tokenizes once: exact counts and hashes for placement, ids to the engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.tokenizer import Tokenizer
+from tests.conftest import Cluster, start_cluster, wait_until
+from tests.data.tokenizer.fixture_dirs import build
+
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build("tiny_llama", tmp_path_factory.mktemp("tok") / "tiny_llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(tok_dir):
+    c = start_cluster({"a": "both", "b": "both"}, policy="cache_aware", dp_args=["--tokenizer", str(tok_dir)])
+    yield c
+    c.group.close()
+
+
+async def test_completions_prompt_reaches_the_engine_as_the_engines_token_ids(cluster, tok_dir, http):
+    await wait_until(cluster.all_idle, what="idle")
+    await cluster.clear_sim_requests()
+    text = "The data plane tokenizes this prompt exactly once."
+    expected = Tokenizer.from_dir(tok_dir).encode_prompt(text)
+    async with http.post(cluster.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": text, "max_tokens": 2}) as r:
+        assert r.status == 200
+        usage = (await r.json())["usage"]
+    seen = [x for n in cluster.sims for x in await cluster.sim_requests(n)]
+    assert len(seen) == 1 and seen[0]["body"]["prompt"] == expected
+    assert usage["prompt_tokens"] == len(expected)
+
+
+async def test_chat_body_is_untouched_but_placement_uses_its_tokens(cluster: Cluster, http):
+    await cluster.clear_sim_requests()
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Hello " * 60}], "max_tokens": 2}
+    placed_on = set()
+    for _ in range(3):
+        async with http.post(cluster.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+    for n in cluster.sims:
+        reqs = await cluster.sim_requests(n)
+        if reqs:
+            placed_on.add(n)
+            assert all(x["body"]["messages"] == body["messages"] for x in reqs)
+    assert len(placed_on) == 1, "the same chat prompt should follow its cached blocks"
