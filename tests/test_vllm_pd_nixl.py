@@ -30,8 +30,8 @@ INSTALL = find_install()
 pytestmark = [
     # The first test also pays for the module fixture: two vLLM servers take 1-4 minutes to start.
     pytest.mark.timeout(900),
-    pytest.mark.skipif(INSTALL is None, reason="vLLM is not installed: run scripts/install_vllm.sh "
-                                               "(scripts/test.sh does) or unset OMNI_PROXY_SKIP_VLLM"),
+    pytest.mark.skipif(INSTALL is None, reason="no vLLM: OMNI_PROXY_SKIP_VLLM=1, or scripts/install_vllm.sh "
+                                               "(run by scripts/test.sh) has not run"),
 ]
 
 EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'

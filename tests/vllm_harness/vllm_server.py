@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -40,7 +41,9 @@ def default_cache() -> Path:
 
 
 def find_install() -> tuple[Path, Path] | None:
-    """(python, model dir) of the vLLM install, or None when it is missing."""
+    """(python, model dir) of the vLLM install, or None when it is missing or switched off."""
+    if os.environ.get("OMNI_PROXY_SKIP_VLLM") == "1":
+        return None
     python = Path(os.environ.get("OMNI_VLLM_PYTHON") or default_cache() / "venv" / "bin" / "python")
     model = Path(os.environ.get("OMNI_VLLM_MODEL") or default_cache() / "tiny-llama")
     if python.is_file() and (model / "config.json").is_file():
@@ -113,6 +116,17 @@ class VllmServer:
             self.proc.wait()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the test process dies without cleaning up
+    (the API server then takes its engine and worker processes down)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -152,7 +166,8 @@ def start_server(name: str, *, python: Path, model: Path, workdir: Path, cpu: st
         log.write(f"$ {' '.join(cmd)}\n# env: {env_add}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=workdir, start_new_session=True)
+                                env=env, cwd=workdir, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return VllmServer(name=name, port=port, proc=proc, log_path=log_path, cmd=cmd, env=env_add)
 
 
