@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
+from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
+                                       generated_from_stream)
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.placing import place
@@ -141,9 +143,10 @@ class DataPlane:
         tracker.flow = flow_name
         self.metrics.flows.labels(flow_name).inc()
         ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
-                          tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries)
+                          tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries,
+                          watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
         try:
-            response = await flow(ctx, placement)
+            response = await self._run_flow(ctx, placement, flow)
         except UpstreamError as exc:
             tracker.failed(exc.worker_id, exc.message, exc.upstream_status or 0)
             self.metrics.upstream_errors.labels(exc.worker_id, str(exc.upstream_status)).inc()
@@ -163,6 +166,60 @@ class DataPlane:
         if tracker.first_token_at:
             self.metrics.ttft.labels(flow_name).observe(tracker.ttft_s)
         return response
+
+    async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> web.StreamResponse:
+        """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""
+        recomputes = 0
+        while True:
+            try:
+                return await flow(ctx, placement)
+            except Recomputed as rc:
+                recomputes += 1
+                self.metrics.recomputes.inc()
+                req = ctx.req
+                text, tokens = (generated_from_stream(rc.forwarded) if req.stream
+                                else generated_from_response(rc.response or {}))
+                encode = None
+                if self.prompts.tokenizer is not None:
+                    tok = self.prompts.tokenizer
+                    encode = lambda t: tok.encode_prompt(t, add_special_tokens=False)  # noqa: E731
+                try:
+                    nxt = continuation(req, text, tokens, encode)
+                except ValueError as exc:
+                    raise UpstreamError(placement.decode.worker_id, f"decode asked for a recompute: {exc}", 200)
+                ctx.prior_text += text
+                ctx.prior_tokens += tokens
+                if nxt is None:  # nothing left to generate: end the answer here
+                    return await self._finish_after_recompute(ctx)
+                if recomputes > MAX_RECOMPUTES:
+                    raise UpstreamError(placement.decode.worker_id,
+                                        f"request recomputed {recomputes} times; giving up", 200)
+                ctx.tracker.continue_as(nxt, tokens)
+                ctx.req = nxt
+                if self.placements.info.kv_hash.enabled and nxt.token_ids:
+                    nxt.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, nxt.token_ids,
+                                                               nxt.body.get("cache_salt"))
+                placement = await place(self.placements, nxt, pb.LEG_ENTRY)
+                _, flow = FLOWS.get(placement.flow, (None, None))
+                if flow is None:
+                    raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported")
+
+    async def _finish_after_recompute(self, ctx: FlowContext) -> web.StreamResponse:
+        ctx.tracker.finished(ctx.prior_tokens)
+        if ctx.out is not None:
+            await ctx.out.write(b"data: [DONE]\n\n")
+            await ctx.out.write_eof()
+            return ctx.out
+        text = ctx.prior_text
+        kind = "chat.completion" if ctx.req.is_chat else "text_completion"
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                  if ctx.req.is_chat else {"index": 0, "text": text, "finish_reason": "length"})
+        return web.json_response({"id": ctx.req.request_id, "object": kind, "model": ctx.req.model,
+                                  "choices": [choice],
+                                  "usage": {"prompt_tokens": ctx.req.prompt_tokens,
+                                            "completion_tokens": ctx.prior_tokens,
+                                            "total_tokens": ctx.req.prompt_tokens + ctx.prior_tokens}},
+                                 headers={"X-Request-Id": ctx.req.request_id})
 
     # ------------------------------------------------------------------ ops routes
 

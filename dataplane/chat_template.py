@@ -291,7 +291,8 @@ def _text_parts(role: str, content: Any, wrap: bool) -> list[Any]:
     out: list[Any] = []
     for part in parts:
         if isinstance(part, str):
-            out.append({"type": "text", "text": part} if wrap else part)
+            if wrap or part:
+                out.append({"type": "text", "text": part} if wrap else part)
             continue
         if not isinstance(part, dict):
             raise UnsupportedContent(f"unsupported content part {type(part).__name__}")
@@ -308,13 +309,14 @@ def _text_parts(role: str, content: Any, wrap: bool) -> list[Any]:
                 item = {"type": "text", "text": text}
                 item.update({k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS})
                 out.append(item)
-            else:
+            elif text:  # vLLM drops falsy parsed parts: "" never reaches the "\n" join
                 out.append(text)
         elif ptype == "tool_reference" and part.get("uuid") is None:
             name = part.get("name")
             if name is None:
                 raise UnsupportedContent("tool_reference part without name")
-            out.append({"type": "tool_reference", "name": name} if wrap else name)
+            if wrap or name:
+                out.append({"type": "tool_reference", "name": name} if wrap else name)
         else:
             raise UnsupportedContent(f"content part type {ptype!r} is not text")
     return out

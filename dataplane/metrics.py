@@ -25,4 +25,6 @@ class DataPlaneMetrics:
                                    buckets=_FAST_BUCKETS, registry=r)
         self.flows = Counter("omni_dp_flows", "Requests by flow", ["flow"], registry=r)
         self.upstream_errors = Counter("omni_dp_upstream_errors", "Failed legs", ["worker", "status"], registry=r)
+        self.recomputes = Counter("omni_dp_recomputes", "Requests a decode engine handed back (recomputed)",
+                                  registry=r)
         self.cancelled = Counter("omni_dp_client_disconnects", "Requests whose client went away", registry=r)

@@ -60,6 +60,16 @@ class RequestTracker:
         self._event(pb.EVENT_LEG_FAILED, worker_id=worker_id, message=message[:500],
                     upstream_status=upstream_status)
 
+    def continue_as(self, req: ClientRequest, completion_tokens: int) -> None:
+        """A recompute: close the old placement's books and follow the new one.
+
+        The time to first token stays the client's: it was measured on the first attempt.
+        """
+        self._event(pb.EVENT_FINISHED, prompt_tokens=self.req.prompt_tokens,
+                    completion_tokens=completion_tokens, message="recomputed")
+        self.req = req
+        self.prefill_released = False
+
     def cancelled(self) -> None:
         if not self.ended:
             self.ended = True

@@ -24,3 +24,9 @@ class FlowContext:
     prefill_retries: int = 1      # other prefill workers to try when P fails (sequential)
     # Why the flow closed a leg itself (e.g. parallel P failed): shown to the client.
     abort_reason: str = ""
+    # Recompute support (PD flows): watch for D giving the request back; the client's
+    # stream, once started, is kept across attempts; what earlier attempts produced.
+    watch_recompute: bool = False
+    out: web.StreamResponse | None = None
+    prior_text: str = ""
+    prior_tokens: int = 0

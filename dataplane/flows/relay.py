@@ -10,10 +10,12 @@ import asyncio
 import re
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from dataplane.errors import sse_error_event
 from dataplane.flows.context import FlowContext
+from dataplane.flows.recompute import RECOMPUTED, Recomputed, is_recomputed, merge_prior, prefix_before_recompute
 from dataplane.upstream import UpstreamError, read_body
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -23,13 +25,17 @@ _EVENT_END = b"\n\n"
 async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
                        on_first_chunk=None) -> web.StreamResponse:
     """Stream ``resp`` (SSE) to the client; report first token, end, and failures."""
-    out = web.StreamResponse(status=200, headers={
-        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-        "Cache-Control": "no-cache", "X-Request-Id": ctx.req.request_id})
+    out = ctx.out
     tracker = ctx.tracker
     events = 0
+    watch = ctx.watch_recompute
+    kept: list[bytes] = []
     try:
-        await out.prepare(ctx.http)
+        if out is None:  # a recompute continuation keeps writing to the same response
+            out = ctx.out = web.StreamResponse(status=200, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", "X-Request-Id": ctx.req.request_id})
+            await out.prepare(ctx.http)
         content = resp.content
         async for chunk in content.iter_any():
             if not events:
@@ -37,6 +43,14 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
                 if on_first_chunk is not None:
                     on_first_chunk()
             events += chunk.count(_EVENT_END)
+            if watch:
+                if RECOMPUTED in chunk:
+                    before = prefix_before_recompute(chunk)
+                    if before:
+                        await out.write(before)
+                    kept.append(before)
+                    raise Recomputed(b"".join(kept))
+                kept.append(chunk)
             await out.write(chunk)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
         if isinstance(exc, ConnectionResetError) or ctx.http.transport is None or ctx.http.transport.is_closing():
@@ -71,6 +85,12 @@ async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: 
             raise UpstreamError(worker_id, ctx.abort_reason, exc.upstream_status) from None
         raise
     ctx.tracker.first_token()
+    if ctx.watch_recompute and RECOMPUTED in data:
+        obj = orjson.loads(data)
+        if is_recomputed((obj.get("choices") or [{}])[0]):
+            raise Recomputed(response=obj)
+    if ctx.prior_text or ctx.prior_tokens:
+        data = merge_prior(data, ctx.prior_text, ctx.prior_tokens)
     m = _COMPLETION_TOKENS.search(data)
     ctx.tracker.finished(int(m.group(1)) if m else 0)
     return web.Response(status=200, body=data, headers={

@@ -1,0 +1,117 @@
+"""Recompute: a decode engine gave the request back, so place it again and carry on.
+
+vLLM-Ascend's decode nodes end a stream with ``stop_reason == "recomputed"`` when they
+drop a request they cannot finish (KV lost, preempted). Its proxy then re-places the
+request with the text generated so far appended, and asks for the remaining tokens. We
+do the same without the client seeing a break: the events before the recomputed one have
+already gone out, the continuation's events follow on the same response.
+
+Detection costs one substring search per chunk; the parsing below runs only on the rare
+recompute path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import orjson
+
+from dataplane.requests import ClientRequest
+
+RECOMPUTED = b'"recomputed"'
+MAX_RECOMPUTES = 3
+
+
+class Recomputed(Exception):
+    """Raised by the relay; ``forwarded`` is every byte of this attempt already sent."""
+
+    def __init__(self, forwarded: bytes = b"", response: dict | None = None) -> None:
+        super().__init__("the decode engine asked for a recompute")
+        self.forwarded = forwarded
+        self.response = response     # non-streaming: the engine's (partial) answer
+
+
+def prefix_before_recompute(chunk: bytes) -> bytes:
+    """The whole SSE events of ``chunk`` that come before the recomputed one."""
+    at = chunk.find(RECOMPUTED)
+    end = chunk.rfind(b"\n\n", 0, at)
+    return chunk[:end + 2] if end >= 0 else b""
+
+
+def is_recomputed(choice: dict) -> bool:
+    return choice.get("stop_reason") == "recomputed" or choice.get("finish_reason") == "recomputed"
+
+
+def generated_from_stream(forwarded: bytes) -> tuple[str, int]:
+    """Text and token count the client has already received from an SSE stream."""
+    parts: list[str] = []
+    tokens = 0
+    for event in forwarded.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        for choice in orjson.loads(event[6:]).get("choices") or []:
+            piece = choice.get("text")
+            if piece is None:
+                piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                parts.append(piece)
+                tokens += 1
+    return "".join(parts), tokens
+
+
+def generated_from_response(response: dict) -> tuple[str, int]:
+    choice = (response.get("choices") or [{}])[0]
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("message") or {}).get("content") or ""
+    tokens = int((response.get("usage") or {}).get("completion_tokens") or 0)
+    return text, tokens
+
+
+def continuation(req: ClientRequest, text: str, tokens: int, encode=None) -> ClientRequest | None:
+    """The request that asks for what is still missing; None when nothing is.
+
+    ``encode(text) -> ids`` extends token-id prompts (the data plane's tokenizer).
+    """
+    body = dict(req.body)
+    remaining = (req.max_tokens - tokens) if req.max_tokens else 0
+    if req.max_tokens and remaining <= 0:
+        return None
+    for key in ("max_tokens", "max_completion_tokens"):
+        if key in body and remaining:
+            body[key] = remaining
+    if req.is_chat:
+        messages = list(body.get("messages") or [])
+        if body.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
+            last = dict(messages[-1])
+            last["content"] = (last.get("content") or "") + text
+            messages[-1] = last
+        else:
+            messages.append({"role": "assistant", "content": text})
+        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            body["prompt"] = prompt + text
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and encode is not None:
+            body["prompt"] = list(prompt) + list(encode(text))
+        else:
+            raise ValueError("recompute needs a single text prompt, or token ids and a tokenizer")
+    return dataclasses.replace(req, raw=orjson.dumps(body), body=body, max_tokens=remaining,
+                               placement_id=uuid.uuid4().hex, block_hashes=[], token_ids=None)
+
+
+def merge_prior(data: bytes, prior_text: str, prior_tokens: int) -> bytes:
+    """A non-streamed continuation's answer, with what earlier attempts produced in front."""
+    obj = orjson.loads(data)
+    choice = (obj.get("choices") or [{}])[0]
+    if "text" in choice:
+        choice["text"] = prior_text + (choice.get("text") or "")
+    elif isinstance(choice.get("message"), dict):
+        choice["message"]["content"] = prior_text + (choice["message"].get("content") or "")
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + prior_tokens
+        usage["total_tokens"] = int(usage.get("total_tokens") or 0) + prior_tokens
+    return orjson.dumps(obj)
