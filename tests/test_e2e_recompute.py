@@ -7,12 +7,18 @@ prefill engine, control plane and data plane are the real processes.
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import orjson
 import pytest
 from aiohttp import web
 
 from omni_proxy.launcher import ProcessGroup
 from omni_proxy.runtime import start_http_site
+from protos import omni_proxy_pb2 as pb
+from protos import omni_proxy_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 MODEL = "sim-model"
 
@@ -71,10 +77,20 @@ async def system():
     fake = RecomputingDecode()
     runner, port = await start_http_site(fake.app(), "127.0.0.1", 0)
     with ProcessGroup() as group:
-        p = group.start("prefill", ["sim", "--role", "prefill", "--port", "0"])
-        cp = group.start("controlplane", ["controlplane", "--listen", "127.0.0.1:0", "--health-interval", "0.2",
-                                          "--prefill", f"{p.url},id=p", "--decode", f"http://127.0.0.1:{port},id=d"])
-        dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address])
+        # Start in a thread: the in-test engine must keep answering health checks meanwhile.
+        p = await asyncio.to_thread(group.start, "prefill", ["sim", "--role", "prefill", "--port", "0"])
+        cp = await asyncio.to_thread(group.start, "controlplane", [
+            "controlplane", "--listen", "127.0.0.1:0", "--health-interval", "0.2",
+            "--prefill", f"{p.url},id=p", "--decode", f"http://127.0.0.1:{port},id=d"])
+        dp = await asyncio.to_thread(group.start, "dataplane", ["dataplane", "--port", "0", "--controlplane",
+                                                                cp.address])
+
+        async def both_healthy():
+            async with grpc.aio.insecure_channel(cp.address) as ch:
+                ws = (await pb_grpc.AdminStub(ch).ListWorkers(pb.ListWorkersRequest())).workers
+            return len(ws) == 2 and all(w.status == pb.STATUS_HEALTHY for w in ws)
+
+        await wait_until(both_healthy, what="prefill and decode healthy")
         yield fake, dp
     await runner.cleanup()
 
