@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=float, default=600.0,
                    help="longest silence from an engine before the leg fails")
+    p.add_argument("--prefill-timeout", type=float, default=300.0,
+                   help="whole prefill leg, request to answer (a timed-out P is retried elsewhere)")
     p.add_argument("--engine-api-key", default="", help="sent to engines as a Bearer token")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
@@ -37,6 +39,7 @@ def config_from_args(args: argparse.Namespace):
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
+                                                  prefill_timeout_s=args.prefill_timeout,
                                                   engine_api_key=args.engine_api_key))
     if args.node_id:
         cfg.node_id = args.node_id

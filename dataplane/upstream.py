@@ -16,6 +16,9 @@ class UpstreamConfig:
     connect_timeout_s: float = 5.0
     # Longest silence on an open upstream connection (no byte for this long = failed leg).
     read_timeout_s: float = 600.0
+    # Whole prefill leg (request sent to answer read): P answers with one token, so a P
+    # that takes longer than this is stuck, not slow.
+    prefill_timeout_s: float = 300.0
     engine_api_key: str = ""
     pool_size: int = 0            # 0 = unlimited connections per engine
 
@@ -23,9 +26,15 @@ class UpstreamConfig:
 class UpstreamError(APIError):
     """A leg failed on the engine's side: 502 to the client, with the engine's words."""
 
-    def __init__(self, worker_id: str, message: str, upstream_status: int) -> None:
-        super().__init__(502, message, upstream_status=upstream_status)
+    def __init__(self, worker_id: str, message: str, upstream_status: int, status: int = 502) -> None:
+        super().__init__(status, message, upstream_status=upstream_status)
         self.worker_id = worker_id
+
+
+def _timed_out(worker_id: str, url: str) -> UpstreamError:
+    # upstream_status 504, not 0: a slow engine is not an unreachable one, so the control
+    # plane counts a failure but does not take the worker out of rotation.
+    return UpstreamError(worker_id, f"worker {worker_id} ({url}) timed out", 504, status=504)
 
 
 def upstream_message(data: bytes) -> str:
@@ -64,7 +73,11 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
-    async def open(self, worker_id: str, url: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
+    def prefill_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
+
+    async def open(self, worker_id: str, url: str, body: bytes, request_id: str,
+                   timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
         """POST a leg and return the response once its status is 200.
 
         Engine 4xx answers are the client's fault and pass through with their status;
@@ -75,8 +88,11 @@ class Upstream:
         if self.config.engine_api_key:
             headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
         try:
-            resp = await self._session.post(url, data=body, headers=headers)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+            resp = await self._session.post(url, data=body, headers=headers,
+                                            **({"timeout": timeout} if timeout is not None else {}))
+        except asyncio.TimeoutError:
+            raise _timed_out(worker_id, url) from None
+        except (aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamError(worker_id, f"cannot reach worker {worker_id} ({url}): "
                                 f"{type(exc).__name__} {exc}".strip(), 0) from None
         if resp.status == 200:
@@ -101,7 +117,10 @@ async def read_body(worker_id: str, resp: aiohttp.ClientResponse) -> bytes:
     """
     try:
         data = await resp.read()
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+    except asyncio.TimeoutError:
+        resp.close()
+        raise _timed_out(worker_id, str(resp.url)) from None
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         resp.close()
         raise UpstreamError(worker_id, f"worker {worker_id} broke off its answer: "
                             f"{type(exc).__name__} {exc}".strip(), 0) from None

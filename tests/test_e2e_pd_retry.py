@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from protos import omni_proxy_pb2 as pb
 from tests.conftest import Cluster, start_cluster, wait_until
 
 MODEL = "sim-model"
@@ -11,7 +12,8 @@ MODEL = "sim-model"
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster({"p-a": "prefill", "p-b": "prefill", "d": "decode"}, policy="round_robin")
+    c = start_cluster({"p-a": "prefill", "p-b": "prefill", "d": "decode"}, policy="round_robin",
+                      dp_args=["--prefill-timeout", "1.5"])
     yield c
     c.group.close()
 
@@ -51,3 +53,14 @@ async def test_all_prefill_workers_failing_gives_502_and_decode_is_never_called(
     assert err["upstream_status"] == 503 and "down" in err["message"]
     assert len(await pd.sim_requests("p-a")) == 1 and len(await pd.sim_requests("p-b")) == 1
     assert await pd.sim_requests("d") == []
+
+
+async def test_prefill_over_its_timeout_is_retried_elsewhere_and_stays_in_rotation(pd: Cluster, http):
+    await pd.sim_post("p-a", "/sim/faults", {"delay_s": 5, "count": -1})
+    for i in range(2):   # round robin: one of the two starts on p-a
+        async with http.post(pd.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": "slow", "max_tokens": 2}) as r:
+            assert r.status == 200, await r.text()
+    assert len(await pd.sim_requests("p-a")) >= 1 and len(await pd.sim_requests("p-b")) == 2
+    a = (await pd.workers())["p-a"]
+    assert a.failures_total >= 1 and a.status == pb.STATUS_HEALTHY   # slow is not dead

@@ -61,7 +61,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     prefill, decode = placement.prefill, placement.decode
     p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang")
     open_p = asyncio.ensure_future(ctx.upstream.open(prefill.worker_id, prefill.url + req.path, p_body,
-                                                     req.request_id))
+                                                     req.request_id, timeout=ctx.upstream.prefill_timeout()))
     open_d = asyncio.ensure_future(ctx.upstream.open(decode.worker_id, decode.url + req.path, d_body,
                                                      req.request_id))
     try:

@@ -23,7 +23,8 @@ from protos import omni_proxy_pb2 as pb
 
 
 async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[str, Any]:
-    resp = await ctx.upstream.open(prefill.worker_id, prefill.url + ctx.req.path, body, ctx.req.request_id)
+    resp = await ctx.upstream.open(prefill.worker_id, prefill.url + ctx.req.path, body, ctx.req.request_id,
+                                   timeout=ctx.upstream.prefill_timeout())
     data = await read_body(prefill.worker_id, resp)
     try:
         kv_params = orjson.loads(data).get("kv_transfer_params")
