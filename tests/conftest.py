@@ -65,6 +65,17 @@ class Cluster:
     async def sim_requests(self, name: str) -> list[dict]:
         return (await self.sim_get(name, "/sim/requests"))["requests"]
 
+    async def engine_idle(self, name: str) -> bool:
+        state = await self.sim_get(name, "/sim/state")
+        return state["running"] == 0 and state["waiting"] == 0
+
+    async def fresh(self) -> None:
+        """A clean slate for one test: no load, no recorded requests, no armed faults."""
+        await wait_until(self.all_idle, what="idle before the test")
+        await self.clear_sim_requests()
+        for name in self.sims:
+            await self.sim_post(name, "/sim/faults", {"clear": True})
+
     async def clear_sim_requests(self) -> None:
         async with aiohttp.ClientSession() as s:
             for child in self.sims.values():

@@ -191,8 +191,7 @@ async def test_client_disconnect_cancels_upstream_and_frees_load(idle: Cluster, 
     # Leaving the block closed the connection mid-stream.
 
     async def engines_idle():
-        states = [await idle.sim_get(n, "/sim/state") for n in idle.sims]
-        return all(s["running"] == 0 and s["waiting"] == 0 for s in states)
+        return all([await idle.engine_idle(n) for n in idle.sims])
 
     await wait_until(engines_idle, what="engines to abort the cancelled request")
     await wait_until(idle.all_idle, what="control plane to release the cancelled request")

@@ -38,15 +38,8 @@ def layerwise():
     c.group.close()
 
 
-async def _fresh(c: Cluster):
-    await wait_until(c.all_idle, what="idle before the test")
-    await c.clear_sim_requests()
-    for name in c.sims:
-        await c.sim_post(name, "/sim/faults", {"clear": True})
-
-
 async def test_sglang_parallel_sends_the_same_body_with_one_room_to_both(sglang: Cluster, http):
-    await _fresh(sglang)
+    await sglang.fresh()
     before = await sglang.sim_get("decode-0", "/sim/state")
     body = {"model": MODEL, "prompt": "parallel please " * 10, "max_tokens": 6, "stream": True}
     async with http.post(sglang.url + "/v1/completions", json=body, headers={"X-Request-Id": "par-1"}) as r:
@@ -67,23 +60,19 @@ async def test_sglang_parallel_sends_the_same_body_with_one_room_to_both(sglang:
 
 
 async def test_parallel_prefill_failure_cancels_decode(sglang: Cluster, http):
-    await _fresh(sglang)
+    await sglang.fresh()
     await sglang.sim_post("prefill-0", "/sim/faults", {"status": 500, "message": "prefill broke", "count": 1})
     async with http.post(sglang.url + "/v1/completions",
                          json={"model": MODEL, "prompt": "x", "max_tokens": 4}) as r:
         assert r.status == 502
         assert "prefill broke" in (await r.json())["error"]["message"]
 
-    async def decode_idle():
-        s = await sglang.sim_get("decode-0", "/sim/state")
-        return s["running"] == 0 and s["waiting"] == 0
-
-    await wait_until(decode_idle, what="decode abandoned its wait for KV")
+    await wait_until(lambda: sglang.engine_idle("decode-0"), what="decode abandoned its wait for KV")
     await wait_until(sglang.all_idle, what="load released")
 
 
 async def test_mooncake_bootstrap_variant(mooncake: Cluster, http):
-    await _fresh(mooncake)
+    await mooncake.fresh()
     client = openai.AsyncOpenAI(base_url=mooncake.url + "/v1", api_key="unused")
     resp = await client.completions.create(model=MODEL, prompt="mooncake " * 12, max_tokens=5,
                                            extra_headers={"X-Request-Id": "mc-1"})
@@ -99,7 +88,7 @@ async def test_mooncake_bootstrap_variant(mooncake: Cluster, http):
 
 
 async def test_layerwise_decode_first_then_metaserver_drives_prefill(layerwise: Cluster, http):
-    await _fresh(layerwise)
+    await layerwise.fresh()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "push it layer by layer"}],
             "max_tokens": 5, "stream": True}
     async with http.post(layerwise.url + "/v1/chat/completions", json=body,
@@ -124,7 +113,7 @@ async def test_layerwise_decode_first_then_metaserver_drives_prefill(layerwise: 
 
 
 async def test_layerwise_prefill_failure_fails_fast(layerwise: Cluster, http):
-    await _fresh(layerwise)
+    await layerwise.fresh()
     await layerwise.sim_post("prefill-0", "/sim/faults", {"status": 500, "message": "no prefill today", "count": 2})
     async with http.post(layerwise.url + "/v1/completions",
                          json={"model": MODEL, "prompt": "x", "max_tokens": 3}) as r:

@@ -20,11 +20,8 @@ def cluster():
 
 @pytest.fixture
 async def pd(cluster: Cluster):
-    await wait_until(cluster.all_idle, what="idle before the test")
-    await cluster.clear_sim_requests()
+    await cluster.fresh()
     yield cluster
-    for name in cluster.sims:
-        await cluster.sim_post(name, "/sim/faults", {"clear": True})
     await wait_until(cluster.all_idle, what="idle after the test (load leaked)")
 
 

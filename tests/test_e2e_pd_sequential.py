@@ -20,12 +20,9 @@ def cluster():
 
 @pytest.fixture
 async def pd(cluster: Cluster):
-    await wait_until(cluster.all_idle, what="idle before the test")
-    await cluster.clear_sim_requests()
+    await cluster.fresh()
     yield cluster
     await wait_until(cluster.all_idle, what="idle after the test (load leaked)")
-    for name in cluster.sims:
-        await cluster.sim_post(name, "/sim/faults", {"clear": True})
 
 
 async def test_prefill_leg_then_decode_leg_with_kv_transfer_params(pd: Cluster, http):
@@ -109,11 +106,7 @@ async def test_client_disconnect_during_decode_aborts_and_frees_everything(pd: C
         assert w["prefill-0"].load.inflight_requests == 0
         assert w["decode-0"].load.inflight_requests == 1
 
-    async def decode_idle():
-        s = await pd.sim_get("decode-0", "/sim/state")
-        return s["running"] == 0 and s["waiting"] == 0
-
-    await wait_until(decode_idle, what="decode engine to abort")
+    await wait_until(lambda: pd.engine_idle("decode-0"), what="decode engine to abort")
     await wait_until(pd.all_idle, what="control plane to release the request")
 
 
