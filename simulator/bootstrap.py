@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from simulator.engine import Engine, SimRequest
+from simulator.engine import Engine, HeldKv, SimRequest
 from simulator.protocol import KvTransferError
 
 log = logging.getLogger(__name__)
@@ -148,19 +148,19 @@ class RoomHold:
         self._rooms = rooms
         self.room = room
         self.offer: RoomOffer | None = None
-        self._blocks = 0
+        self._held: HeldKv | None = None
 
-    def __call__(self, req: SimRequest, blocks: int) -> None:
-        self._blocks = blocks
-        self.offer = self._rooms.offer(self.room, req.prompt_tokens, self._engine.block_ids(blocks), self._taken)
+    def __call__(self, req: SimRequest, held: HeldKv) -> None:
+        self._held = held
+        self.offer = self._rooms.offer(self.room, req.prompt_tokens, held.block_ids, self._taken)
 
     def _taken(self) -> None:
         self._release()
 
     def _release(self) -> None:
-        blocks, self._blocks = self._blocks, 0
-        if blocks:
-            self._engine.release_held_blocks(blocks)
+        held, self._held = self._held, None
+        if held is not None:
+            self._engine.release_held(held)
 
     async def wait_for_peer(self, timeout: float) -> bool:
         """True once a decode peer took the KV; False after ``timeout`` (the KV is then freed)."""

@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one (default 0)")
     g.add_argument("--ready-file", default=None,
-                   help="write {pid, port, bootstrap_port, model, role, engine_id} as JSON here once listening")
+                   help="write {pid, port, bootstrap_port, model, role, engine_id, kv_events_port, "
+                        "kv_replay_port, ...} as JSON here once listening")
     g.add_argument("--model", default="sim-model", help="served model name (default sim-model)")
     g.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                    help="both = aggregated; prefill = kv_producer; decode = kv_consumer (default both)")
@@ -49,9 +50,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and how long a decode node's fetch waits for the prefill (default 30)")
     k.add_argument("--metaserver-timeout-s", type=float, default=60.0,
                    help="layerwise decode: how long to wait for the metaserver's answer (default 60)")
+    p = parser.add_argument_group("prefix caching (vLLM's flags; PYTHONHASHSEED is read from the environment)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached full KV blocks across requests (default on)")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256",
+                   choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"), help="block hash (default sha256)")
+    p.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=True,
+                   help="usage.prompt_tokens_details.cached_tokens when some prompt tokens were cached "
+                        "(default on; vLLM's default is off)")
+    e = parser.add_argument_group("KV events (vLLM's ZmqEventPublisher)")
+    e.add_argument("--kv-events-endpoint", default=None,
+                   help="PUB endpoint, e.g. tcp://*:5557 (binds: has * or ::, or ipc:// / inproc://; "
+                        "otherwise connects); tcp://*:0 binds a free port; off when not given")
+    e.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="ROUTER endpoint for replay (always binds), e.g. tcp://*:5558 or tcp://*:0")
+    e.add_argument("--kv-events-topic", default="", help="first frame of every message (default empty)")
+    e.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
+                   help="batches kept for replay (default 10000)")
+    e.add_argument("--kv-events-format", choices=("map", "array"), default="map",
+                   help="map = vLLM >= v0.26 (0.32): events as maps, replay frames with the topic; "
+                        "array = older vLLM: positional events, replay frames without it (default map)")
+    e.add_argument("--kv-events-config", default=None,
+                   help="vLLM's JSON form, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                        "\"tcp://*:5557\"}'; its endpoint, replay_endpoint, topic, buffer_steps and hwm "
+                        "fill the flags above")
+    t = parser.add_argument_group("API-server tokenization cost")
+    t.add_argument("--tokenize-us-per-char", type=float, default=0.4,
+                   help="microseconds of real time per character of a text prompt (chat is always text), spent "
+                        "before the engine queue; token-id prompts skip it (default 0.4)")
+    t.add_argument("--tokenize-workers", type=int, default=1,
+                   help="text prompts tokenized at once (default 1, like vLLM's single tokenizer thread)")
+
+
+def _kv_events_kwargs(args: argparse.Namespace) -> dict:
+    import json
+
+    kw = dict(kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+              kv_events_topic=args.kv_events_topic, kv_events_buffer_steps=args.kv_events_buffer_steps,
+              kv_events_format=args.kv_events_format)
+    if args.kv_events_config:
+        try:
+            conf = json.loads(args.kv_events_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
+        if not isinstance(conf, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        if conf.get("enable_kv_cache_events") and conf.get("publisher", "zmq") == "zmq":
+            kw["kv_events_endpoint"] = conf.get("endpoint", "tcp://*:5557")
+            kw["kv_events_replay_endpoint"] = conf.get("replay_endpoint")
+            kw["kv_events_topic"] = conf.get("topic", "")
+            kw["kv_events_buffer_steps"] = conf.get("buffer_steps", 10_000)
+            kw["kv_events_hwm"] = conf.get("hwm", 100_000)
+    return kw
 
 
 def config_from_args(args: argparse.Namespace):
+    import os
+
     from simulator.config import SimConfig
 
     kwargs = dict(
@@ -63,6 +118,12 @@ def config_from_args(args: argparse.Namespace):
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_lease_s=args.kv_lease_s,
         bootstrap_port=args.bootstrap_port, bootstrap_timeout_s=args.bootstrap_timeout_s,
         metaserver_timeout_s=args.metaserver_timeout_s,
+        enable_prefix_caching=args.enable_prefix_caching, prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        python_hash_seed=os.environ.get("PYTHONHASHSEED"),
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in ("0", ""),
+        tokenize_us_per_char=args.tokenize_us_per_char, tokenize_workers=args.tokenize_workers,
+        **_kv_events_kwargs(args),
     )
     if args.engine_id:
         kwargs["engine_id"] = args.engine_id

@@ -12,6 +12,7 @@ from typing import Literal
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+KV_EVENT_FORMATS: tuple[str, ...] = ("map", "array")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,28 @@ class SimConfig:
     # Layerwise PD (D first): how long a decode node waits for the metaserver's answer.
     metaserver_timeout_s: float = 60.0
     seed: int = 0
+    # Automatic prefix caching, named like vLLM's flags. ``python_hash_seed`` is what vLLM reads
+    # from PYTHONHASHSEED (None = unset: vLLM's fixed fallback for sha256*, random for xxhash*).
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    python_hash_seed: str | None = None
+    # usage.prompt_tokens_details.cached_tokens in responses (vLLM: --enable-prompt-tokens-details).
+    enable_prompt_tokens_details: bool = True
+    # KV events (vLLM's --kv-events-config for the zmq publisher); off without an endpoint.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
+    kv_events_hwm: int = 100_000
+    # map = vLLM >= v0.26 (events as msgpack maps, replay frames carry the topic, as in 0.32);
+    # array = older vLLM (positional events, replay frames without the topic).
+    kv_events_format: str = "map"
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: 64-bit ints (default) or raw digests in events.
+    kv_events_int_hashes: bool = True
+    # API-server tokenization, modelled as real time before the engine queue: text prompts
+    # only, ``tokenize_workers`` prompts at a time (vLLM's async tokenizer runs one thread).
+    tokenize_us_per_char: float = 0.4
+    tokenize_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -55,9 +78,24 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("prefill_ms_per_token", "decode_ms_per_step", "decode_ms_per_seq",
                      "kv_transfer_ms_per_token", "kv_lease_s", "bootstrap_timeout_s",
-                     "metaserver_timeout_s"):
+                     "metaserver_timeout_s", "tokenize_us_per_char"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name in ("tokenize_workers", "kv_events_buffer_steps", "kv_events_hwm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        from controlplane.kvcache.hashing import HASH_ALGOS
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
+        if self.kv_events_format not in KV_EVENT_FORMATS:
+            raise ValueError(f"kv_events_format must be one of {KV_EVENT_FORMATS}, got {self.kv_events_format!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            ep = getattr(self, name)
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a tcp://, ipc:// or inproc:// zmq endpoint, got {ep!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError("bootstrap_port must be in 0..65535")
         # A request that can never fit in the KV pool would sit at the head of the queue forever.

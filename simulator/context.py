@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -19,6 +21,34 @@ from simulator.layerwise import PushTable
 from simulator.metrics import SimMetrics
 from simulator.request_log import RequestLog
 
+if TYPE_CHECKING:
+    from simulator.kv_events import KvEventPublisher
+
+
+class TokenizerModel:
+    """The API server's tokenizer as a cost: ``us_per_char`` of real time per text character,
+    at most ``workers`` prompts at a time (vLLM's async tokenizer runs on one thread), spent
+    before the request reaches the engine queue so TTFT includes it."""
+
+    def __init__(self, us_per_char: float, workers: int = 1) -> None:
+        self.us_per_char = us_per_char
+        self._free_at = [0.0] * workers  # when each worker is next idle (a heap)
+        self.busy_s = 0.0
+        self.chars = 0
+        self.prompts = 0
+
+    async def tokenize(self, chars: int) -> None:
+        cost = self.us_per_char * chars / 1e6
+        self.chars += chars
+        self.prompts += 1
+        if cost <= 0:
+            return
+        self.busy_s += cost
+        now = asyncio.get_running_loop().time()
+        end = max(now, self._free_at[0]) + cost
+        heapq.heapreplace(self._free_at, end)
+        await asyncio.sleep(end - now)
+
 
 @dataclass
 class SimContext:
@@ -31,6 +61,8 @@ class SimContext:
     log: RequestLog = field(default_factory=RequestLog)
     pulls: PullCounters = field(default_factory=PullCounters)
     pushes: PushTable = field(default_factory=PushTable)
+    tokenizer: TokenizerModel = field(default_factory=lambda: TokenizerModel(0.0))
+    kv_events: KvEventPublisher | None = None
     # Filled in once the server is bound / started.
     port: int = 0
     http: aiohttp.ClientSession | None = None
@@ -67,7 +99,23 @@ class SimContext:
         metrics.watch(engine)
         rooms = BootstrapRooms()
         return cls(cfg=cfg, engine=engine, metrics=metrics, leases=KvLeaseTable(engine, cfg.kv_lease_s, rooms),
-                   rooms=rooms, port=cfg.port)
+                   rooms=rooms, port=cfg.port,
+                   tokenizer=TokenizerModel(cfg.tokenize_us_per_char, cfg.tokenize_workers))
+
+    def start_kv_events(self) -> None:
+        """Open the ZMQ publisher (if configured) and feed it the engine's events."""
+        if self.cfg.kv_events_endpoint and self.kv_events is None:
+            from simulator.kv_events import KvEventPublisher  # zmq only when events are on
+
+            self.kv_events = KvEventPublisher(self.cfg)
+            self.kv_events.start()
+            self.engine.set_event_sink(self.kv_events.publish)
+
+    async def stop_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.engine.set_event_sink(None)
+            await self.kv_events.close()
+            self.kv_events = None
 
 
 SIM = web.AppKey("sim", SimContext)

@@ -5,6 +5,12 @@ The sim's latencies are the product: they come from the same mechanics a real en
 pressure and preemption, one decode token per running sequence per step), each step
 lasting what the cost model says. Handlers never compute timings themselves.
 
+KV blocks come from a ``BlockPool`` with vLLM's automatic prefix caching: a request's full
+blocks are cached under vLLM's chained block hashes (``controlplane.kvcache.hashing``, the
+same code the router uses), a new request reuses the longest cached prefix and is charged
+prefill time only for the rest, and the pool's BlockStored/BlockRemoved/AllBlocksCleared
+events go to ``on_events`` once per step (the ZMQ publisher in ``kv_events``).
+
 The loop is split into ``plan_step`` / ``step_duration`` / ``complete_step`` so tests can
 drive the scheduler step by step without waiting for real time.
 """
@@ -14,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
+from simulator.block_pool import BlockPool, KVBlock, PoolEvent
 from simulator.config import SimConfig
 from simulator.tokens import VOCAB, next_token
 
@@ -45,14 +54,26 @@ class SimRequest:
     arrival: float
     external_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()
-    # Set on a prefill node that keeps the KV for a decode node; called with the number
-    # of blocks handed over when the request finishes normally.
-    hold_kv: Callable[["SimRequest", int], None] | None = None
+    # The prompt's token ids (None: the request takes no part in prefix caching) and the
+    # body's cache_salt, which salts the first block's hash.
+    token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    # Set on a prefill node that keeps the KV for a decode node; called with the blocks
+    # handed over when the request finishes normally (release them with release_held).
+    hold_kv: Callable[["SimRequest", "HeldKv"], None] | None = None
     output: list[int] = field(default_factory=list)
     status: str = NEW
     prefill_remaining: int = 0
     num_computed: int = 0
-    blocks: int = 0
+    blocks: list[KVBlock] = field(default_factory=list)
+    # Prefix caching: the hash chain over prompt + output (full blocks only), how many of
+    # ``blocks`` are registered in the cache, and vLLM's num_cached_tokens (local prefix-cache
+    # hits plus KV received from a prefill node, fixed at the first admission).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    hashed: bool = False
     finish_reason: str | None = None
     stop_reason: str | None = None
     first_token_at: float | None = None
@@ -63,6 +84,33 @@ class SimRequest:
     @property
     def done(self) -> bool:
         return self.status == FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (vLLM's ``request.num_tokens``)."""
+        return self.prompt_tokens + len(self.output)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list."""
+        p = self.token_ids
+        assert p is not None
+        n = len(p)
+        if end <= n:
+            return p[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return p[start:] + self.output[:end - n]
+
+
+@dataclass(eq=False)
+class HeldKv:
+    """A finished prefill's blocks, kept for a decode node until ``Engine.release_held``."""
+
+    blocks: list[KVBlock]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
 
 
 class EngineObserver(Protocol):
@@ -79,10 +127,15 @@ class EngineTotals:
 
     requests: int = 0
     prompt_tokens: int = 0
+    # By source, counted at each request's first admission (vLLM's prompt_tokens_by_source):
+    # computed here, reused from the local prefix cache, received by KV transfer.
     prompt_tokens_local: int = 0
+    prompt_tokens_cached: int = 0
     prompt_tokens_external: int = 0
     generation_tokens: int = 0
+    # vLLM's prefix-cache stats, in tokens, for requests admitted the first time.
     prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     preemptions: int = 0
     steps: int = 0
     busy_s: float = 0.0
@@ -113,7 +166,10 @@ class Engine:
         self.totals = EngineTotals()
         self._waiting: deque[SimRequest] = deque()
         self._running: list[SimRequest] = []
-        self._used_blocks = 0
+        self.pool = BlockPool(cfg.num_gpu_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.hasher = _make_hasher(cfg) if cfg.enable_prefix_caching else None
+        # Receives each step's KV events (set_event_sink); the pool records none without it.
+        self._on_events: Callable[[list[PoolEvent]], None] | None = None
         self._held_blocks = 0
         self._remote_kv_waits = 0
         self._next_block_id = 0
@@ -138,19 +194,38 @@ class Engine:
                 pass
             self._task = None
 
+    def set_event_sink(self, sink: Callable[[list[PoolEvent]], None] | None) -> None:
+        """Publish KV events: ``sink`` gets each step's events (never an empty list)."""
+        self._on_events = sink
+        self.pool.record_events = sink is not None and self.pool.enable_caching
+
     # ---- request API -----------------------------------------------------------------
 
+    def prepare(self, req: SimRequest) -> None:
+        """Compute the prompt's block hashes (once; vLLM does it when the request is created)."""
+        if req.hashed:
+            return
+        req.hashed = True
+        if self.hasher is not None and req.token_ids is not None:
+            req.block_hashes = self.hasher.block_hashes(req.token_ids, cache_salt=req.cache_salt)
+
+    def cached_prefix_tokens(self, req: SimRequest) -> int:
+        """Prompt tokens a prefix-cache lookup would reuse right now (nothing is touched)."""
+        self.prepare(req)
+        bs = self.cfg.block_size
+        return len(self.pool.longest_hit(req.block_hashes, (req.prompt_tokens - 1) // bs)) * bs
+
     def submit(self, req: SimRequest) -> None:
-        """Queue a request; prompt tokens already delivered by a KV transfer skip prefill."""
+        """Queue a request; prompt tokens already delivered by a KV transfer skip prefill,
+        and so do those found in the prefix cache when it is admitted."""
+        self.prepare(req)
         req.external_tokens = min(req.external_tokens, req.prompt_tokens)
-        req.num_computed = req.external_tokens
-        req.prefill_remaining = req.prompt_tokens - req.external_tokens
+        req.num_computed = 0
+        req.prefill_remaining = req.prompt_tokens
         req.status = WAITING
         t = self.totals
         t.requests += 1
         t.prompt_tokens += req.prompt_tokens
-        t.prompt_tokens_external += req.external_tokens
-        t.prompt_tokens_local += req.prefill_remaining
         self._waiting.append(req)
         self._wake.set()
 
@@ -180,12 +255,25 @@ class Engine:
         finally:
             self._remote_kv_waits -= 1
 
-    def release_held_blocks(self, blocks: int) -> None:
-        """A prefill node's KV lease ended (pulled or expired): the blocks are free again."""
-        blocks = min(blocks, self._held_blocks)
-        self._held_blocks -= blocks
-        self._used_blocks -= blocks
-        self._wake.set()
+    def release_held(self, held: HeldKv) -> None:
+        """A prefill node's KV lease ended (pulled or expired): the blocks are freed (and stay
+        cached, evictable). Safe to call more than once."""
+        blocks, held.blocks = held.blocks, []
+        if blocks:
+            self._held_blocks -= len(blocks)
+            self.pool.free_blocks(reversed(blocks))
+            self._wake.set()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache``: refused while blocks are in use, unless running
+        requests are first preempted (``reset_running_requests``); publishes AllBlocksCleared."""
+        if reset_running_requests:
+            while self._running:
+                self._preempt(self._running[-1])
+            self._wake.set()
+        ok = self.pool.reset_prefix_cache()
+        self._flush_events()
+        return ok
 
     def block_ids(self, count: int) -> list[int]:
         """Synthetic, distinct-looking block ids for kv_transfer_params."""
@@ -210,7 +298,8 @@ class Engine:
 
     @property
     def used_blocks(self) -> int:
-        return self._used_blocks
+        """Blocks referenced by requests or held for decode nodes (cached free ones excluded)."""
+        return self.pool.num_used
 
     @property
     def held_blocks(self) -> int:
@@ -218,7 +307,7 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> float:
-        return min(1.0, self._used_blocks / self.cfg.num_gpu_blocks)
+        return min(1.0, self.pool.num_used / self.cfg.num_gpu_blocks)
 
     # ---- the loop --------------------------------------------------------------------
 
@@ -281,17 +370,47 @@ class Engine:
                 plan.decode.append(req)
         if self.totals.preemptions != preemptions_before:
             return plan  # vLLM admits nothing in a step that had to preempt
+        bs = self.cfg.block_size
+        pool = self.pool
         while self._waiting and budget > 0 and len(self._running) < self.cfg.max_num_seqs:
             req = self._waiting[0]
-            tokens = min(req.prefill_remaining, budget) if req.prefill_remaining else 1
-            need = self._blocks_needed(req, tokens)
-            if need > self.cfg.num_gpu_blocks - self._used_blocks:
+            num_tokens = req.num_tokens
+            # The longest cached prefix of full blocks, never the last token (vLLM recomputes
+            # at least one to get logits), then KV a prefill node sent for the rest.
+            hit = pool.longest_hit(req.block_hashes, (num_tokens - 1) // bs)
+            hit_tokens = len(hit) * bs
+            first = req.num_preemptions == 0
+            external = max(0, req.external_tokens - hit_tokens) if first else 0
+            computed = hit_tokens + external
+            if computed >= num_tokens:
+                # All of it arrived by transfer: like vLLM, recompute the last token, which
+                # here is a decode step (remaining 0) rather than a one-token prefill.
+                computed, remaining = num_tokens - 1, 0
+            else:
+                remaining = num_tokens - computed
+            tokens = min(remaining, budget) if remaining else 1
+            new = math.ceil((computed + tokens) / bs) - len(hit)
+            evictable = sum(1 for b in hit if b.ref_cnt == 0)  # hits sitting in the free queue
+            if new + evictable > pool.num_free:
                 break
             self._waiting.popleft()
-            self._take_blocks(req, need)
+            pool.touch(hit)
+            req.blocks = hit + pool.get_new_blocks(new)
+            req.num_cached_blocks = len(hit)
+            req.num_computed = computed
+            req.prefill_remaining = remaining
             req.status = RUNNING
             self._running.append(req)
-            self.totals.prefix_cache_queries += req.prompt_tokens
+            if first:
+                t = self.totals
+                if pool.enable_caching:
+                    t.prefix_cache_queries += num_tokens
+                    t.prefix_cache_hits += hit_tokens
+                req.cached_tokens = hit_tokens + external
+                t.prompt_tokens_cached += hit_tokens
+                t.prompt_tokens_external += external
+                t.prompt_tokens_local += req.prompt_tokens - hit_tokens - external
+            self._cache_blocks(req, computed + tokens)
             budget -= tokens
             if req.prefill_remaining:
                 plan.prefill.append((req, tokens))
@@ -317,6 +436,7 @@ class Engine:
             finished_any |= self._emit(req, now)
         if finished_any:
             self._running = [r for r in self._running if r.status == RUNNING]
+        self._flush_events()
 
     # ---- internals -------------------------------------------------------------------
 
@@ -324,6 +444,8 @@ class Engine:
         req.rng, token = next_token(req.rng)
         req.output.append(token)
         self.totals.generation_tokens += 1
+        if self.hasher is not None and req.token_ids is not None and req.num_tokens % self.cfg.block_size == 0:
+            self._extend_hashes(req)
         if req.first_token_at is None:
             req.first_token_at = now
             if self.observer is not None:
@@ -343,9 +465,10 @@ class Engine:
         running list is compacted by the step (or by abort)."""
         if req.status == RUNNING:
             if req.hold_kv is not None and reason != "abort":
-                blocks, req.blocks = req.blocks, 0
-                self._held_blocks += blocks
-                req.hold_kv(req, blocks)
+                held = HeldKv(req.blocks)
+                req.blocks = []
+                self._held_blocks += len(held.blocks)
+                req.hold_kv(req, held)
             else:
                 self._free(req)
         req.status = FINISHED
@@ -358,35 +481,80 @@ class Engine:
         req.finished.set()
 
     def _blocks_needed(self, req: SimRequest, new_tokens: int) -> int:
-        return math.ceil((req.num_computed + new_tokens) / self.cfg.block_size) - req.blocks
-
-    def _take_blocks(self, req: SimRequest, count: int) -> None:
-        if count > 0:
-            req.blocks += count
-            self._used_blocks += count
+        return math.ceil((req.num_computed + new_tokens) / self.cfg.block_size) - len(req.blocks)
 
     def _free(self, req: SimRequest) -> None:
-        self._used_blocks -= req.blocks
-        req.blocks = 0
+        """Return a request's blocks, tail first: its full blocks stay cached (evictable)."""
+        blocks, req.blocks = req.blocks, []
+        req.num_cached_blocks = 0
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
 
     def _allocate_running(self, req: SimRequest, tokens: int) -> bool:
         """Find KV blocks for a running request, preempting the newest running requests
         (possibly ``req`` itself) like vLLM's recompute preemption. False if ``req`` lost."""
         need = self._blocks_needed(req, tokens)
-        while need > self.cfg.num_gpu_blocks - self._used_blocks:
+        while need > self.pool.num_free:
             victim = self._running[-1]
             self._preempt(victim)
             if victim is req:
                 return False
-        self._take_blocks(req, need)
+        if need > 0:
+            req.blocks += self.pool.get_new_blocks(need)
+        self._cache_blocks(req, req.num_computed + tokens)
         return True
 
     def _preempt(self, req: SimRequest) -> None:
         self._running.pop()
         self._free(req)
-        # Recompute preemption: prompt and already generated tokens are prefilled again.
+        # Recompute preemption: prompt and already generated tokens are prefilled again,
+        # less whatever is still in the prefix cache when the request is readmitted.
         req.num_computed = 0
-        req.prefill_remaining = req.prompt_tokens + len(req.output)
+        req.prefill_remaining = req.num_tokens
+        req.num_preemptions += 1
         req.status = WAITING
         self._waiting.appendleft(req)
         self.totals.preemptions += 1
+
+    # ---- prefix caching --------------------------------------------------------------
+
+    def _extend_hashes(self, req: SimRequest) -> None:
+        """Hash the blocks that generated tokens have filled (vLLM hashes all token ids)."""
+        assert self.hasher is not None
+        bs = self.cfg.block_size
+        start, end = len(req.block_hashes), req.num_tokens // bs
+        if end > start:
+            req.block_hashes += self.hasher.block_hashes(
+                req.token_range(start * bs, end * bs), parent=req.block_hashes[-1] if start else None,
+                first_block=start, cache_salt=req.cache_salt)
+
+    def _cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """Cache the request's blocks that are full once this step ran (vLLM caches at
+        scheduling time, capped at the tokens known so far)."""
+        if not self.pool.enable_caching or req.token_ids is None:
+            return
+        bs = self.cfg.block_size
+        end = min(min(num_tokens, req.num_tokens) // bs, len(req.block_hashes), len(req.blocks))
+        start = req.num_cached_blocks
+        if end > start:
+            self.pool.cache_full_blocks(req.blocks, req.block_hashes, start, end,
+                                        req.token_range(start * bs, end * bs), bs, req.cache_salt)
+            req.num_cached_blocks = end
+
+    def _flush_events(self) -> None:
+        if self._on_events is not None and self.pool.events:
+            self._on_events(self.pool.take_events())
+
+
+def _make_hasher(cfg: SimConfig) -> BlockHasher:
+    """vLLM's hash setup: the algorithm flag and PYTHONHASHSEED; with no seed and an xxhash
+    algorithm vLLM's NONE_HASH is random per process, and so is ours."""
+    conf = BlockHashConfig(block_size=cfg.block_size, algo=cfg.prefix_caching_hash_algo,
+                           python_hash_seed=cfg.python_hash_seed)
+    try:
+        return BlockHasher(conf)
+    except UnreproducibleHashError:
+        log.warning("%s with PYTHONHASHSEED unset: block hashes are random per process (as in vLLM)",
+                    cfg.prefix_caching_hash_algo)
+        return BlockHasher(BlockHashConfig(block_size=cfg.block_size, algo=cfg.prefix_caching_hash_algo,
+                                           python_hash_seed=os.urandom(16).hex()))

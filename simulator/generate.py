@@ -75,6 +75,9 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     except ApiError as exc:
         return web.Response(body=exc.body(), status=exc.status, content_type="application/json",
                             headers=headers)
+    if parsed.text_chars:
+        # The API server tokenizes text prompts before the engine sees them (token ids skip it).
+        await ctx.tokenizer.tokenize(parsed.text_chars)
 
     delay = ctx.faults.take_delay()
     if delay:
@@ -113,15 +116,17 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         rng=initial_state(seed, parsed.prompt_fingerprint),
         arrival=arrival,
         stop_ids=stop_token_ids(parsed.stop) if parsed.stop else frozenset(),
+        token_ids=parsed.token_ids,
+        cache_salt=parsed.cache_salt,
         hold_kv=hold_kv,
     )
     head = ResponseHead(kind=kind, id=response_id, created=int(time.time()), model=ctx.cfg.model)
     try:
         if kv.pull is not None:
-            req.external_tokens = await _receive_kv(ctx, kv, parsed, engine_id)
+            req.external_tokens = await _receive_kv(ctx, kv, req, engine_id)
         elif kv.fetch is not None:
             with ctx.kv_wait():
-                req.external_tokens = await _fetch_kv(ctx, kv.fetch, parsed)
+                req.external_tokens = await _fetch_kv(ctx, kv.fetch, req)
         elif kv.metaserver is not None:
             with ctx.kv_wait():
                 req.external_tokens = await _receive_pushed_kv(ctx, kv.metaserver, parsed, engine_id)
@@ -168,7 +173,7 @@ def _base_request_id(request: web.Request, body: Any) -> str:
     return uuid.uuid4().hex
 
 
-async def _receive_kv(ctx: SimContext, kv: KvPlan, parsed: ParsedRequest, request_id: str) -> int:
+async def _receive_kv(ctx: SimContext, kv: KvPlan, req: SimRequest, request_id: str) -> int:
     """Pull the prompt's KV from the prefill node and pay the transfer time; 0 = recompute."""
     assert kv.pull is not None and ctx.http is not None
     with ctx.engine.remote_kv_wait():
@@ -177,18 +182,21 @@ async def _receive_kv(ctx: SimContext, kv: KvPlan, parsed: ParsedRequest, reques
             ctx.pulls.failed += 1
             return 0
         ctx.pulls.ok += 1
-        tokens = min(held, parsed.prompt_tokens)
-        await _pay_transfer(ctx, tokens)
+        tokens = min(held, req.prompt_tokens)
+        await _pay_transfer(ctx, req, tokens)
         return tokens
 
 
-async def _pay_transfer(ctx: SimContext, tokens: int) -> None:
+async def _pay_transfer(ctx: SimContext, req: SimRequest, tokens: int) -> None:
+    """Transfer time for the received tokens this node's prefix cache does not already hold
+    (vLLM's decode side asks the connector only for what its local lookup missed)."""
+    tokens -= min(tokens, ctx.engine.cached_prefix_tokens(req))
     transfer_s = ctx.cfg.kv_transfer_ms_per_token * tokens / 1000.0
     if transfer_s > 0:
         await asyncio.sleep(transfer_s)
 
 
-async def _fetch_kv(ctx: SimContext, src: BootstrapSource, parsed: ParsedRequest) -> int:
+async def _fetch_kv(ctx: SimContext, src: BootstrapSource, req: SimRequest) -> int:
     """Bootstrap flow, decode side: long-poll P for the room's KV; KvTransferError if it fails."""
     assert ctx.http is not None
     with ctx.engine.remote_kv_wait():
@@ -198,8 +206,8 @@ async def _fetch_kv(ctx: SimContext, src: BootstrapSource, parsed: ParsedRequest
             ctx.rooms.counters.pulls_failed += 1
             raise
         ctx.rooms.counters.pulls_ok += 1
-        tokens = min(held, parsed.prompt_tokens)
-        await _pay_transfer(ctx, tokens)
+        tokens = min(held, req.prompt_tokens)
+        await _pay_transfer(ctx, req, tokens)
         return tokens
 
 
@@ -272,10 +280,25 @@ def _kv_params(ctx: SimContext, req: SimRequest, kv: KvPlan) -> dict[str, Any] |
     return producer_params(ctx.cfg, ctx.port, lease) if lease is not None else None
 
 
+def _usage(ctx: SimContext, req: SimRequest, parsed: ParsedRequest, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI usage; prompt_tokens_details.cached_tokens is vLLM's num_cached_tokens (local
+    prefix-cache hits plus received KV), or on a decode node the prefill node's hits when its
+    ticket carries remote_prefill_cached_tokens, as vLLM reports them."""
+    cached = None
+    if ctx.cfg.enable_prompt_tokens_details:
+        cached = req.cached_tokens
+        params = parsed.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            remote = params.get("remote_prefill_cached_tokens")
+            if type(remote) is int:
+                cached = remote
+    return usage(parsed.prompt_tokens, completion_tokens, cached)
+
+
 def _final_body(ctx: SimContext, req: SimRequest, parsed: ParsedRequest, head: ResponseHead,
                 kv: KvPlan) -> dict[str, Any]:
     return response_body(head, detokenize(_text_tokens(req)), req.finish_reason, req.stop_reason,
-                         usage(parsed.prompt_tokens, len(req.output)), _kv_params(ctx, req, kv))
+                         _usage(ctx, req, parsed, len(req.output)), _kv_params(ctx, req, kv))
 
 
 async def _stream(request: web.Request, ctx: SimContext, req: SimRequest, parsed: ParsedRequest,
@@ -299,7 +322,7 @@ async def _stream(request: web.Request, ctx: SimContext, req: SimRequest, parsed
                 parts.append(fmt.final(last, req.finish_reason or "length", req.stop_reason,
                                        _kv_params(ctx, req, kv)))
                 if parsed.include_usage:
-                    parts.append(fmt.usage(usage(parsed.prompt_tokens, n)))
+                    parts.append(fmt.usage(_usage(ctx, req, parsed, n)))
                 parts.append(SSE_DONE)
             else:
                 parts.extend(fmt.token(VOCAB_JSON[t]) for t in out[sent:n])

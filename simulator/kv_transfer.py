@@ -27,7 +27,7 @@ import aiohttp
 
 from simulator.bootstrap import BootstrapRooms, BootstrapSource, RoomOffer, room_key
 from simulator.config import Role, SimConfig
-from simulator.engine import Engine, SimRequest
+from simulator.engine import Engine, HeldKv, SimRequest
 from simulator.layerwise import PushTarget
 from simulator.protocol import ApiError
 
@@ -178,6 +178,9 @@ class KvLease:
     remote_request_id: str
     block_ids: list[int]
     num_tokens: int
+    held: HeldKv | None = field(default=None, repr=False)
+    # The prefill's prefix-cache hits (vLLM adds them to the ticket so D can report them).
+    cached_tokens: int = 0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     offer: RoomOffer | None = field(default=None, repr=False)
 
@@ -208,7 +211,7 @@ class KvLeaseTable:
     def get(self, remote_request_id: str) -> KvLease | None:
         return self._leases.get(remote_request_id)
 
-    def hold(self, req: SimRequest, blocks: int, room: str | None = None) -> None:
+    def hold(self, req: SimRequest, held: HeldKv, room: str | None = None) -> None:
         """Engine hook: ``req`` finished its prefill and hands its blocks to a lease.
 
         With ``room`` the lease is also offered as that bootstrap room, so a MooncakeConnector
@@ -216,7 +219,7 @@ class KvLeaseTable:
         """
         rid = req.request_id
         self._drop(rid)  # a reused request id replaces the old lease
-        lease = KvLease(rid, self._engine.block_ids(blocks), req.prompt_tokens)
+        lease = KvLease(rid, held.block_ids, req.prompt_tokens, held=held, cached_tokens=req.cached_tokens)
         lease.timer = asyncio.get_running_loop().call_later(self._lease_s, self._expire, rid, lease)
         if room is not None and self._rooms is not None:
             lease.offer = self._rooms.offer(room, lease.num_tokens, lease.block_ids, lambda: self.take(rid))
@@ -247,7 +250,8 @@ class KvLeaseTable:
                 lease.timer.cancel()
             if lease.offer is not None and self._rooms is not None:
                 self._rooms.withdraw(lease.offer)
-            self._engine.release_held_blocks(len(lease.block_ids))
+            if lease.held is not None:
+                self._engine.release_held(lease.held)
         return lease
 
 
@@ -263,6 +267,7 @@ def producer_params(cfg: SimConfig, port: int, lease: KvLease) -> dict[str, Any]
         "remote_port": port,
         "tp_size": 1,
         "remote_num_tokens": lease.num_tokens,
+        "remote_prefill_cached_tokens": lease.cached_tokens,
     }
 
 

@@ -99,12 +99,13 @@ class _EngineCollector(Collector):
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", t.generation_tokens)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       t.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", 0)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      t.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", t.preemptions)
         by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
                                         labels=[*self._names, "source"])
         by_source.add_metric([*self._values, "local_compute"], t.prompt_tokens_local)
-        by_source.add_metric([*self._values, "local_cache_hit"], 0)
+        by_source.add_metric([*self._values, "local_cache_hit"], t.prompt_tokens_cached)
         by_source.add_metric([*self._values, "external_kv_transfer"], t.prompt_tokens_external)
         yield by_source
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",

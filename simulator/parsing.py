@@ -1,8 +1,10 @@
 """Validate OpenAI request bodies into what the engine needs, with vLLM's error answers.
 
-The sim only needs token counts, a prompt fingerprint (to make output deterministic) and
-the sampling fields that change timing; everything else is accepted and ignored, like
-vLLM ignores fields it does not act on.
+The sim needs the prompt's token ids (the prefix cache hashes them; a text prompt goes
+through the toy tokenizer, token ids are used as given), a prompt fingerprint (to make
+output deterministic), how many characters a real API server would have tokenized, and the
+sampling fields that change timing; everything else is accepted and ignored, like vLLM
+ignores fields it does not act on.
 """
 
 from __future__ import annotations
@@ -14,14 +16,13 @@ import orjson
 
 from simulator.config import SimConfig
 from simulator.protocol import ApiError, Kind
-from simulator.tokens import (CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE, count_text_tokens,
-                              fingerprint)
+from simulator.tokens import chat_token_ids, fingerprint, text_token_ids
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
     kind: Kind
-    prompt_tokens: int
+    token_ids: list[int]
     prompt_fingerprint: int
     max_tokens: int
     stream: bool
@@ -29,6 +30,13 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # Characters the API server tokenizes (0 for a token-id prompt) and vLLM's cache_salt.
+    text_chars: int = 0
+    cache_salt: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
@@ -38,14 +46,14 @@ def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
     if model is not None and model != cfg.model:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
     if kind == "completion":
-        prompt_tokens, fp = _completion_prompt(body.get("prompt"))
+        token_ids, fp, chars = _completion_prompt(body.get("prompt"))
         max_tokens = _opt_int(body, "max_tokens")
     else:
-        prompt_tokens, fp = _chat_prompt(body.get("messages"))
+        token_ids, fp, chars = _chat_prompt(body.get("messages"))
         max_tokens = _opt_int(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _opt_int(body, "max_tokens")
-    max_tokens = _resolve_max_tokens(max_tokens, prompt_tokens, cfg)
+    max_tokens = _resolve_max_tokens(max_tokens, len(token_ids), cfg)
     n = _opt_int(body, "n")
     if n is not None and n != 1:
         raise ApiError(400, f"The simulator generates one choice per request (n=1); got n={n}.", "n")
@@ -58,21 +66,26 @@ def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
     if kv is not None and not isinstance(kv, dict):
         raise ApiError(400, "kv_transfer_params must be an object", "kv_transfer_params")
     seed = _opt_int(body, "seed")
-    return ParsedRequest(kind=kind, prompt_tokens=prompt_tokens, prompt_fingerprint=fp,
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return ParsedRequest(kind=kind, token_ids=token_ids, prompt_fingerprint=fp,
                          max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                         stop=_stop_list(body.get("stop")), seed=seed, kv_transfer_params=kv)
+                         stop=_stop_list(body.get("stop")), seed=seed, kv_transfer_params=kv,
+                         text_chars=chars, cache_salt=cache_salt)
 
 
-def _completion_prompt(prompt: Any) -> tuple[int, int]:
+def _completion_prompt(prompt: Any) -> tuple[list[int], int, int]:
+    """(token ids, fingerprint, characters to tokenize)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        n = count_text_tokens(prompt)
-        if n == 0:
+        ids = text_token_ids(prompt)
+        if not ids:
             raise ApiError(400, "The prompt must not be empty.", "prompt")
-        return n, fingerprint(prompt.encode())
+        return ids, fingerprint(prompt.encode()), len(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-        return len(prompt), fingerprint(orjson.dumps(prompt))
+        return prompt, fingerprint(orjson.dumps(prompt)), 0
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ApiError(400, "The simulator serves one prompt per request; "
                             f"got a batch of {len(prompt)} prompts.", "prompt")
@@ -80,31 +93,36 @@ def _completion_prompt(prompt: Any) -> tuple[int, int]:
                         "or a list with one list of token ids", "prompt")
 
 
-def _chat_prompt(messages: Any) -> tuple[int, int]:
+def _chat_prompt(messages: Any) -> tuple[list[int], int, int]:
+    """The rendered conversation's toy token ids (see ``chat_token_ids``); a chat prompt is
+    always text, so every content character (and role) counts as tokenized."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    total = CHAT_GENERATION_PROMPT_TOKENS
+    rendered: list[tuple[str, list[str]]] = []
+    chars = 0
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ApiError(400, "each message must be an object with a string role", "messages")
-        total += CHAT_TOKENS_PER_MESSAGE + _content_tokens(msg.get("content"))
-    return total, fingerprint(orjson.dumps(messages))
+        texts = _content_texts(msg.get("content"))
+        rendered.append((msg["role"], texts))
+        chars += len(msg["role"]) + sum(len(t) for t in texts)
+    return chat_token_ids(rendered), fingerprint(orjson.dumps(messages)), chars
 
 
-def _content_tokens(content: Any) -> int:
+def _content_texts(content: Any) -> list[str]:
     if content is None:
-        return 0
+        return []
     if isinstance(content, str):
-        return count_text_tokens(content)
+        return [content]
     if isinstance(content, list):
-        n = 0
+        texts = []
         for part in content:
             if not isinstance(part, dict):
                 raise ApiError(400, "message content parts must be objects", "messages")
             text = part.get("text")
             if isinstance(text, str):
-                n += count_text_tokens(text)
-        return n
+                texts.append(text)
+        return texts
     raise ApiError(400, "message content must be a string or a list of parts", "messages")
 
 

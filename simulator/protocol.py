@@ -65,12 +65,13 @@ class ResponseHead:
     model: str
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """``prompt_tokens_details`` only when some prompt tokens were cached (None otherwise)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None,
     }
 
 

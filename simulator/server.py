@@ -1,4 +1,5 @@
-"""The simulated engine's HTTP app: vLLM's OpenAI routes plus /sim/* test and ops routes."""
+"""The simulated engine's HTTP app: vLLM's OpenAI routes (and its dev route
+``/reset_prefix_cache``) plus /sim/* test and ops routes."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/sim/requests", get_requests)
     app.router.add_delete("/sim/requests", clear_requests)
     app.router.add_get("/sim/faults", get_faults)
@@ -52,6 +54,7 @@ def build_app(cfg: SimConfig) -> web.Application:
 
 async def _on_startup(app: web.Application) -> None:
     ctx = app[SIM]
+    ctx.start_kv_events()
     ctx.engine.start()
     ctx.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
 
@@ -66,6 +69,7 @@ async def _on_cleanup(app: web.Application) -> None:
     ctx = app[SIM]
     ctx.leases.clear()
     await ctx.engine.stop()
+    await ctx.stop_kv_events()
     if ctx.http is not None:
         await ctx.http.close()
 
@@ -84,7 +88,7 @@ async def serve(cfg: SimConfig, ready_file: str | None) -> None:
     log.info("sim %s (role=%s, engine_id=%s) serving %s on %s:%d (bootstrap port %d)", cfg.model, cfg.role,
              cfg.engine_id, cfg.model, cfg.host, port, ctx.bootstrap_port)
     write_ready_file(ready_file, port=port, bootstrap_port=ctx.bootstrap_port, model=cfg.model, role=cfg.role,
-                     engine_id=cfg.engine_id)
+                     engine_id=cfg.engine_id, **kv_events_info(ctx))
     try:
         await wait_for_stop_signal()
     finally:
@@ -122,6 +126,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[SIM].metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's (dev-mode) route: ``{"success": false}`` while blocks are in use, unless
+    ``?reset_running_requests=true`` preempts the running requests first."""
+    flag = request.query.get("reset_running_requests", "false").lower() in ("1", "true", "yes")
+    ok = request.app[SIM].engine.reset_prefix_cache(reset_running_requests=flag)
+    return json_response({"success": ok})
+
+
 # ---- /sim/* ----------------------------------------------------------------------------
 
 async def get_requests(request: web.Request) -> web.Response:
@@ -150,10 +162,21 @@ async def state(request: web.Request) -> web.Response:
     return json_response(state_snapshot(request.app[SIM]))
 
 
+def kv_events_info(ctx: SimContext) -> dict:
+    """Where the KV event publisher is (resolved ports when ``tcp://*:0`` was asked for)."""
+    pub = ctx.kv_events
+    if pub is None:
+        return {"kv_events_endpoint": None, "kv_events_port": None, "kv_replay_endpoint": None,
+                "kv_replay_port": None}
+    return {"kv_events_endpoint": pub.endpoint, "kv_events_port": pub.port,
+            "kv_replay_endpoint": pub.replay_endpoint, "kv_replay_port": pub.replay_port}
+
+
 def state_snapshot(ctx: SimContext) -> dict:
     """Flat counters tests and capacity planning read; totals only ever grow."""
     e, t = ctx.engine, ctx.engine.totals
     rooms, lw = ctx.rooms, ctx.pushes.counters
+    pool = e.pool.counters
     return {
         "engine_id": ctx.cfg.engine_id,
         "role": ctx.cfg.role,
@@ -195,7 +218,25 @@ def state_snapshot(ctx: SimContext) -> dict:
         "finished": dict(t.finished),
         "prompt_tokens_total": t.prompt_tokens,
         "prompt_tokens_local": t.prompt_tokens_local,
+        "prompt_tokens_cached": t.prompt_tokens_cached,
         "prompt_tokens_external": t.prompt_tokens_external,
+        # Prefix cache (vLLM's counters, in tokens) and the block pool.
+        "prefix_cache_queries_tokens": t.prefix_cache_queries,
+        "prefix_cache_hits_tokens": t.prefix_cache_hits,
+        "cached_blocks": e.pool.num_cached,
+        "free_blocks": e.pool.num_free,
+        "stored_blocks": pool.stored_blocks,
+        "evicted_blocks": pool.evicted_blocks,
+        "prefix_cache_resets": pool.resets,
+        # KV events publisher.
+        **kv_events_info(ctx),
+        "kv_events_batches": ctx.kv_events.batches_published if ctx.kv_events else 0,
+        "kv_events_published": ctx.kv_events.events_published if ctx.kv_events else 0,
+        "kv_events_replays": ctx.kv_events.replays_served if ctx.kv_events else 0,
+        # API-server tokenization cost model (text prompts only).
+        "tokenize_busy_s": round(ctx.tokenizer.busy_s, 9),
+        "tokenized_chars": ctx.tokenizer.chars,
+        "tokenized_prompts": ctx.tokenizer.prompts,
         "generation_tokens_total": t.generation_tokens,
         "preemptions_total": t.preemptions,
         "steps_total": t.steps,

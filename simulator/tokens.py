@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import zlib
+from collections.abc import Iterable
 
 import orjson
 
@@ -34,9 +36,44 @@ _LCG_A = 6364136223846793005
 _LCG_C = 1442695040888963407
 
 
+# Toy token ids, for the prefix cache's block hashes. Vocabulary words keep their index, so
+# generated text fed back (a chat's next turn) tokenizes to the ids the engine generated;
+# any other piece gets a stable id from its CRC, and the chat template has its own ids.
+TOY_VOCAB_SIZE = 32000
+_WORD_IDS: dict[str, int] = {w.strip(): i for i, w in enumerate(VOCAB)}
+_SPECIAL_START, _SPECIAL_SEP, _SPECIAL_END = TOY_VOCAB_SIZE - 1, TOY_VOCAB_SIZE - 2, TOY_VOCAB_SIZE - 3
+_HASHED_IDS = TOY_VOCAB_SIZE - len(VOCAB) - 3
+
+
 def count_text_tokens(text: str) -> int:
     """Word pieces and punctuation marks, each one token."""
     return len(_PIECE.findall(text))
+
+
+def _piece_id(piece: str, _words: dict[str, int] = _WORD_IDS, _crc=zlib.crc32) -> int:
+    i = _words.get(piece)
+    return i if i is not None else len(VOCAB) + _crc(piece.encode()) % _HASHED_IDS
+
+
+def text_token_ids(text: str) -> list[int]:
+    """The toy tokenizer: one id per word piece or punctuation mark (``count_text_tokens`` ids)."""
+    return [_piece_id(p) for p in _PIECE.findall(text)]
+
+
+def chat_token_ids(messages: Iterable[tuple[str, list[str]]]) -> list[int]:
+    """A rendered conversation's ids: per message ``<start> role <sep> content... <end>`` (4 template
+    tokens), then the generation prompt ``<start> assistant <sep>`` (3), as the counts above say.
+
+    ``messages`` holds (role, text pieces of the content) pairs.
+    """
+    ids: list[int] = []
+    for role, texts in messages:
+        ids += (_SPECIAL_START, _piece_id(role), _SPECIAL_SEP)
+        for text in texts:
+            ids += text_token_ids(text)
+        ids.append(_SPECIAL_END)
+    ids += (_SPECIAL_START, _piece_id("assistant"), _SPECIAL_SEP)
+    return ids
 
 
 def fingerprint(data: bytes) -> int:

@@ -387,12 +387,17 @@ async def test_prefill_decode_flow(sims, http):
     assert d_resp["choices"][0]["text"] == b_resp["choices"][0]["text"]
     assert d_resp["choices"][0]["text"].startswith(p_resp["choices"][0]["text"])
 
-    # A ticket can be used once: a second pull gets 404 on P, so D recomputes locally.
-    status, _ = await post_json(http, d.url + "/v1/completions",
-                                {"prompt": LONG_PROMPT, "max_tokens": 2, "kv_transfer_params": kv})
+    # A ticket can be used once: a second pull gets 404 on P, so D recomputes locally (all but
+    # the full blocks its prefix cache kept from the first request: the received KV is cached).
+    status, again = await post_json(http, d.url + "/v1/completions",
+                                    {"prompt": LONG_PROMPT, "max_tokens": 2, "kv_transfer_params": kv})
     assert status == 200
     d_state2 = await get_json(http, d.url + "/sim/state")
-    assert d_state2["prompt_tokens_local"] - d_state["prompt_tokens_local"] == 100
+    assert d_state2["prompt_tokens_local"] - d_state["prompt_tokens_local"] == 100 - 96
+    assert d_state2["prompt_tokens_cached"] - d_state["prompt_tokens_cached"] == 96
+    # vLLM reports the prefill node's hits (the ticket's remote_prefill_cached_tokens, 0 here)
+    # for a do_remote_prefill request, whatever happened on D.
+    assert kv["remote_prefill_cached_tokens"] == 0 and again["usage"]["prompt_tokens_details"] is None
     assert d_state2["kv_pulls_failed"] == d_state["kv_pulls_failed"] + 1
 
 
@@ -435,7 +440,8 @@ async def test_decode_with_invalid_params_recomputes(sims, http):
                                    {"prompt": LONG_PROMPT, "max_tokens": 3, "kv_transfer_params": broken})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     d1 = await get_json(http, d.url + "/sim/state")
-    assert d1["prompt_tokens_local"] - d0["prompt_tokens_local"] == 100
+    recomputed = d1["prompt_tokens_local"] - d0["prompt_tokens_local"]
+    assert recomputed + d1["prompt_tokens_cached"] - d0["prompt_tokens_cached"] == 100
     assert d1["prompt_tokens_external"] == d0["prompt_tokens_external"]
     assert d1["kv_pulls_ok"] == d0["kv_pulls_ok"] and d1["kv_pulls_failed"] == d0["kv_pulls_failed"]
 
