@@ -98,9 +98,9 @@ async def test_async_paths_give_the_same_ids(dirs: dict[str, Path]) -> None:
                     else:
                         got = await tok.encode_completion_request_async(case["body"])
                     assert got == case["expected"], case["name"]
-                    is_text = case["kind"] == "chat" or any(isinstance(p, str) for p in
-                                                            ([case["body"]["prompt"]] if isinstance(case["body"]["prompt"], str)
-                                                             else case["body"]["prompt"]))
+                    prompt = case["body"].get("prompt")
+                    prompts = [prompt] if isinstance(prompt, str) else prompt or []
+                    is_text = case["kind"] == "chat" or any(isinstance(p, str) for p in prompts)
                     assert (calls > 0) == (want_offloaded and is_text), case["name"]
     finally:
         pool.shutdown()

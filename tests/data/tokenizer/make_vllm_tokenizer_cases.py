@@ -100,6 +100,8 @@ def cases() -> list[dict]:
          messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}])
     chat(t, "text_parts", messages=[{"role": "user", "content": [{"type": "text", "text": "part one"},
                                                                  {"type": "text", "text": "part two"}]}])
+    chat(t, "empty_text_parts_dropped", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": ""}, "", {"type": "refusal", "refusal": "b"}]}])
     chat(t, "developer_role", messages=[{"role": "developer", "content": "Dev rules."},
                                         {"role": "user", "content": "Hi"},
                                         {"role": "system", "content": "Late system."}])
@@ -132,6 +134,8 @@ def cases() -> list[dict]:
         {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}, {"type": "refusal", "refusal": "no"}]},
         {"role": "user", "content": "again"}])
     # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice; "none" still renders them.
+    chat(b, "empty_text_parts_kept", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "text", "text": "b"}]}])
     chat(b, "tools", tools=TOOLS, tool_choice="none", chat_template_kwargs={"date_string": "01 Jan 2030"},
          messages=TOOL_TURNS + [{"role": "user", "content": "thanks", "name": "bob"}])
     chat(b, "tools_choice_none", tools=TOOLS[:1], tool_choice="none",
