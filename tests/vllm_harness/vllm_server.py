@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,10 +52,39 @@ def find_install() -> tuple[Path, Path] | None:
     return None
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 outside the kernel's ephemeral range.
+
+    vLLM binds its ports up to minutes after we choose them. A port from the ephemeral range
+    (what binding port 0 gives) may meanwhile become the source port of some outgoing
+    connection, and the NIXL side channel then fails with "Address already in use".
+    """
+    low, high = _ephemeral_ports()
+    pool = range(20000, low) if low - 20000 >= 1000 else range(high + 1, 65536)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(pool)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise VllmError(f"no free port in {pool}")
 
 
 def cpu_slots(count: int) -> list[str]:
@@ -63,9 +93,15 @@ def cpu_slots(count: int) -> list[str]:
     return [str(cores[i % len(cores)]) for i in range(count)]
 
 
+# How long P keeps a prefilled request's KV blocks for D to pull (vLLM's default is 30 s).
+# On an overloaded 2-core machine D can take longer than that to get to the pull.
+KV_LEASE_S = 120
+
+
 def nixl_config(role: str) -> str:
     """--kv-transfer-config for NixlConnector on CPU: role is kv_producer (P) or kv_consumer (D)."""
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+                       "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}})
 
 
 @dataclass
@@ -94,6 +130,18 @@ class VllmServer:
         state = "running" if self.proc.poll() is None else f"exited with {self.proc.returncode}"
         return (f"--- vLLM {self.name} on {self.url} ({state}), log {self.log_path}, last {lines} lines:\n"
                 f"{self.log_tail(lines)}")
+
+    def fatal_in_log(self) -> str | None:
+        """A startup error after which vLLM keeps running but never serves: a thread died on a
+        port that was taken (the NIXL side-channel listener does that)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        for marker in ("Address already in use",):
+            if marker in text:
+                return marker
+        return None
 
     def healthy(self) -> bool:
         try:
@@ -180,6 +228,9 @@ def wait_healthy(servers: list[VllmServer], timeout: float = START_TIMEOUT) -> N
             if server.proc.poll() is not None:
                 raise VllmError(f"vLLM {server.name} exited with {server.proc.returncode} before it was "
                                 f"healthy\n" + "\n".join(s.describe() for s in servers))
+            if server.fatal_in_log():
+                raise VllmError(f"vLLM {server.name} failed while starting (and would hang): "
+                                f"{server.fatal_in_log()}\n" + "\n".join(s.describe() for s in servers))
             if server.healthy():
                 server.ready_after = time.monotonic() - server.started
                 pending.remove(server)
@@ -188,6 +239,45 @@ def wait_healthy(servers: list[VllmServer], timeout: float = START_TIMEOUT) -> N
                             + "\n".join(s.describe() for s in servers))
         if pending:
             time.sleep(0.5)
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    """POST JSON; (status, parsed body) or (status, raw text) when it is not JSON."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def warm_up_nixl(prefill: VllmServer, decode: VllmServer, *, attempts: int = 4) -> int:
+    """Send one request P -> D directly so that D's one-time NIXL handshake with P is done.
+
+    The handshake gives P five seconds to answer, which an overloaded machine can miss; D then
+    fails that request with a 500 and tries again on the next one. Returns the attempts used.
+    """
+    failures = []
+    for attempt in range(1, attempts + 1):
+        prompt = list(range(1000 + attempt * 100, 1000 + attempt * 100 + 2 * BLOCK_SIZE + 5))
+        body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        status, p_out = post_json(prefill.url + "/v1/completions", body)
+        if status != 200 or not isinstance(p_out, dict) or not p_out.get("kv_transfer_params"):
+            raise VllmError(f"warm-up prefill failed: {status} {p_out}\n{prefill.describe()}")
+        body.update(max_tokens=2, kv_transfer_params=p_out["kv_transfer_params"])
+        status, d_out = post_json(decode.url + "/v1/completions", body)
+        if status == 200:
+            return attempt
+        failures.append(f"attempt {attempt}: {status} {d_out}")
+        if decode.proc.poll() is not None:
+            break
+    raise VllmError("NIXL warm-up P -> D failed:\n" + "\n".join(failures) + "\n"
+                    + prefill.describe() + "\n" + decode.describe())
 
 
 def parse_metrics(text: str) -> dict[str, float]:
