@@ -216,6 +216,31 @@ def test_encoding_round_trips_through_the_control_plane_decoder():
     assert raw[1][0]["block_hashes"] == [h1]
 
 
+# vllm 0.32.0's own encoder (msgspec) on the same events, built from vllm.distributed.kv_events'
+# KVEventBatch/BlockStored/BlockRemoved/AllBlocksCleared (extra_keys via to_event_extra_keys):
+#   BlockStored([2**64-1, 5], None, range(8), 4, extra [("salt",), None]), BlockStored([7], 5, [1..4], 4,
+#   extra [None]), BlockRemoved([5]), AllBlocksCleared(); ts=1.5, data_parallel_rank=0.
+VLLM_032_BATCH = bytes.fromhex(
+    "93cb3ff8000000000000948ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfffffffffffffffff"
+    "05b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980001020304050607aa626c6f636b5f73697a6504a7"
+    "6c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739291a473616c74c0a96772"
+    "6f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e8ba474797065ab426c6f"
+    "636b53746f726564ac626c6f636b5f6861736865739107b1706172656e745f626c6f636b5f6861736805a9746f6b656e5f696473"
+    "9401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa657874"
+    "72615f6b65797391c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e7469"
+    "6f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739105a66d656469756da3475055a967726f75"
+    "705f6964780081a474797065b0416c6c426c6f636b73436c656172656400")
+
+
+def test_map_payload_is_byte_identical_to_vllm_032():
+    def h(v: int) -> bytes:  # a digest whose 64-bit event form is v
+        return v.to_bytes(32, "big")
+
+    events = [Stored((h(2**64 - 1), h(5)), None, tuple(range(8)), 4, (("salt",), None)),
+              Stored((h(7),), h(5), (1, 2, 3, 4), 4, (None,)), Removed(h(5)), Cleared()]
+    assert encode_batch(encode_events(events), ts=1.5) == VLLM_032_BATCH
+
+
 def test_bind_or_connect_heuristic():
     assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("tcp://[::]:5557")
     assert is_bind_endpoint("ipc:///tmp/x") and is_bind_endpoint("inproc://x")
