@@ -404,9 +404,13 @@ def normalize_messages(messages: list[dict[str, Any]], content_format: ContentFo
         if role == "assistant":
             if msg.get("tool_calls") is not None:
                 out["tool_calls"] = [_copy_tool_call(c) for c in deepcopy(msg["tool_calls"])]
-            if msg.get("reasoning") is not None:
-                out["reasoning"] = msg["reasoning"]
-                out["reasoning_content"] = msg["reasoning"]
+            # vLLM's request model renames the deprecated "reasoning_content" to "reasoning" first.
+            reasoning = msg.get("reasoning")
+            if reasoning is None:
+                reasoning = msg.get("reasoning_content")
+            if reasoning is not None:
+                out["reasoning"] = reasoning
+                out["reasoning_content"] = reasoning
         elif role == "tool":
             if "tool_call_id" in msg:
                 out["tool_call_id"] = msg["tool_call_id"]

@@ -306,6 +306,8 @@ class Tokenizer:
 
     def encode_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
         """``CompletionRequest.prompt`` (str | list[str] | list[int] | list[list[int]]) -> one id list per prompt."""
+        if prompt == "":
+            raise TokenizeError("empty prompt")  # vLLM rejects it (a [""] list is accepted, though)
         if isinstance(prompt, str) or _is_token_ids(prompt) and prompt:
             return [self.encode_prompt(prompt, add_special_tokens)]
         if isinstance(prompt, list) and prompt:
@@ -441,6 +443,8 @@ class Tokenizer:
             raise UnsupportedContent("suffix (FIM) and prompt_embeds are not supported")
         prompt = body.get("prompt")
         add = bool(body.get("add_special_tokens", True))
+        if prompt == "":
+            raise TokenizeError("empty prompt")
         if isinstance(prompt, str) or _is_token_ids(prompt) and prompt:
             return [await self.encode_async(prompt, add)]
         if isinstance(prompt, list) and prompt:

@@ -85,6 +85,8 @@ def cases() -> list[dict]:
         cmpl(v, "list_of_strings", prompt=["first prompt", "second: 二"])
         cmpl(v, "token_ids", prompt=[5, 10, 128803, 15])
         cmpl(v, "list_of_token_ids", prompt=[[1, 2, 3], [4, 5]])
+        cmpl(v, "empty_string_rejected", prompt="")
+        cmpl(v, "list_with_empty_string", prompt=[""])
         cmpl(v, "code", prompt="def f(x):\n    return {'a': [x, x**2]}  # ok\n")
 
     t = "tiny_llama"
@@ -121,6 +123,10 @@ def cases() -> list[dict]:
     chat(t, "request_template_ok", chat_template=strict,
          messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                    {"role": "user", "content": "c"}])
+    chat(t, "reasoning_content_renamed", chat_template="{% for m in messages %}{{ m | tojson }}\n{% endfor %}",
+         messages=[{"role": "user", "content": "q", "reasoning_content": "ignored for users"},
+                   {"role": "assistant", "content": "a", "reasoning_content": "because"},
+                   {"role": "assistant", "content": "b", "reasoning": "r", "reasoning_content": "dropped"}])
     chat(t, "long", messages=[{"role": "user", "content": ("Lorem ipsum dolor sit amet, 12345. " * 200)}])
 
     b = "bos_variant"
