@@ -8,7 +8,7 @@ and hashed with its own ``BlockHasher``.
 
 from __future__ import annotations
 
-import asyncio
+import json
 import re
 
 import aiohttp
@@ -328,14 +328,15 @@ _probes = iter(range(100_000, 10**9, 1000))
 class _Collector:
     """A KVEventSubscriber on one sim, collecting every decoded event in order."""
 
-    def __init__(self, child: Child) -> None:
-        info = child.info
+    def __init__(self, child: Child | None, source: KVEventSource | None = None) -> None:
         self.events: list = []
         self.resets = 0
-        self.sub = KVEventSubscriber(
-            KVEventSource(engine_key=child.name, endpoint=f"tcp://127.0.0.1:{info['kv_events_port']}",
-                          replay_endpoint=f"tcp://127.0.0.1:{info['kv_replay_port']}", topic=b"kv@ev"),
-            self._on_events, self._on_reset, replay_timeout_s=5.0)
+        if source is None:
+            assert child is not None
+            info = child.info
+            source = KVEventSource(engine_key=child.name, endpoint=f"tcp://127.0.0.1:{info['kv_events_port']}",
+                                   replay_endpoint=f"tcp://127.0.0.1:{info['kv_replay_port']}", topic=b"kv@ev")
+        self.sub = KVEventSubscriber(source, self._on_events, self._on_reset, replay_timeout_s=5.0)
 
     def _on_events(self, engine: str, dp_rank: int | None, events: tuple) -> None:
         self.events.extend(events)
@@ -346,10 +347,13 @@ class _Collector:
     async def start(self, http: aiohttp.ClientSession, child: Child) -> None:
         """Subscribe, then send fresh prompts until one batch arrived live (ZMQ's slow joiner)."""
         await self.sub.start()
+        await self.probe(http, child)
+
+    async def probe(self, http: aiohttp.ClientSession, child: Child) -> None:
         probe = next(_probes)
         while not self.sub.counters.received:
-            probe += 10
-            await _post(http, child, "/v1/completions", {"prompt": list(range(probe, probe + 5)), "max_tokens": 1})
+            probe += 50
+            await _post(http, child, "/v1/completions", {"prompt": list(range(probe, probe + 20)), "max_tokens": 1})
             try:
                 await wait_until(self._received, timeout=0.5, interval=0.02, what="a live batch")
             except AssertionError:
@@ -527,3 +531,31 @@ async def test_subscriber_backfills_a_gap_through_replay(sims, http):
     finally:
         await col.sub.stop()
     assert (await _state(http, ev))["kv_events_replays"] >= 1
+
+
+async def test_connecting_publisher_from_vllm_kv_events_config(http):
+    """No ``*`` in the endpoint: the sim connects to a subscriber that binds (llm-d style), and
+    vLLM's ``--kv-events-config`` JSON works as a drop-in."""
+    col = _Collector(None, KVEventSource(engine_key="kv@pod@m", endpoint="tcp://127.0.0.1:0", bind=True,
+                                         key_by_topic=True))
+    await col.sub.start()
+    try:
+        port = int(col.sub.endpoint.rsplit(":", 1)[1])
+        conf = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+                "topic": "kv@pod@m"}
+        with ProcessGroup() as group:
+            child = group.start("sim-connect", ["sim", "--port", "0", "--kv-events-format", "array",
+                                                "--kv-events-config", json.dumps(conf)],
+                                env={"PYTHONHASHSEED": SEED})
+            assert child.info["kv_events_endpoint"] == f"tcp://127.0.0.1:{port}"
+            assert child.info["kv_replay_port"] is None
+            await col.probe(http, child)
+            ids = list(range(3000, 3040))
+            await _post(http, child, "/v1/completions", {"prompt": ids, "max_tokens": 1})
+            want = BlockHasher(BlockHashConfig(block_size=16, python_hash_seed=SEED)).event_hashes(ids)
+            await wait_until(lambda: _stored(col, want[0]), timeout=10, what="the prompt's BlockStored")
+            (ev,) = [e for e in col.of(BlockStored) if want[0] in e.block_hashes]
+            assert list(ev.block_hashes) == want and ev.medium == "GPU"  # decoded from the array form
+    finally:
+        await col.sub.stop()
+
