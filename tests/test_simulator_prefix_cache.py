@@ -351,13 +351,16 @@ class _Collector:
 
     async def probe(self, http: aiohttp.ClientSession, child: Child) -> None:
         probe = next(_probes)
-        while not self.sub.counters.received:
+        for _ in range(100):
+            if self.sub.counters.received:
+                return
             probe += 50
             await _post(http, child, "/v1/completions", {"prompt": list(range(probe, probe + 20)), "max_tokens": 1})
             try:
                 await wait_until(self._received, timeout=0.5, interval=0.02, what="a live batch")
             except AssertionError:
                 continue
+        assert self.sub.counters.received, "no KV event batch arrived for 100 fresh prompts"
 
     async def _received(self) -> bool:
         return self.sub.counters.received > 0
