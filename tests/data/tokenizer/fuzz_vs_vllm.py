@@ -13,7 +13,7 @@ vLLM's pydantic ChatCompletionRequest and OnlineRenderer.render_chat, and throug
 Tokenizer.encode_chat_request; prints the counts and, for any mismatch, both rendered prompts.
 Last run (seeds 0 and 1, 400 each): 0 mismatches, errors on both sides agree.
 """
-import asyncio, importlib.util, json, os, random, shutil, sys, tempfile
+import asyncio, copy, importlib.util, json, os, random, shutil, sys, tempfile
 from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[3]
@@ -52,6 +52,7 @@ def message(i):
             for j in range(rng.randint(1, 2))]
         if m["content"] is None and rng.random() < 0.5: m["content"] = ""
     if role == "assistant" and rng.random() < 0.2: m["reasoning"] = text()
+    if rng.random() < 0.1: m["reasoning_content"] = text()
     if role == "tool": m["tool_call_id"] = f"c{rng.randint(0,3)}"
     if role in ("user", "system") and rng.random() < 0.2: m["name"] = "n" + text(2).strip()
     if role in ("user", "assistant", "system", "tool") and m["content"] is None and role != "assistant": m["content"] = text()
@@ -88,7 +89,7 @@ async def main():
     for i in range(n):
         v = rng.choice(fd.VARIANTS); b = body(v)
         try:
-            req = ChatCompletionRequest(**b)
+            req = ChatCompletionRequest(**copy.deepcopy(b))  # vLLM's validators mutate messages
         except Exception:
             continue  # pydantic rejects: the engine would 400
         try:
