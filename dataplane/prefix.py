@@ -46,7 +46,14 @@ class PrefixHasher:
         if hasher is None:
             return []
         salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-        if len(token_ids) // max(cfg.block_size, 1) <= INLINE_MAX_BLOCKS:
-            return hasher.event_hashes(token_ids, cache_salt=salt)
+        # vLLM always computes at least the last prompt token, so it can reuse at most
+        # (n - 1) // block_size cached blocks: hash exactly those, so that a predicted hit is
+        # one the engine can really have.
+        usable = (len(token_ids) - 1) // max(cfg.block_size, 1) * max(cfg.block_size, 1)
+        if not usable:
+            return []
+        ids = token_ids[:usable]
+        if usable // max(cfg.block_size, 1) <= INLINE_MAX_BLOCKS:
+            return hasher.event_hashes(ids, cache_salt=salt)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: hasher.event_hashes(token_ids, cache_salt=salt))
+        return await loop.run_in_executor(None, lambda: hasher.event_hashes(ids, cache_salt=salt))
