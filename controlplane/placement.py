@@ -78,8 +78,10 @@ class Placer:
             roles = _LEG_ROLES[leg]
         want_explain = req.explain or dry_run
         chain = list(req.block_hashes) if self.kv is not None else []
-        match = self.kv.match(chain, [w for w in workers if w.serves(req.model)]) if chain else {}
-        decision = self.profile.place(self._context(req, leg, roles, chain, match), workers)
+        serving = [w for w in workers if w.serves(req.model)] if chain else []
+        match = self.kv.match(chain, serving) if chain else {}
+        cached = {w.id: self.kv.cached_blocks(w.id) for w in serving} if chain else {}
+        decision = self.profile.place(self._context(req, leg, roles, chain, match, cached), workers)
         explanation = decision.explain() if want_explain else ""
         chosen = decision.worker
         if chosen is None:
@@ -95,8 +97,8 @@ class Placer:
         elif chosen.role is Role.PREFILL and leg == "entry" and flow in (pb.FLOW_PARALLEL, pb.FLOW_LAYERWISE):
             # Both flows need D now: parallel sends to P and D at once; layerwise sends
             # to D first and lets the metaserver choose P when D asks for its prefill.
-            d_decision = self.profile.place(self._context(req, "decode", _LEG_ROLES["decode"], chain, match),
-                                            workers)
+            d_decision = self.profile.place(self._context(req, "decode", _LEG_ROLES["decode"], chain, match,
+                                                          cached), workers)
             if want_explain:
                 explanation += " | decode: " + d_decision.explain()
             if d_decision.worker is None:
@@ -145,12 +147,12 @@ class Placer:
         self.stats.placed[(worker.id, leg)] += 1
 
     def _context(self, req: pb.PlaceRequest, leg: str, roles: frozenset[Role], chain: list[int] = (),
-                 match: dict[str, int] | None = None) -> PlacementContext:
+                 match: dict[str, int] | None = None, cached: dict[str, int] | None = None) -> PlacementContext:
         return PlacementContext(
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
             metrics_max_age_s=self.metrics_max_age_s, roles=roles, chain_blocks=len(chain),
-            match_blocks=match or {})
+            match_blocks=match or {}, cached_blocks=cached or {})
 
     def _refusal(self, req: pb.PlaceRequest, leg: str, workers: list[Worker], dropped: dict[str, str],
                  explanation: str) -> pb.Placement:

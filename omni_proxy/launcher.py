@@ -49,7 +49,7 @@ class Child:
 class ProcessGroup:
     """Owns a set of child servers and a scratch directory; stops them all on close."""
 
-    def __init__(self, workdir: str | None = None, *, ready_timeout: float = 30.0) -> None:
+    def __init__(self, workdir: str | None = None, *, ready_timeout: float = 90.0) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="omni-proxy-")
         self.workdir = Path(workdir or self._tmp.name)
         self.ready_timeout = ready_timeout

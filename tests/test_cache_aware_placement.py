@@ -89,3 +89,14 @@ async def test_routed_prefixes_expire():
     placer.kv.config.approx_ttl_s = 0.0
     await placer.place(entry("r", [7, 8]))
     assert placer.kv.match([7, 8], [w("a")]) == {}
+
+
+def test_cache_aware_sends_unmatched_prompts_to_the_smallest_cache():
+    picker = CacheAwarePicker()
+    a, b = w("a"), w("b")
+    c = ctx({}, chain=10)
+    c.cached_blocks = {"a": 500, "b": 20}
+    cands = [Candidate(a, score=0.0, scores={"prefix_cache": 0.0}), Candidate(b, score=0.0, scores={"prefix_cache": 0.0})]
+    assert all(picker.pick(c, cands).worker.id == "b" for _ in range(20))
+    cands[0].scores["prefix_cache"], cands[0].score = 0.4, 0.4    # a real match beats an empty cache
+    assert picker.pick(c, cands).worker.id == "a"

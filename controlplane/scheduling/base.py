@@ -27,6 +27,7 @@ class PlacementContext:
     # blocks it holds (looked up once per placement, before the plugins run).
     chain_blocks: int = 0
     match_blocks: dict[str, int] = field(default_factory=dict)
+    cached_blocks: dict[str, int] = field(default_factory=dict)   # per worker: blocks it holds
 
 
 @dataclass

@@ -79,10 +79,15 @@ class CacheAwarePicker:
     Out of balance means ``max - min > abs_threshold`` and ``max > rel_threshold * min``
     over the candidates' in-flight requests; then the least-loaded worker wins outright,
     because a warm cache on an overloaded worker costs more than it saves.
+
+    When no candidate holds more than ``cache_threshold`` of the prompt, the request goes
+    to the worker holding the fewest blocks (SGLang's "smallest tree"): new prefixes then
+    spread over the fleet instead of piling up where ties happened to fall.
     """
 
     abs_threshold: int = 32
     rel_threshold: float = 1.5
+    cache_threshold: float = 0.0
     rng: random.Random = field(default_factory=random.Random)
     name: str = "cache_aware"
 
@@ -94,6 +99,11 @@ class CacheAwarePicker:
         if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
             best = min(loads)
             top = [c for c, load in zip(candidates, loads) if load == best]
+        elif ctx.cached_blocks and max(c.scores.get("prefix_cache", 0.0) for c in candidates) <= self.cache_threshold:
+            smallest = min(ctx.cached_blocks.get(c.worker.id, 0) for c in candidates)
+            small = [c for c in candidates if ctx.cached_blocks.get(c.worker.id, 0) == smallest]
+            best_score = max(c.score for c in small)
+            top = [c for c in small if c.score >= best_score - 1e-12]
         else:
             best_score = max(c.score for c in candidates)
             top = [c for c in candidates if c.score >= best_score - 1e-12]
