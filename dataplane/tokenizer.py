@@ -51,6 +51,11 @@ Async (off the event loop above ``async_threshold_chars``)::
     ``encode_batch_fast``/``encode_batch``, which release the GIL while the Rust code runs
     (``Tokenizer.encode`` does not: from a thread it would still stall the loop).
 
+``tok.engine_renderer``: ``"hf"``, or the vLLM tokenizer mode that ``from_dir`` expects vLLM to pick
+instead (``deepseek_v32``/``deepseek_v4``/``deepseek_v41``/``kimi_k3``/``kimi_audio``/``inkling`` from
+``config.json`` architectures, ``mistral`` when ``tekken.json``/``tokenizer.model.v*`` exist). For those
+vLLM does not use the jinja template and this module's chat ids are not the engine's.
+
 Errors: :class:`~dataplane.chat_template.TokenizeError` (a ``ValueError``) for inputs this module cannot turn into the
 engine's ids; :class:`~dataplane.chat_template.UnsupportedContent` (a subclass) for multimodal
 content; :class:`~dataplane.chat_template.ChatTemplateError` (a subclass) when no template is
@@ -144,6 +149,28 @@ def _load_template_arg(value: str | None) -> str | None:
     return value
 
 
+# Architectures for which vLLM 0.32 (tokenizer_mode auto) renders chats with its own Python code, not
+# the jinja template (vllm/config/model.py), and files that make it use mistral_common.
+_NON_HF_ARCHS = {"MoonshotKimiaForCausalLM": "kimi_audio", "KimiK3ForConditionalGeneration": "kimi_k3",
+                 "DeepseekV32ForCausalLM": "deepseek_v32", "DeepseekV4ForCausalLM": "deepseek_v4",
+                 "DeepseekV4ForConditionalGeneration": "deepseek_v4", "DeepseekV41ForCausalLM": "deepseek_v41",
+                 "InklingForCausalLM": "inkling", "InklingForConditionalGeneration": "inkling"}
+
+
+def _vllm_renderer_mode(d: Path) -> str:
+    """vLLM's tokenizer mode for a model dir: "hf" is the only one this module reproduces."""
+    try:
+        archs = _read_json(d / "config.json").get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []
+    for arch in archs:
+        if arch in _NON_HF_ARCHS:
+            return _NON_HF_ARCHS[arch]
+    if (d / "tekken.json").is_file() or any(d.glob("tokenizer.model.v*")):
+        return "mistral"   # vLLM uses mistral_common when the repo is a Mistral one (not checked here)
+    return "hf"
+
+
 def _is_token_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
 
@@ -159,6 +186,9 @@ class Tokenizer:
                  async_threshold_chars: int = DEFAULT_ASYNC_THRESHOLD_CHARS,
                  executor: Executor | None = None, name: str = "") -> None:
         self._tok = backend
+        # "hf" unless from_dir found a model vLLM renders with other code (deepseek_v4, mistral, ...):
+        # then chat ids here may differ from the engine's, and callers should not use them.
+        self.engine_renderer = "hf"
         self.config: dict[str, Any] = dict(config or {})
         self.name = name
         self.async_threshold_chars = async_threshold_chars
@@ -258,7 +288,9 @@ class Tokenizer:
                               else templates)
         kwargs.setdefault("name", str(d))
         backend = _HFTokenizer.from_file(str(tj))
-        return cls(backend, config, **kwargs)
+        tok = cls(backend, config, **kwargs)
+        tok.engine_renderer = _vllm_renderer_mode(d)
+        return tok
 
     # ------------------------------------------------------------------ properties
 

@@ -25,7 +25,7 @@ from dataplane.chat_template import (
     normalize_tools,
     render,
 )
-from dataplane.tokenizer import Tokenizer
+from dataplane.tokenizer import DEFAULT_ASYNC_THRESHOLD_CHARS, Tokenizer, _vllm_renderer_mode
 
 DATA = Path(__file__).parent / "data" / "tokenizer"
 _spec = importlib.util.spec_from_file_location("tokenizer_fixture_dirs", DATA / "fixture_dirs.py")
@@ -74,7 +74,7 @@ def test_ids_equal_vllm(case: dict, toks: dict[str, Tokenizer]) -> None:
         assert tok.encode_completion_request(body) == case["expected"]
 
 
-async def test_async_paths_give_the_same_ids(dirs: dict[str, Path]) -> None:
+async def test_async_paths_give_the_same_ids(toks: dict[str, Tokenizer]) -> None:
     calls = 0
     pool = ThreadPoolExecutor(1)
     orig_submit = pool.submit
@@ -87,8 +87,8 @@ async def test_async_paths_give_the_same_ids(dirs: dict[str, Path]) -> None:
     pool.submit = counting_submit  # type: ignore[method-assign]
     try:
         for threshold, want_offloaded in ((10**9, False), (0, True)):
-            for v, d in dirs.items():
-                tok = Tokenizer.from_dir(d, async_threshold_chars=threshold, executor=pool)
+            for v, tok in toks.items():
+                tok.async_threshold_chars, tok.executor = threshold, pool
                 for case in CASES:
                     if case["variant"] != v or "error" in case:
                         continue
@@ -103,6 +103,8 @@ async def test_async_paths_give_the_same_ids(dirs: dict[str, Path]) -> None:
                     is_text = case["kind"] == "chat" or any(isinstance(p, str) for p in prompts)
                     assert (calls > 0) == (want_offloaded and is_text), case["name"]
     finally:
+        for tok in toks.values():
+            tok.async_threshold_chars, tok.executor = DEFAULT_ASYNC_THRESHOLD_CHARS, None
         pool.shutdown()
 
 
@@ -145,14 +147,26 @@ def test_loading_details(toks: dict[str, Tokenizer]) -> None:
         tiny.encode_prompts([])
 
 
+def test_engine_renderer_detection(toks: dict[str, Tokenizer], tmp_path: Path) -> None:
+    assert toks["tiny_llama"].engine_renderer == "hf"   # no config.json: vLLM's hf mode
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert _vllm_renderer_mode(tmp_path) == "hf"
+    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV4ForCausalLM"]}')
+    assert _vllm_renderer_mode(tmp_path) == "deepseek_v4"
+    (tmp_path / "config.json").write_text('{"architectures": ["MistralForCausalLM"]}')
+    (tmp_path / "tekken.json").write_text("{}")
+    assert _vllm_renderer_mode(tmp_path) == "mistral"
+
+
 def test_from_files_and_server_template(dirs: dict[str, Path]) -> None:
+    # Each tokenizer.json load is 6.4 MB of JSON: load once, share the backend for the other cases.
     d = dirs["tiny_llama"]
     tok = Tokenizer.from_files(d / "tokenizer.json", d / "tokenizer_config.json")
     assert tok.encode_chat([{"role": "user", "content": "Hi"}]) == [0, 128803, 23166, 128804]
-    server = Tokenizer.from_files(d / "tokenizer.json", {"bos_token": "<｜begin▁of▁sentence｜>"},
-                                  chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
+    server = Tokenizer(tok.backend, {"bos_token": "<｜begin▁of▁sentence｜>"},
+                       chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
     assert server.encode_chat([{"role": "user", "content": "Hi"}]) == [0, 23166]
-    bare = Tokenizer.from_files(d / "tokenizer.json")
+    bare = Tokenizer(tok.backend)
     assert not bare.has_chat_template
     with pytest.raises(ChatTemplateError):
         bare.encode_chat([{"role": "user", "content": "Hi"}])
