@@ -336,7 +336,7 @@ class _Collector:
             info = child.info
             source = KVEventSource(engine_key=child.name, endpoint=f"tcp://127.0.0.1:{info['kv_events_port']}",
                                    replay_endpoint=f"tcp://127.0.0.1:{info['kv_replay_port']}", topic=b"kv@ev")
-        self.sub = KVEventSubscriber(source, self._on_events, self._on_reset, replay_timeout_s=5.0)
+        self.sub = KVEventSubscriber(source, self._on_events, self._on_reset, replay_timeout_s=20.0)
 
     def _on_events(self, engine: str, dp_rank: int | None, events: tuple) -> None:
         self.events.extend(events)
@@ -427,7 +427,7 @@ async def test_block_stored_hashes_are_the_routers_hashes(sims, http):
         await _post(http, ev, "/v1/completions", {"prompt": ids, "max_tokens": 1})
         salted = list(range(20, 29))
         await _post(http, ev, "/v1/completions", {"prompt": salted, "max_tokens": 1, "cache_salt": "t1"})
-        await wait_until(lambda: _has(col, n, 2), timeout=10, what="two BlockStored batches")
+        await wait_until(lambda: _has(col, n, 2), timeout=45, what="two BlockStored batches")
         plain, salt = [e for e in col.events[n:] if isinstance(e, BlockStored)][:2]
         assert list(plain.block_hashes) == hasher.event_hashes(ids)
         assert plain.parent_block_hash is None and list(plain.token_ids) == ids[:12]
@@ -438,7 +438,7 @@ async def test_block_stored_hashes_are_the_routers_hashes(sims, http):
         await _post(http, ev, "/v1/completions", {"prompt": "alpha beta gamma delta epsilon", "max_tokens": 1})
         text_ids = text_token_ids("alpha beta gamma delta epsilon")
         want = hasher.event_hashes(text_ids)[0]
-        await wait_until(lambda: _stored(col, want), timeout=10, what="the text prompt's block")
+        await wait_until(lambda: _stored(col, want), timeout=45, what="the text prompt's block")
         assert col.resets == 0 and col.sub.counters.malformed == 0
     finally:
         await col.sub.stop()
@@ -464,7 +464,7 @@ async def test_eviction_replay_and_reset(sims, http):
                                                       "max_tokens": 1})
         s1 = await _state(http, ev)
         assert s1["evicted_blocks"] > s0["evicted_blocks"]
-        await wait_until(lambda: _removed(col, s1["evicted_blocks"] - s0["evicted_blocks"]), timeout=10,
+        await wait_until(lambda: _removed(col, s1["evicted_blocks"] - s0["evicted_blocks"]), timeout=45,
                          what="a BlockRemoved per evicted block")
         stored = {h for e in col.of(BlockStored) for h in e.block_hashes}
         assert all(len(e.block_hashes) == 1 and e.block_hashes[0] in stored for e in col.of(BlockRemoved))
@@ -479,7 +479,7 @@ async def test_eviction_replay_and_reset(sims, http):
         ids = list(range(1500, 1513))
         await _post(http, ev, "/v1/completions", {"prompt": ids, "max_tokens": 1})
         assert await _post(http, ev, "/reset_prefix_cache", {}) == {"success": True}
-        await wait_until(lambda: _cleared(col), timeout=10, what="AllBlocksCleared")
+        await wait_until(lambda: _cleared(col), timeout=45, what="AllBlocksCleared")
         s2 = await _state(http, ev)
         assert s2["cached_blocks"] == 0 and s2["prefix_cache_resets"] == s1["prefix_cache_resets"] + 1
         again = await _post(http, ev, "/v1/completions", {"prompt": ids, "max_tokens": 1})
@@ -527,7 +527,10 @@ async def test_subscriber_backfills_a_gap_through_replay(sims, http):
     col = _Collector(ev)
     await col.start(http, ev)
     try:
-        assert col.sub.counters.replayed >= before + 1
+        async def backfilled() -> bool:
+            return col.sub.counters.replayed >= before + 1
+
+        await wait_until(backfilled, timeout=45, what="the missed batches to come back through replay")
         hasher = BlockHasher(BlockHashConfig(block_size=EV_BLOCK, python_hash_seed=SEED))
         assert hasher.event_hashes(list(range(7000, 7013)))[0] in {h for e in col.of(BlockStored)
                                                                    for h in e.block_hashes}
@@ -556,7 +559,7 @@ async def test_connecting_publisher_from_vllm_kv_events_config(http):
             ids = list(range(3000, 3040))
             await _post(http, child, "/v1/completions", {"prompt": ids, "max_tokens": 1})
             want = BlockHasher(BlockHashConfig(block_size=16, python_hash_seed=SEED)).event_hashes(ids)
-            await wait_until(lambda: _stored(col, want[0]), timeout=10, what="the prompt's BlockStored")
+            await wait_until(lambda: _stored(col, want[0]), timeout=45, what="the prompt's BlockStored")
             (ev,) = [e for e in col.of(BlockStored) if want[0] in e.block_hashes]
             assert list(ev.block_hashes) == want and ev.medium == "GPU"  # decoded from the array form
     finally:
