@@ -74,3 +74,14 @@ def run_main(main: Callable[[], Awaitable[None]]) -> None:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has really stopped."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
+from omni_proxy.runtime import cancel_and_wait
 from simulator.block_pool import BlockPool, KVBlock, PoolEvent
 from simulator.config import SimConfig
 from simulator.tokens import VOCAB, next_token
@@ -186,13 +187,8 @@ class Engine:
 
     async def stop(self) -> None:
         self.abort_all()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def set_event_sink(self, sink: Callable[[list[PoolEvent]], None] | None) -> None:
         """Publish KV events: ``sink`` gets each step's events (never an empty list)."""

@@ -49,6 +49,7 @@ import zmq
 import zmq.asyncio
 
 from controlplane.kvcache.hashing import to_event_hash
+from omni_proxy.runtime import cancel_and_wait
 from simulator.block_pool import Cleared, PoolEvent, Removed, Stored
 from simulator.config import SimConfig
 
@@ -206,13 +207,8 @@ class KvEventPublisher:
             self.replays_served += 1
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)

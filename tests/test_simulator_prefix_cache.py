@@ -423,12 +423,14 @@ async def test_block_stored_hashes_are_the_routers_hashes(sims, http):
     try:
         hasher = BlockHasher(BlockHashConfig(block_size=EV_BLOCK, algo="sha256", python_hash_seed=SEED))
         ids = list(range(1, 14))                  # token ids, as the router sends them
-        n = len(col.events)
         await _post(http, ev, "/v1/completions", {"prompt": ids, "max_tokens": 1})
         salted = list(range(20, 29))
         await _post(http, ev, "/v1/completions", {"prompt": salted, "max_tokens": 1, "cache_salt": "t1"})
-        await wait_until(lambda: _has(col, n, 2), timeout=45, what="two BlockStored batches")
-        plain, salt = [e for e in col.events[n:] if isinstance(e, BlockStored)][:2]
+        # Pick the events by their tokens: a late start-up probe's batch may arrive in between.
+        await wait_until(lambda: _with_tokens(col, ids[:12], salted[:8]), timeout=45,
+                         what="the two prompts' BlockStored events")
+        plain = next(e for e in col.of(BlockStored) if list(e.token_ids) == ids[:12])
+        salt = next(e for e in col.of(BlockStored) if list(e.token_ids) == salted[:8])
         assert list(plain.block_hashes) == hasher.event_hashes(ids)
         assert plain.parent_block_hash is None and list(plain.token_ids) == ids[:12]
         assert plain.block_size == EV_BLOCK and plain.extra_keys == (None, None, None)
@@ -444,8 +446,9 @@ async def test_block_stored_hashes_are_the_routers_hashes(sims, http):
         await col.sub.stop()
 
 
-async def _has(col: _Collector, start: int, count: int) -> bool:
-    return len([e for e in col.events[start:] if isinstance(e, BlockStored)]) >= count
+async def _with_tokens(col: _Collector, *token_lists: list[int]) -> bool:
+    seen = [list(e.token_ids) for e in col.of(BlockStored)]
+    return all(t in seen for t in token_lists)
 
 
 async def _stored(col: _Collector, h: int) -> bool:

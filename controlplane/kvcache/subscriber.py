@@ -37,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from controlplane.kvcache.events import KVEvent, MalformedEventError, decode_batch
+from omni_proxy.runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +132,8 @@ class KVEventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.engine_key}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for s in (self._sub, self._dealer):
             if s is not None:
                 s.close(linger=0)
