@@ -80,7 +80,7 @@ class Placer:
         chain = list(req.block_hashes) if self.kv is not None else []
         serving = [w for w in workers if w.serves(req.model)] if chain else []
         match = self.kv.match(chain, serving) if chain else {}
-        cached = {w.id: self.kv.cached_blocks(w.id) for w in serving} if chain else {}
+        cached = self.kv.cached_blocks() if chain else {}
         decision = self.profile.place(self._context(req, leg, roles, chain, match, cached), workers)
         explanation = decision.explain() if want_explain else ""
         chosen = decision.worker

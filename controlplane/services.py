@@ -137,8 +137,8 @@ class AdminService(pb_grpc.AdminServicer):
         workers = await self.registry.store.list_workers()
         if request.model:
             workers = [w for w in workers if w.model == request.model]
-        kv = self.placer.kv
-        return pb.ListWorkersResponse(workers=[worker_info(w, kv.cached_blocks(w.id) if kv else 0)
+        cached = self.placer.kv.cached_blocks() if self.placer.kv else {}
+        return pb.ListWorkersResponse(workers=[worker_info(w, cached.get(w.id, 0))
                                                for w in sorted(workers, key=lambda w: w.id)],
                                       policy=self.placer.profile.name)
 

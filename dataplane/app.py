@@ -22,7 +22,7 @@ from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
 from dataplane.prompt import PromptProcessor
 from dataplane.tokenizer import Tokenizer
-from dataplane.requests import CHAT, COMPLETIONS, parse_request
+from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
 from protos import omni_proxy_pb2 as pb
@@ -128,9 +128,7 @@ class DataPlane:
         raw = await http.read()
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"))
         await self.prompts.process(req)
-        kv_hash = self.placements.info.kv_hash
-        if kv_hash.enabled:
-            req.block_hashes = await self.prefix.chain(kv_hash, req.token_ids, req.body.get("cache_salt"))
+        await self._hash_prompt(req)
         t0 = time.perf_counter()
         placement = await place(self.placements, req, pb.LEG_ENTRY)
         self.metrics.placement.observe(time.perf_counter() - t0)
@@ -140,7 +138,6 @@ class DataPlane:
         if flow is None:
             tracker.failed("", "flow not supported", 0)
             raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
-        tracker.flow = flow_name
         self.metrics.flows.labels(flow_name).inc()
         ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
                           tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries,
@@ -166,6 +163,11 @@ class DataPlane:
         if tracker.first_token_at:
             self.metrics.ttft.labels(flow_name).observe(tracker.ttft_s)
         return response
+
+    async def _hash_prompt(self, req: ClientRequest) -> None:
+        """The prompt's block-hash chain, when the control plane places by prefix cache."""
+        req.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, req.token_ids,
+                                                   req.body.get("cache_salt"))
 
     async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> web.StreamResponse:
         """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""
@@ -196,9 +198,7 @@ class DataPlane:
                                         f"request recomputed {recomputes} times; giving up", 200)
                 ctx.tracker.continue_as(nxt, tokens)
                 ctx.req = nxt
-                if self.placements.info.kv_hash.enabled and nxt.token_ids:
-                    nxt.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, nxt.token_ids,
-                                                               nxt.body.get("cache_salt"))
+                await self._hash_prompt(nxt)
                 placement = await place(self.placements, nxt, pb.LEG_ENTRY)
                 _, flow = FLOWS.get(placement.flow, (None, None))
                 if flow is None:

@@ -24,7 +24,6 @@ class PromptProcessor:
     def __init__(self, tokenizer: Tokenizer | None, *, reuse_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.reuse_tokens = reuse_tokens
-        self.failures = 0    # prompts the tokenizer could not handle (routed without ids)
 
     async def process(self, req: ClientRequest) -> None:
         tok = self.tokenizer
@@ -38,7 +37,6 @@ class PromptProcessor:
             prompts = await tok.encode_completion_request_async(req.body)
         except TokenizeError as exc:
             # The engine decides what is valid; we just route this one without token ids.
-            self.failures += 1
             log.debug("routing without token ids: %s", exc)
             return
         req.prompt_tokens = sum(len(p) for p in prompts)

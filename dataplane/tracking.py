@@ -14,7 +14,7 @@ from protos import omni_proxy_pb2 as pb
 
 
 class RequestTracker:
-    __slots__ = ("client", "req", "started", "first_token_at", "ended", "prefill_released", "flow")
+    __slots__ = ("client", "req", "started", "first_token_at", "ended", "prefill_released")
 
     def __init__(self, client: PlacementClient, req: ClientRequest) -> None:
         self.client = client
@@ -23,7 +23,6 @@ class RequestTracker:
         self.first_token_at = 0.0
         self.ended = False
         self.prefill_released = False
-        self.flow = "aggregated"
 
     def _event(self, kind: int, **kw) -> None:
         self.client.report(pb.LifecycleEvent(request_id=self.req.placement_id, kind=kind, **kw))

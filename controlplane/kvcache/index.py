@@ -91,9 +91,12 @@ class PrefixIndex:
     def workers(self) -> list[WorkerKey]:
         return list(self._slot_of)
 
-    def blocks_held(self, worker_id: str) -> int:
-        """Blocks held by a worker, summed over its DP ranks (for admin views and metrics)."""
-        return sum(len(self._blocks_of[s]) for k, s in self._slot_of.items() if k[0] == worker_id)
+    def blocks_by_worker(self) -> dict[str, int]:
+        """Blocks held per worker id, summed over its DP ranks, in one pass over the slots."""
+        out: dict[str, int] = {}
+        for (worker_id, _rank), slot in self._slot_of.items():
+            out[worker_id] = out.get(worker_id, 0) + len(self._blocks_of[slot])
+        return out
 
     def drop_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Forget a worker (every DP rank when ``dp_rank`` is None) and free its slot(s)."""

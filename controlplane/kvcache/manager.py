@@ -9,7 +9,6 @@ Placement asks :meth:`KVCache.match` once per request and hands the depths to th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -56,9 +55,6 @@ class KVCache:
         # prompt (the next turn of a conversation) must outlive the older prompt's expiry.
         self._approx_latest: dict[tuple[str, int], float] = {}
         self._subscribers: dict[str, list[KVEventSubscriber]] = {}
-        self.queries = 0                # placements that carried a hash chain
-        self.query_blocks = 0
-        self.predicted_hit_blocks = 0   # blocks the chosen worker was predicted to hold
 
     # ------------------------------------------------------------------ subscriptions
 
@@ -115,8 +111,8 @@ class KVCache:
             return {}
         self._expire()
         out: dict[str, int] = {}
-        exact_ids = [w.id for w in workers if w.kv_events]
-        approx_ids = [w.id for w in workers if not w.kv_events]
+        exact_ids = {w.id for w in workers if w.kv_events}
+        approx_ids = {w.id for w in workers if not w.kv_events}
         if exact_ids:
             keys = [k for k in self.exact.workers() if k[0] in exact_ids]
             for (worker_id, _rank), depth in self.exact.match_depths(chain, keys).items():
@@ -128,10 +124,8 @@ class KVCache:
         return out
 
     def placed(self, worker: Worker, chain: list[int], predicted_depth: int) -> None:
-        """Account a placement; for workers without events, remember the routed prefix."""
-        self.queries += 1
-        self.query_blocks += len(chain)
-        self.predicted_hit_blocks += predicted_depth
+        """For workers without events, remember the routed prefix; for the others, keep the
+        matched prefix recent in the index."""
         if chain and not worker.kv_events:
             expiry = time.monotonic() + self.config.approx_ttl_s
             self.approx.store((worker.id, None), chain, None)
@@ -154,9 +148,9 @@ class KVCache:
             if gone:
                 self.approx.remove((worker_id, None), gone)
 
-    def cached_blocks(self, worker_id: str) -> int:
-        return self.exact.blocks_held(worker_id) + self.approx.blocks_held(worker_id)
-
-
-async def gather_watch(cache: KVCache, workers: list[Worker]) -> None:
-    await asyncio.gather(*(cache.watch(w) for w in workers))
+    def cached_blocks(self) -> dict[str, int]:
+        """Blocks each worker holds, by events or by routing."""
+        out = self.exact.blocks_by_worker()
+        for worker_id, n in self.approx.blocks_by_worker().items():
+            out[worker_id] = out.get(worker_id, 0) + n
+        return out
