@@ -141,7 +141,10 @@ class HealthChecker:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
-        running, waiting, kv, hits, queries = parse_engine_metrics(text)
+        # A vLLM metrics page with histograms is large: parse it off the event loop, where
+        # placements are answered.
+        running, waiting, kv, hits, queries = await asyncio.get_running_loop().run_in_executor(
+            None, parse_engine_metrics, text)
         eng = worker.engine
         eng.running, eng.waiting, eng.kv_usage, eng.prefix_hits, eng.prefix_queries = running, waiting, kv, hits, queries
         worker.engine.updated_at = time.monotonic()

@@ -46,6 +46,9 @@ class PendingTable:
         for child in entry.expected:
             self._by_child[child] = entry
 
+    def entries(self) -> list[PendingPrefill]:
+        return list(self._by_placement.values())
+
     def find(self, child_id: str) -> PendingPrefill | None:
         return self._by_child.get(child_id)
 

@@ -22,6 +22,7 @@ from dataplane.body import prefill_body
 from dataplane.upstream import upstream_message
 from metaserver.ids import candidates, engine_request_ids
 from metaserver.pending import PendingPrefill, PendingTable
+from omni_proxy.runtime import cancel_and_wait
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,8 @@ class Metaserver:
         self._reaper = asyncio.create_task(self._reap())
 
     async def stop(self) -> None:
-        if self._reaper:
-            self._reaper.cancel()
-        for entry in list(self.table._by_placement.values()):
+        await cancel_and_wait(self._reaper)
+        for entry in self.table.entries():
             self.drop(entry.placement_id)
         if self._session:
             await self._session.close()
