@@ -27,14 +27,10 @@ from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from tests.vllm_harness.vllm_server import (BLOCK_SIZE, SERVED_MODEL, VllmServer, cpu_slots, find_install,
-                                            free_port, parse_metrics, start_server, wait_healthy)
+                                            free_port, parse_metrics, start_server, vllm_test_marks, wait_healthy)
 
 INSTALL = find_install()
-pytestmark = [
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(INSTALL is None, reason="no vLLM: OMNI_PROXY_SKIP_VLLM=1, or scripts/install_vllm.sh "
-                                               "(run by scripts/test.sh) has not run"),
-]
+pytestmark = vllm_test_marks()
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"

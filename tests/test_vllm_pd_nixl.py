@@ -24,16 +24,11 @@ from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from tests.vllm_harness.vllm_server import (SERVED_MODEL, VllmServer, cpu_slots, find_install,
-                                            parse_metrics, start_server, wait_healthy, warm_up_nixl)
+                                            parse_metrics, start_server, vllm_test_marks, wait_healthy, warm_up_nixl)
 
 INSTALL = find_install()
 
-pytestmark = [
-    # The first test also pays for the module fixture: two vLLM servers take 1-4 minutes to start.
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(INSTALL is None, reason="no vLLM: OMNI_PROXY_SKIP_VLLM=1, or scripts/install_vllm.sh "
-                                               "(run by scripts/test.sh) has not run"),
-]
+pytestmark = vllm_test_marks()
 
 EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
 LOCAL = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'

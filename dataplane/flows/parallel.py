@@ -46,12 +46,12 @@ def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str) -> tuple[bytes
             "do_remote_decode": False, "do_remote_prefill": True,
             "bootstrap_server_host": host, "bootstrap_server_port": port}})
         return p_body, d_body
-    room: int | list[int] = new_room() if req.num_prompts == 1 else [new_room() for _ in range(req.num_prompts)]
-    if req.num_prompts > 1:
-        fields = {"bootstrap_host": [host] * req.num_prompts, "bootstrap_port": [port] * req.num_prompts,
-                  "bootstrap_room": room}
+    n = req.num_prompts
+    if n > 1:  # a batch: one room per prompt, fields as lists of that length
+        fields = {"bootstrap_host": [host] * n, "bootstrap_port": [port] * n,
+                  "bootstrap_room": [new_room() for _ in range(n)]}
     else:
-        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room()}
     body = with_fields(req, fields)
     return body, body
 

@@ -52,6 +52,18 @@ def find_install() -> tuple[Path, Path] | None:
     return None
 
 
+def vllm_test_marks() -> list:
+    """The marks every real-vLLM test module carries: a long timeout (the first test also pays
+    for starting the engines, minutes on a busy machine) and a skip when vLLM is not installed."""
+    import pytest
+
+    return [
+        pytest.mark.timeout(900),
+        pytest.mark.skipif(find_install() is None, reason="no vLLM: OMNI_PROXY_SKIP_VLLM=1, or "
+                           "scripts/install_vllm.sh (run by scripts/test.sh) has not run"),
+    ]
+
+
 _handed_out: set[int] = set()
 
 
