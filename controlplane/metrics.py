@@ -34,7 +34,11 @@ class _Snapshot:
         errors = CounterMetricFamily("omni_placement_errors", "Placements refused", labels=["code"])
         for code, n in self.stats.errors.items():
             errors.add_metric([code], n)
-        yield from (reqs, toks, healthy, draining, placed, errors)
+        sessions = CounterMetricFamily("omni_sessions", "Data-plane sessions opened and closed, and the "
+                                       "requests they orphaned, claimed back or let go", labels=["event"])
+        for event, n in self.stats.sessions.items():
+            sessions.add_metric([event], n)
+        yield from (reqs, toks, healthy, draining, placed, errors, sessions)
         yield from self._cache_metrics()
 
     def _cache_metrics(self):

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _LEG_NAMES = {pb.LEG_ENTRY: "entry", pb.LEG_PREFILL: "prefill", pb.LEG_DECODE: "decode"}
 _LEG_ROLES = {"prefill": frozenset({Role.PREFILL}), "decode": frozenset({Role.DECODE})}
+MAX_TOKENS = 1 << 40   # per request: far above any context, far below int64 sums of many requests
 PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
 ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 
@@ -40,15 +41,18 @@ class PlacementStats:
     errors: Counter
     predicted_hit_blocks: Counter   # per worker: blocks the index said it held at placement
     query_blocks: Counter           # per worker: blocks of the prompts placed on it
+    sessions: Counter               # data-plane sessions: opened, closed; requests claimed, released
 
     @classmethod
     def new(cls) -> "PlacementStats":
-        return cls(placed=Counter(), errors=Counter(), predicted_hit_blocks=Counter(), query_blocks=Counter())
+        return cls(placed=Counter(), errors=Counter(), predicted_hit_blocks=Counter(), query_blocks=Counter(),
+                   sessions=Counter())
 
 
 class Placer:
     def __init__(self, store: StateStore, profile: Profile, *, pd_flow: str = "sequential",
-                 metrics_max_age_s: float = 5.0, max_request_age_s: float = 3600.0) -> None:
+                 metrics_max_age_s: float = 5.0, max_request_age_s: float = 3600.0,
+                 session_grace_s: float = 30.0) -> None:
         if pd_flow not in PD_FLOWS:
             raise ValueError(f"unknown pd flow {pd_flow!r}; expected one of {', '.join(PD_FLOWS)}")
         self.store = store
@@ -56,6 +60,7 @@ class Placer:
         self.pd_flow = PD_FLOWS[pd_flow]
         self.metrics_max_age_s = metrics_max_age_s
         self.max_request_age_s = max_request_age_s
+        self.session_grace_s = session_grace_s
         self.stats = PlacementStats.new()
         self.kv: KVCache | None = None     # prefix-cache view; None = placement ignores caches
         self.metaserver_url = ""
@@ -69,6 +74,10 @@ class Placer:
         leg = _LEG_NAMES.get(req.leg)
         if leg is None:
             return self._error(req, pb.INVALID_REQUEST, "leg must be ENTRY, PREFILL or DECODE")
+        if not (0 <= req.prompt_tokens <= MAX_TOKENS and 0 <= req.max_tokens <= MAX_TOKENS):
+            return self._error(req, pb.INVALID_REQUEST, f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}")
+        if not req.request_id or len(req.request_id) > 256:
+            return self._error(req, pb.INVALID_REQUEST, "request_id must be 1 to 256 characters")
         workers = await self.store.list_workers()
         record = await self.store.get_request(req.request_id) if leg != "entry" else None
         if leg == "entry":
@@ -167,6 +176,9 @@ class Placer:
     def _decode_ready(workers: list[Worker], model: str) -> bool:
         return any(w.role is Role.DECODE and w.routable and w.weight > 0 and w.serves(model) for w in workers)
 
+    def internal_error(self, req: pb.PlaceRequest, exc: BaseException) -> pb.Placement:
+        return self._error(req, pb.INTERNAL, f"placement failed in the control plane: {type(exc).__name__}")
+
     def _error(self, req: pb.PlaceRequest, code: int, message: str, explanation: str = "") -> pb.Placement:
         self.stats.errors[pb.ErrorCode.Name(code)] += 1
         return pb.Placement(seq=req.seq, request_id=req.request_id, error=code, error_message=message,
@@ -219,25 +231,59 @@ class Placer:
                 keep.append(charge)
         record.charges = keep
 
-    async def release_session(self, session: str) -> int:
-        """A data plane went away: release everything its requests still held."""
-        released = 0
+    async def orphan_session(self, session: str) -> int:
+        """A data plane's session ended: its requests may still be streaming.
+
+        A session can end while the node lives on (a network blip, a keepalive GOAWAY, a
+        control-plane restart of the stream). Releasing its load there would make every
+        request it still serves invisible to placement, so the records only lose their
+        owner; the node claims them back when it reconnects (``claim``), and whatever is
+        still unclaimed after ``session_grace_s`` is released (``release_orphans``).
+        """
+        orphaned = 0
+        now = time.monotonic()
         for record in await self.store.list_requests():
             if record.session == session:
-                await self.store.pop_request(record.request_id)
-                await self._release(record)
-                if self.on_request_end is not None:
-                    self.on_request_end(record.request_id)
-                released += 1
-        return released
+                record.session = ""
+                record.orphaned_at = now
+                orphaned += 1
+        self.stats.sessions["closed"] += 1
+        self.stats.sessions["requests_orphaned"] += orphaned
+        return orphaned
+
+    async def claim(self, session: str, request_ids) -> int:
+        """A reconnecting data plane names the requests it still serves."""
+        claimed = 0
+        for request_id in request_ids:
+            record = await self.store.get_request(request_id)
+            if record is not None and (not record.session or record.orphaned_at):
+                record.session = session
+                record.orphaned_at = 0.0
+                claimed += 1
+        self.stats.sessions["opened"] += 1
+        self.stats.sessions["requests_claimed"] += claimed
+        return claimed
+
+    async def release_orphans(self, older_than_s: float | None = None) -> int:
+        """Release records whose data plane has not come back within the grace period."""
+        grace = self.session_grace_s if older_than_s is None else older_than_s
+        cutoff = time.monotonic() - grace
+        stale = [r for r in await self.store.list_requests() if r.orphaned_at and r.orphaned_at <= cutoff]
+        for record in stale:
+            await self._end(record)
+        self.stats.sessions["requests_released"] += len(stale)
+        return len(stale)
+
+    async def _end(self, record: RequestRecord) -> None:
+        await self.store.pop_request(record.request_id)
+        await self._release(record)
+        if self.on_request_end is not None:
+            self.on_request_end(record.request_id)
 
     async def sweep_stale(self) -> int:
         """Release records whose reports never came (a safety net, not the normal path)."""
         cutoff = time.monotonic() - self.max_request_age_s
         stale = [r for r in await self.store.list_requests() if r.created_at < cutoff]
         for record in stale:
-            await self.store.pop_request(record.request_id)
-            await self._release(record)
-            if self.on_request_end is not None:
-                self.on_request_end(record.request_id)
+            await self._end(record)
         return len(stale)

@@ -22,6 +22,7 @@ from omni_proxy.runtime import start_http_site
 from metaserver.server import Metaserver
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
+from protos.options import server_options
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class ControlPlane:
             await self.kv.watch(worker)
         self.registry.on_added = self._worker_added
 
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = grpc.aio.server(options=server_options())
         kvc = self.config.kv_cache
         uses_cache = any(scorer.name == "prefix_cache" for scorer, _ in self.placer.profile.scorers)
         info = pb.SessionInfo(

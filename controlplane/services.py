@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -9,6 +10,7 @@ import uuid
 
 import grpc
 
+from controlplane import validate
 from controlplane.placement import ROLE_TO_PB, Placer
 from controlplane.registry import WorkerRegistry
 from controlplane.workers import Health, Role, Worker
@@ -43,12 +45,14 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.registry = registry
         self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
         self._session_ids = itertools.count(1)
+        self._tasks: set[asyncio.Future] = set()
 
     async def Session(self, request_iterator, context):
         """Serve one data plane: placements are answered in order, reports need no answer.
 
         Handling each message inline keeps placements strictly ordered, so every one of
-        them sees the load charged by the one before.
+        them sees the load charged by the one before. An error while handling one message
+        is contained to it: the session, and every other request on it, goes on.
         """
         session = f"s{next(self._session_ids)}-{uuid.uuid4().hex[:6]}"
         node = "?"
@@ -57,22 +61,50 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             async for msg in request_iterator:
                 body = msg.WhichOneof("body")
                 if body == "place":
-                    placement = await self.placer.place(msg.place, session)
-                    yield pb.ControlPlaneMessage(placement=placement)
+                    yield pb.ControlPlaneMessage(placement=await self._place(msg.place, session))
                 elif body == "event":
-                    await self.placer.report(msg.event)
+                    await self._report(msg.event)
                 elif body == "open":
                     node = msg.open.node_id or node
-                    log.info("data plane %s connected (session %s)", node, session)
+                    claimed = await self.placer.claim(session, msg.open.live_requests)
+                    log.info("data plane %s connected (session %s, %d live requests claimed of %d)",
+                             node, session, claimed, len(msg.open.live_requests))
         finally:
-            released = await self.placer.release_session(session)
-            log.info("data plane %s disconnected; released %d in-flight requests", node, released)
+            orphaned = await self.placer.orphan_session(session)
+            log.info("data plane %s disconnected (session %s); %d in-flight requests kept for %.0fs "
+                     "for it to reconnect", node, session, orphaned, self.placer.session_grace_s)
+            if orphaned:
+                self._schedule_orphan_release()
+
+    async def _place(self, req: pb.PlaceRequest, session: str) -> pb.Placement:
+        try:
+            return await self.placer.place(req, session)
+        except Exception as exc:  # a bug must cost one placement, never the whole session
+            log.exception("placement of %s failed", req.request_id)
+            return self.placer.internal_error(req, exc)
+
+    async def _report(self, event: pb.LifecycleEvent) -> None:
+        try:
+            await self.placer.report(event)
+        except Exception:
+            log.exception("lifecycle report for %s failed", event.request_id)
+
+    def _schedule_orphan_release(self) -> None:
+        async def release() -> None:
+            await asyncio.sleep(self.placer.session_grace_s)
+            released = await self.placer.release_orphans()
+            if released:
+                log.warning("released %d requests whose data plane did not come back", released)
+
+        task = asyncio.ensure_future(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def Place(self, request, context):
-        return await self.placer.place(request)
+        return await self._place(request, "")
 
     async def Report(self, request, context):
-        await self.placer.report(request)
+        await self._report(request)
         return pb.Ack()
 
     async def ListModels(self, request, context):
@@ -88,16 +120,21 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
 
 def _spec_from_register(req: pb.RegisterRequest) -> dict:
-    if not req.url:
-        raise ValueError("url is required")
+    """Every value a registration or an operator's AddWorker brings, checked (ValueError)."""
     role = _PB_TO_ROLE.get(req.role)
     if role is None:
         raise ValueError("role must be BOTH, PREFILL or DECODE")
-    if req.weight < 0:
-        raise ValueError("weight must be >= 0")
-    return dict(url=req.url, role=role, model=req.model, weight=req.weight or 1.0,
-                worker_id=req.worker_id, labels=dict(req.labels), bootstrap_port=req.bootstrap_port,
-                kv_events=req.kv_events, kv_replay=req.kv_replay, dp_size=req.dp_size or 1)
+    dp_size = validate.int_range(req.dp_size or 1, "dp_size", 1, 1024)
+    return dict(url=validate.url(req.url), role=role, model=validate.text(req.model, "model", max_len=256),
+                weight=validate.weight(req.weight) or 1.0,
+                worker_id=validate.worker_id(req.worker_id, "worker_id", allow_empty=True),
+                labels={validate.text(k, "label key", max_len=128): validate.text(v, "label value", max_len=1024)
+                        for k, v in req.labels.items()},
+                bootstrap_port=validate.int_range(req.bootstrap_port, "bootstrap_port", 0, 65535),
+                kv_events=validate.kv_endpoint(req.kv_events, "kv_events", dp_size),
+                kv_replay=validate.kv_endpoint(req.kv_replay, "kv_replay", dp_size), dp_size=dp_size,
+                heartbeat_ttl_s=(validate.positive_seconds(req.heartbeat_ttl_s, "heartbeat_ttl_s", max_s=86400)
+                                 if req.heartbeat_ttl_s else 0.0))
 
 
 class RegistryService(pb_grpc.RegistryServicer):
@@ -109,8 +146,8 @@ class RegistryService(pb_grpc.RegistryServicer):
             spec = _spec_from_register(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        ttl = request.heartbeat_ttl_s or self.registry.heartbeat_ttl_s
-        worker = await self.registry.add(**spec, source="registry", heartbeat_ttl_s=ttl)
+        spec["heartbeat_ttl_s"] = spec["heartbeat_ttl_s"] or self.registry.heartbeat_ttl_s
+        worker = await self.registry.add(**spec, source="registry")
         return pb.RegisterResponse(worker_id=worker.id, heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
@@ -130,7 +167,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def _get(self, worker_id: str, context) -> Worker:
         worker = await self.registry.store.get_worker(worker_id)
         if worker is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(worker_id)}")
         return worker
 
     async def ListWorkers(self, request, context):
@@ -162,15 +199,18 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.WorkerResponse(worker=worker_info(worker))
 
     async def SetWeight(self, request, context):
-        if request.weight < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "weight must be >= 0")
+        try:
+            weight = validate.weight(request.weight)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         worker = await self._get(request.worker_id, context)
-        worker.weight = request.weight
+        worker.weight = weight
+        log.info("worker %s weight set to %g", worker.id, weight)
         return pb.WorkerResponse(worker=worker_info(worker))
 
     async def RemoveWorker(self, request, context):
         if not await self.registry.remove(request.worker_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(request.worker_id)}")
         return pb.Ack()
 
     async def Explain(self, request, context):

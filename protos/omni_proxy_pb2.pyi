@@ -42,6 +42,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNKNOWN_MODEL: _ClassVar[ErrorCode]
     INVALID_REQUEST: _ClassVar[ErrorCode]
     UNKNOWN_REQUEST: _ClassVar[ErrorCode]
+    INTERNAL: _ClassVar[ErrorCode]
 
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +74,7 @@ NO_HEALTHY_WORKER: ErrorCode
 UNKNOWN_MODEL: ErrorCode
 INVALID_REQUEST: ErrorCode
 UNKNOWN_REQUEST: ErrorCode
+INTERNAL: ErrorCode
 EVENT_UNSPECIFIED: EventKind
 EVENT_PREFILL_DONE: EventKind
 EVENT_FIRST_TOKEN: EventKind
@@ -227,10 +229,12 @@ class LifecycleEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "live_requests")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    live_requests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., live_requests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DataPlaneMessage(_message.Message):
     __slots__ = ("open", "place", "event")

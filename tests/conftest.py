@@ -107,6 +107,33 @@ def start_cluster(sims: dict[str, str], *, policy: str = "least_load", cp_args: 
         raise
 
 
+@pytest.fixture(scope="module")
+def sim_both():
+    """One aggregated simulator for tests that run the control plane in process."""
+    group = ProcessGroup()
+    try:
+        yield group.start("sim", ["sim", "--role", "both", "--port", "0"])
+    finally:
+        group.close()
+
+
+@pytest.fixture
+async def inproc_cp(sim_both):
+    """A control plane in this process (its state can be inspected) with worker ``w``."""
+    from controlplane.config import ControlPlaneConfig, WorkerSpec
+    from controlplane.server import ControlPlane
+    from controlplane.workers import Role
+
+    config = ControlPlaneConfig(listen="127.0.0.1:0",
+                                workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")])
+    plane = ControlPlane(config)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+
+
 @pytest.fixture
 async def http():
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:

@@ -81,15 +81,19 @@ async def test_errors_distinguish_unknown_model_from_no_healthy_worker():
     assert p.error == pb.NO_HEALTHY_WORKER and "healthy" in p.error_message
 
 
-async def test_session_end_releases_everything_that_session_placed():
+async def test_session_end_keeps_load_until_grace_and_claims_move_requests():
     placer, store = await make(workers=[w("a")])
     for i in range(3):
         await placer.place(entry(f"s1-{i}"), session="s1")
     await placer.place(entry("s2-0"), session="s2")
     a = await store.get_worker("a")
     assert a.inflight_requests == 4
-    assert await placer.release_session("s1") == 3
-    assert a.inflight_requests == 1
+    assert await placer.orphan_session("s1") == 3
+    assert a.inflight_requests == 4              # a blip is not the end of the requests
+    assert await placer.claim("s3", ["s1-0", "s2-0", "unknown"]) == 1   # s2-0 has a live owner
+    assert await placer.release_orphans(older_than_s=0) == 2
+    assert a.inflight_requests == 2
+    assert await placer.orphan_session("s3") == 1 and await placer.orphan_session("s2") == 1
 
 
 async def test_unreachable_worker_reported_by_data_plane_is_marked_unhealthy():

@@ -34,6 +34,7 @@ class RequestRecord:
     flow: str = ""
     charges: list[Charge] = field(default_factory=list)
     created_at: float = 0.0
+    orphaned_at: float = 0.0   # its session ended; released unless a session claims it in time
 
 
 class StateStore(Protocol):

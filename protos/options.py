@@ -1,0 +1,44 @@
+"""gRPC channel and server options, one set for both ends of every connection.
+
+Keepalive has two sides that must agree. A client that pings more often than the server
+permits collects "ping strikes" and is sent GOAWAY ``too_many_pings``: with gRPC's server
+defaults (no pings without an active call, at most one every 5 minutes without data) a
+client pinging every 10 s lost its session after about 40 s of quiet. The server here
+accepts pings down to half the client's interval, with or without calls in flight.
+
+Message sizes are explicit on both sides: placements and reports are small, and nothing
+large belongs on the placement stream.
+"""
+
+from __future__ import annotations
+
+CLIENT_KEEPALIVE_MS = 10_000        # the data plane pings this often when the stream is quiet
+KEEPALIVE_TIMEOUT_MS = 5_000        # and gives the peer this long to answer
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def client_options(keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> list[tuple[str, int]]:
+    return [
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def server_options(min_client_keepalive_ms: int = 1_000) -> list[tuple[str, int]]:
+    """Accept client pings as often as every ``min_client_keepalive_ms`` / 2."""
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", max(min_client_keepalive_ms // 2, 100)),
+        ("grpc.http2.max_ping_strikes", 0),          # 0: never GOAWAY a client for pinging
+        # The server pings too, so a data plane that vanished without closing its
+        # connection is noticed and its session ends.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]

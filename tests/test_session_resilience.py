@@ -1,0 +1,111 @@
+"""A data plane's session with the control plane may blip; its live requests must not.
+
+Regression tests for the reliability issue's first defect: quiet sessions were ended by
+gRPC keepalive (GOAWAY ``too_many_pings``) and every request still streaming lost its
+load. Control plane and placement client run in this process, against a real simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controlplane.server import ControlPlane
+from dataplane.placement_client import PlacementClient
+from protos import omni_proxy_pb2 as pb
+from tests.conftest import wait_until
+
+
+@pytest.fixture
+def cp(inproc_cp):
+    return inproc_cp
+
+
+async def _client(cp: ControlPlane, **kw) -> PlacementClient:
+    client = PlacementClient(f"127.0.0.1:{cp.grpc_port}", "dp-test", timeout_s=5.0, **kw)
+    await client.start()
+    assert await client.wait_connected(10)
+    return client
+
+
+def _load(cp: ControlPlane) -> tuple[int, int]:
+    w = cp.store._workers["w"]
+    return w.inflight_requests, len(cp.store._requests)
+
+
+def _entry(rid: str) -> pb.PlaceRequest:
+    return pb.PlaceRequest(request_id=rid, model="", leg=pb.LEG_ENTRY, prompt_tokens=10, max_tokens=5)
+
+
+async def test_quiet_session_survives_frequent_keepalive_pings(cp):
+    """Pings every 0.6 s on a silent stream: gRPC's default server policy would GOAWAY the
+    session after two or three of them; the aligned policy keeps it."""
+    client = await _client(cp, keepalive_ms=600)
+    try:
+        assert not (await client.place(_entry("r1"))).error
+        # Watch a quiet stream for 4 s (about 6 pings); the condition is that nothing happens.
+        deadline = asyncio.get_running_loop().time() + 4.0
+        while asyncio.get_running_loop().time() < deadline:
+            assert client.sessions_started == 1 and cp.placer.stats.sessions["closed"] == 0
+            assert _load(cp) == (1, 1)
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+
+
+async def test_reconnecting_data_plane_claims_its_live_requests(cp):
+    client = await _client(cp)
+    try:
+        assert not (await client.place(_entry("live"))).error
+        assert not (await client.place(_entry("ends-during-blip"))).error
+        assert _load(cp) == (2, 2)
+        client.drop_session()
+        # As the session goes down, one request ends: its report must not be lost.
+        client.report(pb.LifecycleEvent(request_id="ends-during-blip", kind=pb.EVENT_FINISHED))
+        await wait_until(lambda: _async(client.sessions_started == 2 and client.connected
+                                        and cp.placer.stats.sessions["closed"] == 1),
+                         what="the session to end and a new one to start")
+        # The live request is claimed back and stays charged; the ended one is released.
+        await wait_until(lambda: _async(_load(cp) == (1, 1)), what="only the live request to stay charged")
+        assert cp.placer.stats.sessions["requests_claimed"] >= 1
+        client.report(pb.LifecycleEvent(request_id="live", kind=pb.EVENT_FINISHED))
+        await wait_until(lambda: _async(_load(cp) == (0, 0)), what="the live request to be released")
+    finally:
+        await client.close()
+
+
+async def test_requests_of_a_data_plane_that_never_returns_are_released_after_grace(cp):
+    cp.placer.session_grace_s = 0.5
+    client = await _client(cp)
+    assert not (await client.place(_entry("gone"))).error
+    assert _load(cp) == (1, 1)
+    await client.close()
+    await wait_until(lambda: _async(cp.placer.stats.sessions["closed"] == 1), what="the session to end")
+    assert _load(cp) == (1, 1)   # not released at once: the node may come back
+    await wait_until(lambda: _async(_load(cp) == (0, 0)), timeout=10, what="release after the grace period")
+    assert cp.placer.stats.sessions["requests_released"] == 1
+
+
+async def test_an_exception_in_placement_costs_one_placement_not_the_session(cp, monkeypatch):
+    client = await _client(cp)
+    try:
+        real = cp.placer.place
+
+        async def broken(req, session="", **kw):
+            if req.request_id == "boom":
+                raise FloatingPointError("Total of weights must be finite")
+            return await real(req, session, **kw)
+
+        monkeypatch.setattr(cp.placer, "place", broken)
+        bad = await client.place(_entry("boom"))
+        assert bad.error == pb.INTERNAL and "FloatingPointError" in bad.error_message
+        good = await client.place(_entry("fine"))
+        assert not good.error and good.decode.worker_id == "w"
+        assert client.sessions_started == 1 and cp.placer.stats.sessions["closed"] == 0
+    finally:
+        await client.close()
+
+
+async def _async(value):
+    return value
