@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
+from dataplane.intake import read_client_body
 from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
                                        generated_from_stream)
 from dataplane.metrics import DataPlaneMetrics
@@ -23,6 +24,7 @@ from dataplane.prefix import PrefixHasher
 from dataplane.prompt import PromptProcessor
 from dataplane.tokenizer import Tokenizer
 from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request
+from dataplane.server import ClientLimits, guard
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
 from protos import omni_proxy_pb2 as pb
@@ -45,6 +47,9 @@ class DataPlaneConfig:
     tokenizer: str = ""            # model directory with tokenizer.json: tokenize in the data plane
     chat_template: str = ""        # like vLLM's --chat-template
     reuse_tokens: bool = True      # send completions prompts to the engines as token ids
+    # PD-internal body fields a client may set anyway (default: none, they are dropped).
+    allowed_client_fields: frozenset[str] = frozenset()
+    client: ClientLimits = field(default_factory=ClientLimits)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
 
 
@@ -61,7 +66,9 @@ class DataPlane:
                                           timeout_s=config.placement_timeout_s)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors],
+                              handler_args=self.config.client.handler_args())
+        guard(app, self.config.client)
         app.router.add_post(COMPLETIONS, self.generate)
         app.router.add_post(CHAT, self.generate)
         app.router.add_get("/v1/models", self.models)
@@ -89,7 +96,16 @@ class DataPlane:
         try:
             return await handler(request)
         except APIError as exc:
-            return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+            resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json",
+                                headers=exc.headers)
+            if exc.status == 408:
+                # A body that is late: answer now and close, rather than let aiohttp linger
+                # reading the rest of it (or read it as the next request).
+                resp.force_close()
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -125,8 +141,11 @@ class DataPlane:
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
 
     async def _generate(self, http: web.Request) -> web.StreamResponse:
-        raw = await http.read()
-        req = parse_request(http.path, raw, http.headers.get("X-Request-Id"))
+        raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
+                                     timeout_s=self.config.client.body_timeout_s)
+        req = parse_request(http.path, raw, http.headers.get("X-Request-Id"),
+                            allowed_fields=self.config.allowed_client_fields)
+        await self._resolve_model(req)
         await self.prompts.process(req)
         await self._hash_prompt(req)
         t0 = time.perf_counter()
@@ -163,6 +182,23 @@ class DataPlane:
         if tracker.first_token_at:
             self.metrics.ttft.labels(flow_name).observe(tracker.ttft_s)
         return response
+
+    async def _resolve_model(self, req: ClientRequest) -> None:
+        """A request without a model ("model" missing, null or "") runs only where that is
+        unambiguous: a deployment serving exactly one model. Otherwise it is a 400, never a
+        placement on any worker of any model."""
+        if req.model:
+            return
+        try:
+            served = [m.id for m in (await self.placements.list_models()).models]
+        except ControlPlaneUnavailable as exc:
+            raise APIError(503, f"control plane unavailable: {exc}") from None
+        if len(served) == 1:
+            req.model = served[0]
+        elif not served:
+            raise APIError(503, "no model is served here yet")
+        else:
+            raise APIError(400, "'model' is required: this deployment serves several models", param="model")
 
     async def _hash_prompt(self, req: ClientRequest) -> None:
         """The prompt's block-hash chain, when the control plane places by prefix cache."""
@@ -219,7 +255,7 @@ class DataPlane:
                                   "usage": {"prompt_tokens": ctx.req.prompt_tokens,
                                             "completion_tokens": ctx.prior_tokens,
                                             "total_tokens": ctx.req.prompt_tokens + ctx.prior_tokens}},
-                                 headers={"X-Request-Id": ctx.req.request_id})
+                                 headers={"X-Request-Id": ctx.req.echo_id})
 
     # ------------------------------------------------------------------ ops routes
 

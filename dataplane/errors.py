@@ -6,7 +6,8 @@ import orjson
 from aiohttp import web
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 413: "RequestTooLargeError", 429: "RateLimitError",
+          405: "MethodNotAllowed", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+          415: "UnsupportedMediaTypeError", 429: "RateLimitError", 431: "RequestHeaderFieldsTooLargeError",
           500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
           504: "GatewayTimeoutError"}
 
@@ -15,13 +16,15 @@ class APIError(Exception):
     """Raised anywhere in request handling; the middleware turns it into a response."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type_: str | None = None, upstream_status: int | None = None) -> None:
+                 type_: str | None = None, upstream_status: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_ or _TYPES.get(status, "APIError")
         self.upstream_status = upstream_status
+        self.headers = headers      # e.g. an engine's Retry-After, passed on to the client
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, param=self.param, type_=self.type,
@@ -37,9 +40,10 @@ def error_body(status: int, message: str, *, param: str | None = None, type_: st
     return orjson.dumps({"error": error})
 
 
-def error_response(status: int, message: str, **kw) -> web.Response:
+def error_response(status: int, message: str, *, headers: dict[str, str] | None = None,
+                   **kw) -> web.Response:
     return web.Response(status=status, body=error_body(status, message, **kw),
-                        content_type="application/json")
+                        content_type="application/json", headers=headers)
 
 
 def sse_error_event(status: int, message: str) -> bytes:

@@ -13,9 +13,14 @@ from typing import Any
 import orjson
 
 from dataplane.errors import APIError
+from dataplane.hygiene import engine_request_id, sanitize_client_id, strip_pd_fields
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+
+# Counts a client may ask for: the engines reject anything near this long before, and it
+# keeps every count inside the control plane's int64 fields and its load arithmetic.
+MAX_COUNT = 2**31 - 1
 
 
 @dataclass
@@ -27,8 +32,9 @@ class ClientRequest:
     stream: bool
     max_tokens: int          # 0 when the client did not say
     prompt_tokens: int       # an estimate until the data plane tokenizes (issue: exact ids)
-    request_id: str          # what the engines see as X-Request-Id
+    request_id: str          # what the engines see as X-Request-Id: unique per attempt
     placement_id: str        # unique per request, for the control plane's ledger
+    client_id: str = ""      # the client's X-Request-Id, sanitized: a label echoed back, never a key
     num_prompts: int = 1     # completions batch size; each prompt is its own engine request
     token_ids: list[int] | None = None   # the prompt's token ids, when known (one prompt only)
     block_hashes: list[int] = field(default_factory=list)   # vLLM hash chain, when placement wants it
@@ -36,6 +42,11 @@ class ClientRequest:
     @property
     def is_chat(self) -> bool:
         return self.path == CHAT
+
+    @property
+    def echo_id(self) -> str:
+        """The X-Request-Id of our response: the client's own (sanitized), else ours."""
+        return self.client_id or self.request_id
 
 
 def _check_type(body: dict, key: str, types: tuple[type, ...], label: str) -> None:
@@ -90,7 +101,9 @@ def _chat_prompt_tokens(messages: Any) -> int:
     return total
 
 
-def parse_request(path: str, raw: bytes, client_request_id: str | None) -> ClientRequest:
+def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
+                  allowed_fields: frozenset[str] = frozenset()) -> ClientRequest:
+    """Validate once; PD-internal fields the client set are dropped (unless ``allowed_fields``)."""
     if not raw:
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
@@ -99,6 +112,7 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None) -> Clien
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    body, raw = strip_pd_fields(body, raw, allowed_fields)
 
     _check_type(body, "model", (str,), "a string")
     _check_type(body, "stream", (bool,), "a boolean")
@@ -109,8 +123,8 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None) -> Clien
     _check_type(body, "stream_options", (dict,), "an object")
     _check_type(body, "kv_transfer_params", (dict,), "an object")
     for key in ("max_tokens", "max_completion_tokens", "n"):
-        if body.get(key) is not None and body[key] < 1:
-            raise APIError(400, f"'{key}' must be at least 1", param=key)
+        if body.get(key) is not None and not 1 <= body[key] <= MAX_COUNT:
+            raise APIError(400, f"'{key}' must be between 1 and {MAX_COUNT}", param=key)
 
     if path == CHAT:
         prompt_tokens = _chat_prompt_tokens(body.get("messages"))
@@ -130,8 +144,9 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None) -> Clien
         token_ids = prompt[0]
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
     placement_id = uuid.uuid4().hex
-    request_id = client_request_id.strip() if client_request_id and client_request_id.strip() else placement_id
+    client_id = sanitize_client_id(client_request_id)
     return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "",
                          stream=bool(body.get("stream")), max_tokens=int(max_tokens),
-                         prompt_tokens=prompt_tokens, request_id=request_id, placement_id=placement_id,
+                         prompt_tokens=prompt_tokens, request_id=engine_request_id(client_id, placement_id),
+                         placement_id=placement_id, client_id=client_id,
                          num_prompts=num_prompts, token_ids=token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,12 +24,24 @@ class UpstreamConfig:
     pool_size: int = 0            # 0 = unlimited connections per engine
 
 
+# Engine answers the client hears as they are (before the first byte): "too busy, come
+# back later" is true of the fleet too, and a client's backoff needs the real status.
+PASS_THROUGH_STATUSES = (429, 503)
+_RETRY_AFTER = re.compile(r"[ -~]{1,64}")   # printable ASCII, bounded: a seconds count or an HTTP date
+
+
 class UpstreamError(APIError):
     """A leg failed on the engine's side: 502 to the client, with the engine's words."""
 
-    def __init__(self, worker_id: str, message: str, upstream_status: int, status: int = 502) -> None:
-        super().__init__(status, message, upstream_status=upstream_status)
+    def __init__(self, worker_id: str, message: str, upstream_status: int, status: int = 502,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, upstream_status=upstream_status, headers=headers)
         self.worker_id = worker_id
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> dict[str, str] | None:
+    value = resp.headers.get("Retry-After", "").strip()
+    return {"Retry-After": value} if _RETRY_AFTER.fullmatch(value) else None
 
 
 def _timed_out(worker_id: str, url: str) -> UpstreamError:
@@ -84,7 +97,9 @@ class Upstream:
         anything else the engine or the network does wrong becomes an UpstreamError.
         """
         assert self._session is not None
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        # Identity: the relay passes engine bytes on as they are, so they must not be
+        # compressed (aiohttp would otherwise offer gzip/deflate on our behalf).
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
         if self.config.engine_api_key:
             headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
         try:
@@ -106,7 +121,9 @@ class Upstream:
         message = upstream_message(data) or resp.reason or "no message"
         if 400 <= resp.status < 500 and resp.status not in (408, 429):
             raise APIError(resp.status, message, type_=None)
-        raise UpstreamError(worker_id, f"worker {worker_id} returned {resp.status}: {message}", resp.status)
+        status = resp.status if resp.status in PASS_THROUGH_STATUSES else 502
+        raise UpstreamError(worker_id, f"worker {worker_id} returned {resp.status}: {message}", resp.status,
+                            status=status, headers=_retry_after(resp) if status != 502 else None)
 
 
 async def read_body(worker_id: str, resp: aiohttp.ClientResponse) -> bytes:

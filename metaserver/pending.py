@@ -41,10 +41,17 @@ class PendingTable:
     def __len__(self) -> int:
         return len(self._by_placement)
 
-    def add(self, entry: PendingPrefill) -> None:
+    def add(self, entry: PendingPrefill) -> bool:
+        """Register ``entry``; False (and nothing changed) if its placement id or any of
+        its engine ids is already pending. Overwriting would hand one request's decode
+        call, and so its KV destination, to another request's prefill."""
+        if entry.placement_id in self._by_placement or any(c in self._by_child for c in entry.expected) \
+                or len(set(entry.expected)) != len(entry.expected):
+            return False
         self._by_placement[entry.placement_id] = entry
         for child in entry.expected:
             self._by_child[child] = entry
+        return True
 
     def entries(self) -> list[PendingPrefill]:
         return list(self._by_placement.values())

@@ -41,7 +41,7 @@ class Metaserver:
         self._timeouts = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._reaper: asyncio.Task | None = None
-        self.calls = {"ok": 0, "failed": 0, "unknown": 0}
+        self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0}
         placer.on_layerwise = self.register
         placer.on_request_end = self.drop
 
@@ -70,7 +70,14 @@ class Metaserver:
 
     # ------------------------------------------------------------------ placer hooks
 
-    def register(self, req: pb.PlaceRequest, placement: pb.Placement) -> None:
+    def register(self, req: pb.PlaceRequest, placement: pb.Placement) -> bool:
+        """Wait for this layerwise request's decode call; False when its ids are taken.
+
+        The data plane makes every engine request id unique, so a clash means a buggy or
+        hostile caller: the request already waiting keeps its ids and its entry is never
+        overwritten. (A second decode call for an id that has already reported is refused
+        in ``handle`` unless it repeats the first, so a KV destination cannot be replaced.)
+        """
         entry = PendingPrefill(
             placement_id=req.request_id, engine_request_id=req.engine_request_id or req.request_id,
             path=req.path or "/v1/completions", body=req.body, model=req.model,
@@ -78,7 +85,11 @@ class Metaserver:
             expected=engine_request_ids(req.engine_request_id or req.request_id, req.path == CHAT_PATH,
                                         req.num_prompts),
             block_hashes=list(req.block_hashes))
-        self.table.add(entry)
+        if self.table.add(entry):
+            return True
+        self.calls["duplicate"] += 1
+        log.warning("layerwise %s: refused, an engine request id of it is already pending", entry.placement_id)
+        return False
 
     def drop(self, placement_id: str, reason: str = "the request ended before its prefill") -> None:
         entry = self.table.pop(placement_id)
@@ -107,6 +118,9 @@ class Metaserver:
         if entry is None:
             self.calls["unknown"] += 1
             return _error(404, f"no pending request {data['request_id']!r}")
+        if child in entry.params and entry.params[child] != data:   # a retry repeats itself exactly
+            self.calls["duplicate"] += 1
+            return _error(409, f"request {child!r} has already reported its KV destination")
         entry.params[child] = data
         if entry.result is None:
             entry.result = asyncio.get_running_loop().create_future()

@@ -16,15 +16,18 @@ class Faults:
     error_status: int = 500
     error_message: str = "injected fault"
     error_remaining: int = 0
+    retry_after: str = ""           # sent as Retry-After with the injected error, when set
     delay_s: float = 0.0
     delay_remaining: int = 0
     omit_kv_remaining: int = 0
+    compress_remaining: int = 0     # gzip JSON answers for clients that accept it
 
     def apply(self, spec: dict[str, Any]) -> None:
         """Arm faults from a /sim/faults body; ValueError on a malformed body."""
         if not isinstance(spec, dict):
             raise ValueError("fault spec must be a JSON object")
-        known = {"clear", "healthy", "status", "message", "delay_s", "omit_kv_transfer_params", "count"}
+        known = {"clear", "healthy", "status", "message", "retry_after", "delay_s", "omit_kv_transfer_params",
+                 "compress", "count"}
         unknown = set(spec) - known
         if unknown:
             raise ValueError(f"unknown fault fields: {sorted(unknown)}")
@@ -45,7 +48,11 @@ class Faults:
             message = spec.get("message", "injected fault")
             if not isinstance(message, str):
                 raise ValueError("message must be a string")
+            retry_after = spec.get("retry_after", "")
+            if not isinstance(retry_after, (str, int)) or isinstance(retry_after, bool):
+                raise ValueError("retry_after must be a string or an integer")
             self.error_status, self.error_message, self.error_remaining = status, message, count
+            self.retry_after = str(retry_after)
         if "delay_s" in spec:
             delay = spec["delay_s"]
             if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
@@ -53,6 +60,8 @@ class Faults:
             self.delay_s, self.delay_remaining = float(delay), count
         if spec.get("omit_kv_transfer_params"):
             self.omit_kv_remaining = count
+        if spec.get("compress"):
+            self.compress_remaining = count
 
     def take_delay(self) -> float:
         if self.delay_remaining == 0:
@@ -61,12 +70,20 @@ class Faults:
             self.delay_remaining -= 1
         return self.delay_s
 
-    def take_error(self) -> tuple[int, str] | None:
+    def take_error(self) -> tuple[int, str, dict[str, str]] | None:
+        """(status, message, extra headers) of the next injected error, if one is armed."""
         if self.error_remaining == 0:
             return None
         if self.error_remaining > 0:
             self.error_remaining -= 1
-        return self.error_status, self.error_message
+        return self.error_status, self.error_message, ({"Retry-After": self.retry_after} if self.retry_after else {})
+
+    def take_compress(self) -> bool:
+        if self.compress_remaining == 0:
+            return False
+        if self.compress_remaining > 0:
+            self.compress_remaining -= 1
+        return True
 
     def take_omit_kv(self) -> bool:
         if self.omit_kv_remaining == 0:

@@ -84,7 +84,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         await asyncio.sleep(delay)
     fault = ctx.faults.take_error()
     if fault is not None:
-        return error_response(fault[0], fault[1], headers=headers)
+        return error_response(fault[0], fault[1], headers={**headers, **fault[2]})
 
     response_id = f"cmpl-{base_id}" if kind == "completion" else f"chatcmpl-{base_id}"
     engine_id = f"{response_id}-0" if kind == "completion" else response_id  # vLLM's internal ids
@@ -152,7 +152,10 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         if req.finish_reason == "abort":
             return error_response(503, "The request was aborted: the engine is shutting down.",
                                   headers=headers)
-        return json_response(_final_body(ctx, req, parsed, head, kv), headers=headers)
+        resp = json_response(_final_body(ctx, req, parsed, head, kv), headers=headers)
+        if ctx.faults.take_compress():
+            resp.enable_compression()   # like an engine behind a compressing proxy: per Accept-Encoding
+        return resp
     except KvTransferError as exc:
         log.warning("request %s failed: %s", engine_id, exc)
         return error_response(500, str(exc), headers=headers)

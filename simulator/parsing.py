@@ -43,7 +43,7 @@ def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != cfg.model:
+    if model and model != cfg.model:   # like vLLM: a missing, null or empty model means the served one
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
     if kind == "completion":
         token_ids, fp, chars = _completion_prompt(body.get("prompt"))

@@ -87,10 +87,11 @@ async def test_request_id_reaches_the_engine_and_the_body_is_untouched(idle: Clu
         assert r.status == 200
         assert r.headers["X-Request-Id"] == "client-id-123"
         data = await r.json()
-    assert data["id"] == "cmpl-client-id-123"
     seen = [req for name in idle.sims for req in await idle.sim_requests(name)]
     assert len(seen) == 1
-    assert seen[0]["request_id"] == "client-id-123"
+    # The engine's id is the client's label plus our unique one: client ids are never keys.
+    assert seen[0]["request_id"].startswith("client-id-123-")
+    assert data["id"] == "cmpl-" + seen[0]["request_id"]
     assert seen[0]["body"] == orjson.loads(sent)
 
 

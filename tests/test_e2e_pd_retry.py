@@ -37,15 +37,15 @@ async def test_failed_prefill_is_retried_on_another_prefill_worker(pd: Cluster, 
     on_b = {x["request_id"] for x in await pd.sim_requests("p-b")}
     assert on_a, "round robin never tried p-a first"
     assert on_a <= on_b            # everything p-a failed was redone on p-b
-    assert {x["request_id"] for x in await pd.sim_requests("d")} == set(ids)
+    assert {x["request_id"].rsplit("-", 1)[0] for x in await pd.sim_requests("d")} == set(ids)
     assert (await pd.workers())["p-a"].failures_total >= len(on_a)
 
 
-async def test_all_prefill_workers_failing_gives_502_and_decode_is_never_called(pd: Cluster, http):
+async def test_all_prefill_workers_failing_gives_the_engines_error_and_decode_is_never_called(pd: Cluster, http):
     for name in ("p-a", "p-b"):
         await pd.sim_post(name, "/sim/faults", {"status": 503, "message": f"{name} down", "count": -1})
     async with http.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}) as r:
-        assert r.status == 502
+        assert r.status == 503     # an engine's 503 reaches the client as such (a 500 would be a 502)
         err = (await r.json())["error"]
     assert err["upstream_status"] == 503 and "down" in err["message"]
     assert len(await pd.sim_requests("p-a")) == 1 and len(await pd.sim_requests("p-b")) == 1

@@ -17,6 +17,7 @@ import uuid
 
 import orjson
 
+from dataplane.hygiene import engine_request_id
 from dataplane.requests import ClientRequest
 
 RECOMPUTED = b'"recomputed"'
@@ -98,8 +99,13 @@ def continuation(req: ClientRequest, text: str, tokens: int, encode=None) -> Cli
             body["prompt"] = list(prompt) + list(encode(text))
         else:
             raise ValueError("recompute needs a single text prompt, or token ids and a tokenizer")
+    # A new attempt is a new engine request: a fresh id, so it never meets the old one's
+    # leftovers (a metaserver entry, a KV lease) on any engine.
+    placement_id = uuid.uuid4().hex
     return dataclasses.replace(req, raw=orjson.dumps(body), body=body, max_tokens=remaining,
-                               placement_id=uuid.uuid4().hex, block_hashes=[], token_ids=None)
+                               placement_id=placement_id,
+                               request_id=engine_request_id(req.client_id, placement_id),
+                               block_hashes=[], token_ids=None)
 
 
 def merge_prior(data: bytes, prior_text: str, prior_tokens: int) -> bytes:

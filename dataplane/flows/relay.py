@@ -22,6 +22,19 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _EVENT_END = b"\n\n"
 
 
+def _headers(resp: aiohttp.ClientResponse, ctx: FlowContext, content_type: str,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our response's headers. Engines are asked for identity encoding; one that encodes
+    anyway has its Content-Encoding passed on, so the bytes are never mislabelled."""
+    headers = {"Content-Type": resp.headers.get("Content-Type", content_type), "X-Request-Id": ctx.req.echo_id}
+    encoding = resp.headers.get("Content-Encoding")
+    if encoding:
+        headers["Content-Encoding"] = encoding
+    if extra:
+        headers.update(extra)
+    return headers
+
+
 async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
                        on_first_chunk=None) -> web.StreamResponse:
     """Stream ``resp`` (SSE) to the client; report first token, end, and failures."""
@@ -32,9 +45,8 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
     kept: list[bytes] = []
     try:
         if out is None:  # a recompute continuation keeps writing to the same response
-            out = ctx.out = web.StreamResponse(status=200, headers={
-                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache", "X-Request-Id": ctx.req.request_id})
+            out = ctx.out = web.StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
+                "Cache-Control": "no-cache"}))
             await out.prepare(ctx.http)
         content = resp.content
         async for chunk in content.iter_any():
@@ -93,9 +105,7 @@ async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: 
         data = merge_prior(data, ctx.prior_text, ctx.prior_tokens)
     m = _COMPLETION_TOKENS.search(data)
     ctx.tracker.finished(int(m.group(1)) if m else 0)
-    return web.Response(status=200, body=data, headers={
-        "Content-Type": resp.headers.get("Content-Type", "application/json"),
-        "X-Request-Id": ctx.req.request_id})
+    return web.Response(status=200, body=data, headers=_headers(resp, ctx, "application/json"))
 
 
 async def relay(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
