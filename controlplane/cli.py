@@ -26,35 +26,86 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The config file, then the flags over it; every value goes through the same checks."""
     from controlplane.config import ControlPlaneConfig, WorkerSpec
     from controlplane.workers import Role
 
     cfg = ControlPlaneConfig.from_file(args.config) if args.config else ControlPlaneConfig()
     for attr, key in (("listen", "listen"), ("http_host", "http_host"), ("http_port", "http_port"),
                       ("policy", "policy"), ("pd_flow", "pd_flow"),
-                      ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host")):
+                      ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host"),
+                      ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s")):
         value = getattr(args, attr, None)
         if value is not None:
-            setattr(cfg, key, value)
-    if args.health_interval is not None:
-        cfg.health.interval_s = args.health_interval
-    if args.metrics_interval is not None:
-        cfg.health.metrics_interval_s = args.metrics_interval
-    cfg.workers += [WorkerSpec.parse_flag(w) for w in args.worker]
-    cfg.workers += [WorkerSpec.parse_flag(w, Role.PREFILL) for w in args.prefill]
-    cfg.workers += [WorkerSpec.parse_flag(w, Role.DECODE) for w in args.decode]
+            cfg.set(key, value, "--" + attr.replace("_", "-"))
+    cfg.workers += [WorkerSpec.parse_flag(w, flag="--worker") for w in args.worker]
+    cfg.workers += [WorkerSpec.parse_flag(w, Role.PREFILL, flag="--prefill") for w in args.prefill]
+    cfg.workers += [WorkerSpec.parse_flag(w, Role.DECODE, flag="--decode") for w in args.decode]
+    cfg.check()
     return cfg
 
 
 def check_config(cfg) -> None:
     """Refuse settings that would only fail later, under traffic."""
+    from controlplane.kvcache.hashing import BlockHashConfig, UnreproducibleHashError, resolve_seed
+    from controlplane.scheduling import build_profile
     from metaserver.server import WILDCARD_HOSTS
 
     if cfg.pd_flow == "layerwise" and (cfg.metaserver_host or cfg.http_host).strip() in WILDCARD_HOSTS:
-        raise ValueError("layerwise needs a metaserver address decode engines can reach: "
-                         "set --metaserver-host (a wildcard address like 0.0.0.0 is refused)")
+        raise ValueError("metaserver_host: layerwise needs a metaserver address decode engines can reach: "
+                         "set metaserver_host / --metaserver-host (a wildcard address like 0.0.0.0 is refused)")
     if cfg.parallel_protocol not in ("sglang", "mooncake"):
         raise ValueError(f"parallel_protocol must be sglang or mooncake, not {cfg.parallel_protocol!r}")
+    try:
+        profile = build_profile(cfg.policy, cfg.profiles)
+    except (TypeError, AttributeError, KeyError) as exc:  # a plugin option of the wrong shape
+        raise ValueError(f"policy {cfg.policy!r}: bad plugin options: {exc}") from None
+    if any(scorer.name == "prefix_cache" for scorer, _ in profile.scorers):
+        kv = cfg.kv_cache
+        try:
+            resolve_seed(BlockHashConfig(block_size=kv.block_size, algo=kv.hash_algo,
+                                         python_hash_seed=kv.hash_seed, lora_key_format=kv.lora_key_format))
+        except UnreproducibleHashError as exc:
+            raise ValueError(f"kv_cache.hash_seed is required for policy {cfg.policy!r}: {exc}") from None
+
+
+def _grpc_bind_error(listen: str):
+    """gRPC only says "Failed to bind": find out why by trying the same bind once ourselves."""
+    import socket
+
+    from omni_proxy.runtime import StartupError, bind_error
+
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(addr)
+    except OSError as exc:
+        return bind_error(exc, "listen", host, port)
+    except ValueError:
+        pass
+    return StartupError(f"listen: cannot listen on {listen}")
+
+
+async def _start(cp, cfg) -> None:
+    """Start the control plane; a port it cannot bind is a :class:`StartupError` naming the key."""
+    from omni_proxy.runtime import StartupError, bind_error
+
+    try:
+        await cp.start()
+    except BaseException as exc:
+        try:
+            await cp.stop()  # release what did start (health checks, subscribers, sockets)
+        except Exception:  # noqa: BLE001 - the start failure is what the operator needs to see
+            pass
+        if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to bind"):  # grpc's message
+            raise _grpc_bind_error(cfg.listen) from None
+        if isinstance(exc, OSError) and not cp.http_port and cp.grpc_port:
+            raise bind_error(exc, "http_port", cfg.http_host, cfg.http_port) from None
+        if isinstance(exc, ValueError):
+            raise StartupError(str(exc)) from None
+        raise
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,9 +116,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-        from controlplane.scheduling import build_profile
-
-        build_profile(cfg.policy, cfg.profiles)  # fail fast on a bad policy
         check_config(cfg)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"omni-proxy controlplane: {exc}")
@@ -76,12 +124,12 @@ def run(args: argparse.Namespace) -> int:
         from controlplane.server import ControlPlane
 
         cp = ControlPlane(cfg)
-        await cp.start()
+        await _start(cp, cfg)
         write_ready_file(args.ready_file, port=cp.grpc_port, http_port=cp.http_port)
         try:
             await wait_for_stop_signal()
         finally:
             await cp.stop()
 
-    run_main(main)
+    run_main(main, "omni-proxy controlplane")
     return 0

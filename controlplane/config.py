@@ -31,13 +31,103 @@ Example (TOML)::
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controlplane import validate as v
 from controlplane.health import HealthConfig
+from controlplane.kvcache.hashing import HASH_ALGOS
 from controlplane.kvcache.manager import KVCacheConfig
-from controlplane.workers import Role, normalize_url
+from controlplane.workers import Role
+
+PD_FLOWS = ("sequential", "parallel", "layerwise")
+PARALLEL_PROTOCOLS = ("sglang", "mooncake")
+LORA_KEY_FORMATS = ("tuple", "name")
+MAX_DP_SIZE = 1024
+WORKER_KEYS = ("url", "role", "model", "weight", "id", "bootstrap_port", "labels", "kv_events", "kv_replay",
+               "dp_size")
+PROFILE_KEYS = ("filters", "scorers", "picker")
+
+# key -> check(value, field) returning the value to store. Every key a file or flag can set is
+# here, so nothing reaches the running control plane unchecked (types, ranges, enums).
+Check = Callable[[Any, str], Any]
+
+
+def _optional_host(value: Any, name: str) -> str:
+    return "" if value == "" else v.host(value, name)
+
+
+def _policy(value: Any, name: str) -> str:
+    # which names exist is checked against the built-ins and [profiles] by build_profile
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a policy name (a built-in or a [profiles] table), got {v.show(value)}")
+    return value.strip()
+
+
+TOP_LEVEL: dict[str, Check] = {
+    "listen": v.listen_address,
+    "http_host": v.host,
+    "http_port": lambda x, f: v.int_range(x, f, 0, v.MAX_PORT),
+    "policy": _policy,
+    "pd_flow": lambda x, f: v.choice(x, f, PD_FLOWS),
+    "parallel_protocol": lambda x, f: v.choice(x, f, PARALLEL_PROTOCOLS),
+    "metaserver_host": _optional_host,
+    "layerwise_timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
+    "prefill_retries": lambda x, f: v.int_range(x, f, 0, 16),
+    "heartbeat_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+    "heartbeat_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
+    "max_request_age_s": lambda x, f: v.positive_seconds(x, f),
+}
+HEALTH: dict[str, Check] = {
+    "interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+    "timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+    "unhealthy_after": lambda x, f: v.int_range(x, f, 1, 1000),
+    "metrics_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+    "poll_metrics": v.boolean,
+}
+KV_CACHE: dict[str, Check] = {
+    "block_size": lambda x, f: v.int_range(x, f, 1, 4096),
+    "hash_algo": lambda x, f: v.choice(x, f, HASH_ALGOS),
+    "hash_seed": v.hash_seed,
+    "lora_key_format": lambda x, f: v.choice(x, f, LORA_KEY_FORMATS),
+    "max_blocks": lambda x, f: v.int_range(x, f, 1, 1_000_000_000),
+    "approx_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
+    "replay_timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=600),
+    "max_replay_gap": lambda x, f: v.int_range(x, f, 1, 10_000_000),
+}
+
+
+def _table(value: Any, name: str) -> dict[Any, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a table of keys, got {v.show(value)}")
+    return value
+
+
+def _apply(target: object, checks: dict[str, Check], data: dict[Any, Any], section: str, what: str) -> None:
+    """Check each key of one section and store it; unknown keys are refused, naming the allowed ones."""
+    for key, value in data.items():
+        name = f"{section}.{key}" if section else str(key)
+        if key not in checks:
+            hint = next((f" (it belongs in [{sec}])" for sec, keys in (("health", HEALTH), ("kv_cache", KV_CACHE))
+                         if not section and key in keys), "")
+            raise ValueError(f"unknown {what} {v.show(key)}{hint}: allowed are {', '.join(checks)}")
+        setattr(target, key, checks[key](value, name))
+
+
+def _labels(value: Any, name: str) -> dict[str, str]:
+    labels = _table(value, name)
+    out = {}
+    for k, val in labels.items():
+        if not isinstance(k, str) or not k or len(k) > 128:
+            raise ValueError(f"{name} keys must be strings of 1-128 characters, got {v.show(k)}")
+        if not isinstance(val, (str, int, float, bool)):
+            raise ValueError(f"{name}.{k} must be a string or a number, got {v.show(val)}")
+        out[k] = v.text(str(val), f"{name}.{k}")
+    return out
 
 
 @dataclass
@@ -52,38 +142,102 @@ class WorkerSpec:
     kv_events: str = ""      # the engine's ZMQ KV-event publisher (exact prefix tracking)
     kv_replay: str = ""      # its replay endpoint, when the engine has one
     dp_size: int = 1
+    where: str = field(default="", repr=False, compare=False)  # how errors name it: workers[2], --worker URL
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "WorkerSpec":
-        unknown = set(data) - {"url", "role", "model", "weight", "id", "bootstrap_port", "labels",
-                               "kv_events", "kv_replay", "dp_size"}
+    def from_dict(cls, data: dict[str, Any], where: str = "worker") -> "WorkerSpec":
+        """One ``[[workers]]`` table; ``where`` names it in errors (``workers[2]``, ``--worker URL``)."""
+        data = _table(data, where)
+        unknown = [k for k in data if k not in WORKER_KEYS]
         if unknown:
-            raise ValueError(f"unknown worker keys: {', '.join(sorted(unknown))}")
+            raise ValueError(f"{where}: unknown worker keys: {', '.join(v.show(k) for k in unknown)} "
+                             f"(allowed: {', '.join(WORKER_KEYS)})")
         if "url" not in data:
-            raise ValueError("every worker needs a url")
-        weight = float(data.get("weight", 1.0))
-        if weight < 0:
-            raise ValueError(f"worker {data['url']}: weight must be >= 0")
-        return cls(url=normalize_url(str(data["url"])), role=Role.parse(str(data.get("role", "both"))),
-                   model=str(data.get("model", "")), weight=weight, id=str(data.get("id", "")),
-                   bootstrap_port=int(data.get("bootstrap_port", 0)),
-                   labels={str(k): str(v) for k, v in (data.get("labels") or {}).items()},
-                   kv_events=str(data.get("kv_events", "")), kv_replay=str(data.get("kv_replay", "")),
-                   dp_size=int(data.get("dp_size", 1)))
+            raise ValueError(f"{where}.url is missing: every worker needs a url")
+        role = data.get("role", "both")
+        if not isinstance(role, str):
+            raise ValueError(f"{where}.role must be both, prefill or decode, got {v.show(role)}")
+        try:
+            parsed_role = Role.parse(role)
+        except ValueError as exc:
+            raise ValueError(f"{where}.role: {exc}") from None
+        dp_size = v.int_range(data.get("dp_size", 1), f"{where}.dp_size", 1, MAX_DP_SIZE)
+        kv_events = v.kv_endpoint(data.get("kv_events", ""), f"{where}.kv_events", dp_size)
+        kv_replay = v.kv_endpoint(data.get("kv_replay", ""), f"{where}.kv_replay", dp_size)
+        if kv_replay and not kv_events:
+            raise ValueError(f"{where}.kv_replay needs {where}.kv_events: replay only fills gaps in a live stream")
+        return cls(url=v.url(data["url"], f"{where}.url"), role=parsed_role,
+                   model=v.text(data.get("model", ""), f"{where}.model"),
+                   weight=v.weight(data.get("weight", 1.0), f"{where}.weight"),
+                   id=v.worker_id(data.get("id", ""), f"{where}.id", allow_empty=True),
+                   bootstrap_port=v.int_range(data.get("bootstrap_port", 0), f"{where}.bootstrap_port",
+                                              0, v.MAX_PORT),
+                   labels=_labels(data.get("labels"), f"{where}.labels"),
+                   kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size, where=where)
 
     @classmethod
-    def parse_flag(cls, text: str, role: Role | None = None) -> "WorkerSpec":
+    def parse_flag(cls, text: str, role: Role | None = None, flag: str = "--worker") -> "WorkerSpec":
         """``URL[,key=value...]`` as given on the command line."""
-        url, *opts = [p.strip() for p in text.split(",") if p.strip()]
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"{flag} needs a URL, got {v.show(text)}")
+        url, *opts = parts
+        where = f"{flag} {v.show(url, 80)}"
         data: dict[str, Any] = {"url": url}
         for opt in opts:
             key, sep, value = opt.partition("=")
             if not sep:
                 raise ValueError(f"bad worker option {opt!r} in {text!r}: expected key=value")
-            data[key.strip()] = value.strip()
+            key, value = key.strip(), value.strip()
+            data[key] = _flag_value(key, value, where)
         if role is not None:
             data["role"] = role.value
-        return cls.from_dict(data)
+        return cls.from_dict(data, where)
+
+
+def _flag_value(key: str, value: str, where: str) -> Any:
+    """Flags arrive as text: numbers are parsed here so the same checks apply as for files."""
+    try:
+        if key == "weight":
+            return float(value)
+        if key in ("bootstrap_port", "dp_size"):
+            return int(value)
+    except ValueError:
+        raise ValueError(f"{where}.{key} must be a number, got {v.show(value)}") from None
+    return value
+
+
+def _profiles(value: Any) -> dict[str, dict[str, Any]]:
+    """The shape of ``[profiles.NAME]`` tables; plugin names and options are checked by build_profile."""
+    profiles = _table(value, "profiles")
+    for name, spec in profiles.items():
+        where = f"profiles.{name}"
+        spec = _table(spec, where)
+        unknown = [k for k in spec if k not in PROFILE_KEYS]
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {', '.join(v.show(k) for k in unknown)} "
+                             f"(allowed: {', '.join(PROFILE_KEYS)})")
+        for kind in ("filters", "scorers"):
+            items = spec.get(kind, [])
+            if not isinstance(items, list):
+                raise ValueError(f"{where}.{kind} must be a list of plugin names or tables, got {v.show(items)}")
+            for i, item in enumerate(items):
+                _plugin(item, f"{where}.{kind}[{i}]")
+                if kind == "scorers" and isinstance(item, dict) and "weight" in item:
+                    v.number(item["weight"], f"{where}.{kind}[{i}].weight", 0.0, v.MAX_WEIGHT)
+        if "picker" in spec:
+            _plugin(spec["picker"], f"{where}.picker")
+    return dict(profiles)
+
+
+def _plugin(item: Any, where: str) -> None:
+    if isinstance(item, str):
+        return
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise ValueError(f"{where} must be a plugin name or a table with a name, got {v.show(item)}")
+    for k in item:
+        if not isinstance(k, str):
+            raise ValueError(f"{where}: option names must be strings, got {v.show(k)}")
 
 
 @dataclass
@@ -107,37 +261,70 @@ class ControlPlaneConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ControlPlaneConfig":
+        """Load a TOML or YAML file; syntax errors name the file and the line."""
         path = Path(path)
         text = path.read_text()
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+                what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise ValueError(f"{where}: YAML syntax error: {what}") from None
+            if data is None:
+                data = {}
         else:
-            data = tomllib.loads(text)
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"{path}: TOML syntax error: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the file must hold a table of keys, not {type(data).__name__}")
         return cls.from_dict(data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ControlPlaneConfig":
         data = dict(data)
         cfg = cls()
-        health = data.pop("health", {}) or {}
-        workers = data.pop("workers", []) or []
-        profiles = data.pop("profiles", {}) or {}
-        kv = data.pop("kv_cache", {}) or {}
-        for key, value in data.items():
-            if not hasattr(cfg, key) or key in ("health", "workers", "profiles"):
-                raise ValueError(f"unknown config key {key!r}")
-            setattr(cfg, key, type(getattr(cfg, key))(value))
-        for key, value in health.items():
-            if not hasattr(cfg.health, key):
-                raise ValueError(f"unknown health key {key!r}")
-            setattr(cfg.health, key, type(getattr(cfg.health, key))(value))
-        for key, value in kv.items():
-            if not hasattr(cfg.kv_cache, key):
-                raise ValueError(f"unknown kv_cache key {key!r}")
-            current = getattr(cfg.kv_cache, key)
-            setattr(cfg.kv_cache, key, value if current is None else type(current)(value))
-        cfg.workers = [WorkerSpec.from_dict(w) for w in workers]
-        cfg.profiles = dict(profiles)
+        health = _table(data.pop("health", None), "health")
+        workers = data.pop("workers", None) or []
+        profiles = data.pop("profiles", None)
+        kv = _table(data.pop("kv_cache", None), "kv_cache")
+        _apply(cfg, TOP_LEVEL, data, "", "config key")
+        _apply(cfg.health, HEALTH, health, "health", "health key")
+        _apply(cfg.kv_cache, KV_CACHE, kv, "kv_cache", "kv_cache key")
+        if not isinstance(workers, list):
+            raise ValueError(f"workers must be a list of [[workers]] tables, got {v.show(workers)}")
+        cfg.workers = [WorkerSpec.from_dict(w, f"workers[{i}]") for i, w in enumerate(workers)]
+        cfg.profiles = _profiles(profiles)
+        cfg.check()
         return cfg
+
+    def set(self, key: str, value: Any, name: str) -> None:
+        """Set one top-level, ``health.*`` or ``kv_cache.*`` key from a flag, with the file's checks."""
+        section, _, sub = key.rpartition(".")
+        target, checks = {"": (self, TOP_LEVEL), "health": (self.health, HEALTH),
+                          "kv_cache": (self.kv_cache, KV_CACHE)}[section]
+        setattr(target, sub, checks[sub](value, name))
+
+    def check(self) -> None:
+        """Checks across keys: run again after flags have added workers."""
+        ids: dict[str, str] = {}
+        urls: dict[tuple[str, str], str] = {}
+        for i, w in enumerate(self.workers):
+            where = w.where or f"workers[{i}]"
+            if w.id:
+                if w.id in ids:
+                    raise ValueError(f"{where}.id {w.id!r} is also the id of {ids[w.id]}: worker ids must be unique")
+                ids[w.id] = where
+            key = (w.url.lower(), w.role.value)
+            if key in urls:
+                raise ValueError(f"{where}.url {w.url} is listed twice with role {w.role.value} "
+                                 f"(also {urls[key]}): list each engine once")
+            urls[key] = where
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_ttl_s must be greater than heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s:g}), got {self.heartbeat_ttl_s:g}")

@@ -37,7 +37,7 @@ def show(value: Any, limit: int = 60) -> str:
 
 
 def _fail(field: str, allowed: str, value: Any) -> ValueError:
-    return ValueError(f"{field}: must be {allowed}, got {show(value)}")
+    return ValueError(f"{field} must be {allowed}, got {show(value)}")
 
 
 def _is_number(value: Any) -> bool:
@@ -104,6 +104,29 @@ def worker_id(value: Any, field: str = "id", *, allow_empty: bool = False) -> st
     if len(value) > MAX_WORKER_ID_LEN or not _WORKER_ID.fullmatch(value):
         raise _fail(field, allowed, value)
     return value
+
+
+def listen_address(value: Any, field: str = "listen") -> str:
+    """``host:port`` to listen on (port 0 picks a free port); IPv6 hosts in brackets."""
+    allowed = "host:port with a port from 0 to 65535 (IPv6 in brackets: [::1]:50051)"
+    if not isinstance(value, str):
+        raise _fail(field, allowed, value)
+    host, sep, port = value.strip().rpartition(":")
+    if (not sep or not host or not _DIGITS.fullmatch(port) or int(port) > MAX_PORT
+            or any(c.isspace() for c in host) or (":" in host and not (host[0] == "[" and host[-1] == "]"))):
+        raise _fail(field, allowed, value)
+    return value.strip()
+
+
+def host(value: Any, field: str) -> str:
+    """A host name or address to bind or advertise: non-empty, no spaces, no scheme or port."""
+    allowed = "a host name or IP address (no scheme, port or spaces)"
+    if not isinstance(value, str) or not value.strip() or len(value) > 253:
+        raise _fail(field, allowed, value)
+    h = value.strip()
+    if "/" in h or any(c.isspace() for c in h) or (h.count(":") == 1):
+        raise _fail(field, allowed, value)
+    return h
 
 
 def _port_of(parts, field: str, value: Any, *, required: bool, allowed: str) -> int | None:
@@ -213,3 +236,10 @@ def hash_seed(value: Any, field: str = "hash_seed") -> str | None:
         if _DIGITS.fullmatch(value) and int(value) <= MAX_HASH_SEED:
             return value
     raise _fail(field, allowed, value)
+
+
+def boolean(value: Any, field: str) -> bool:
+    """``true`` or ``false`` (not 0/1, not a string: those are usually typos)."""
+    if not isinstance(value, bool):
+        raise _fail(field, "true or false", value)
+    return value

@@ -25,36 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=300.0,
                    help="whole prefill leg, request to answer (a timed-out P is retried elsewhere)")
     p.add_argument("--engine-api-key", default="", help="sent to engines as a Bearer token")
-    p.add_argument("--allow-client-fields", default="",
-                   help="comma-separated PD-internal body fields a client may set (kv_transfer_params, "
-                        "bootstrap_*); by default the data plane drops them")
-    p.add_argument("--client-header-timeout", type=float, default=30.0,
-                   help="seconds for a client to send a request's line and headers (0 = no limit)")
-    p.add_argument("--client-body-timeout", type=float, default=60.0,
-                   help="seconds for a client to send a request's body (0 = no limit)")
-    p.add_argument("--keepalive-timeout", type=float, default=75.0,
-                   help="seconds an idle client keep-alive connection stays open")
-    p.add_argument("--max-header-bytes", type=int, default=8190,
-                   help="longest request line or header field (431 beyond)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace):
     from dataplane.app import DataPlaneConfig
-    from dataplane.hygiene import parse_field_list
-    from dataplane.server import ClientLimits
     from dataplane.upstream import UpstreamConfig
 
     cfg = DataPlaneConfig(host=args.host, port=args.port, controlplane=args.controlplane,
                           max_body_bytes=args.max_body_bytes, placement_timeout_s=args.placement_timeout,
                           prefill_retries=args.prefill_retries, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
-                          allowed_client_fields=parse_field_list(args.allow_client_fields),
-                          client=ClientLimits(header_timeout_s=args.client_header_timeout,
-                                              body_timeout_s=args.client_body_timeout,
-                                              keepalive_timeout_s=args.keepalive_timeout,
-                                              max_header_bytes=args.max_header_bytes),
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   prefill_timeout_s=args.prefill_timeout,
@@ -67,7 +49,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_proxy.runtime import run_main, start_http_site, wait_for_stop_signal, write_ready_file
+    from omni_proxy.runtime import bind_error, run_main, start_http_site, wait_for_stop_signal, write_ready_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
@@ -76,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
         from dataplane.app import DataPlane
 
         dp = DataPlane(cfg)
-        runner, port = await start_http_site(dp.build_app(), cfg.host, cfg.port)
+        try:
+            runner, port = await start_http_site(dp.build_app(), cfg.host, cfg.port)
+        except OSError as exc:  # one line naming the flag, not a traceback
+            raise bind_error(exc, "--host/--port", cfg.host, cfg.port) from None
         # Ready means ready to place: wait (bounded) for the control-plane session.
         if not await dp.placements.wait_connected(cfg.placement_timeout_s * 2):
             logging.getLogger("dataplane").warning("control plane %s not reachable yet", cfg.controlplane)
@@ -88,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await runner.cleanup()
 
-    run_main(main)
+    run_main(main, "omni-proxy dataplane")
     return 0

@@ -8,6 +8,7 @@ tests, ``omni-proxy up``) wait for that file instead of guessing ports or sleepi
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -16,6 +17,27 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+
+class StartupError(Exception):
+    """A server could not start: a port in use, an address it cannot bind, a bad setting.
+
+    :func:`run_main` reports it as one line on stderr and exit status 1: an operator needs the
+    setting to change, not a traceback.
+    """
+
+
+def bind_error(exc: OSError, setting: str, host: str, port: int | str) -> StartupError:
+    """One line for a failed bind, naming the setting (key or flag) that chose the address."""
+    if exc.errno == errno.EADDRINUSE:
+        why = "the port is already in use"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = "the address is not one of this machine's"
+    elif exc.errno == errno.EACCES:
+        why = "permission denied (ports below 1024 need privileges)"
+    else:
+        why = exc.strerror or str(exc)
+    return StartupError(f"{setting}: cannot listen on {host}:{port}: {why}")
 
 
 def install_fast_loop() -> None:
@@ -61,19 +83,27 @@ async def start_http_site(
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        # run the app's cleanup hooks (client sessions...) so a failed bind leaves nothing behind
+        await runner.cleanup()
+        raise
     server = site._server  # aiohttp exposes no public accessor for the bound socket
     bound = server.sockets[0].getsockname()[1] if server and server.sockets else port
     return runner, bound
 
 
-def run_main(main: Callable[[], Awaitable[None]]) -> None:
-    """Run an async entry point on the fast loop; Ctrl-C ends it quietly."""
+def run_main(main: Callable[[], Awaitable[None]], name: str = "omni-proxy") -> None:
+    """Run an async entry point on the fast loop; Ctrl-C ends it quietly, and a
+    :class:`StartupError` ends it with one line ``name: why`` on stderr and exit status 1."""
     install_fast_loop()
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except StartupError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
-    from omni_proxy.runtime import run_main
+    from omni_proxy.runtime import StartupError, run_main
     from simulator.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -143,5 +143,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"omni-proxy sim: {exc}", file=sys.stderr)
         return 2
-    run_main(lambda: serve(cfg, args.ready_file))
+
+    async def main() -> None:
+        import zmq
+
+        try:
+            await serve(cfg, args.ready_file)
+        except (OSError, zmq.ZMQError) as exc:  # a port in use: one line, not a traceback
+            raise StartupError(f"cannot listen (--host/--port, --bootstrap-port or --kv-events-*): {exc}") from None
+
+    run_main(main, "omni-proxy sim")
     return 0

@@ -5,6 +5,12 @@ Two sources, one answer per worker:
   * approximate: for workers without events, what was routed where is remembered for
     ``approx_ttl_s`` (the best a router can do when the engine does not say).
 Placement asks :meth:`KVCache.match` once per request and hands the depths to the scorers.
+
+A worker whose events cannot be trusted falls back to approximate tracking until they can:
+its subscriber died (the exception is logged), its ``kv_events`` endpoint is malformed, or its
+events carry a ``block_size`` other than ``[kv_cache] block_size`` (then no chain the data plane
+computes can ever match them, and applying them would only fill the index with unreachable
+blocks). Each case is one ERROR line naming the worker and a counter in ``/metrics``.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from controlplane import validate
+from controlplane.kvcache.events import BlockStored
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig
-from controlplane.kvcache.subscriber import KVEventSource, KVEventSubscriber
+from controlplane.kvcache.subscriber import DEFAULT_MAX_REPLAY_GAP, KVEventSource, KVEventSubscriber
 from controlplane.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,7 @@ class KVCacheConfig:
     max_blocks: int = 2_000_000         # bound on indexed blocks (LRU beyond it)
     approx_ttl_s: float = 120.0         # approximate mode: how long a routed prefix counts
     replay_timeout_s: float = 2.0
+    max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP   # wider sequence gaps reset the worker instead
 
 
 def _offset_port(endpoint: str, rank: int) -> str:
@@ -55,22 +64,45 @@ class KVCache:
         # prompt (the next turn of a conversation) must outlive the older prompt's expiry.
         self._approx_latest: dict[tuple[str, int], float] = {}
         self._subscribers: dict[str, list[KVEventSubscriber]] = {}
+        # Workers with kv_events whose events are not used (why, for logs and explain): they are
+        # tracked approximately instead.
+        self.untracked: dict[str, str] = {}
+        # worker -> the block_size its events carry, while it differs from config.block_size
+        self._wrong_block_size: dict[str, int] = {}
+        # per-worker counters kept here rather than in a subscriber (exported with theirs)
+        self._counters: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ subscriptions
 
     async def watch(self, worker: Worker) -> None:
-        """Subscribe to a worker's KV events (idempotent); no-op for workers without any."""
+        """Subscribe to a worker's KV events (idempotent); no-op for workers without any.
+
+        Never raises: an endpoint that cannot be used leaves the worker on approximate tracking,
+        logged, because this runs in a background task where an exception would go unseen.
+        """
         if not worker.kv_events or worker.id in self._subscribers:
             return
-        subs = []
-        for rank in range(max(worker.dp_size, 1)):
-            source = KVEventSource(engine_key=worker.id, endpoint=_offset_port(worker.kv_events, rank),
-                                   replay_endpoint=_offset_port(worker.kv_replay, rank) or None)
-            sub = KVEventSubscriber(source, self._on_events, self._on_reset,
-                                    replay_timeout_s=self.config.replay_timeout_s)
-            await sub.start()
-            subs.append(sub)
+        subs: list[KVEventSubscriber] = []
+        try:
+            dp_size = validate.int_range(worker.dp_size, "dp_size", 1, 1024)
+            validate.kv_endpoint(worker.kv_events, "kv_events", dp_size)
+            validate.kv_endpoint(worker.kv_replay, "kv_replay", dp_size)
+            for rank in range(dp_size):
+                source = KVEventSource(engine_key=worker.id, endpoint=_offset_port(worker.kv_events, rank),
+                                       replay_endpoint=_offset_port(worker.kv_replay, rank) or None)
+                sub = KVEventSubscriber(source, self._on_events, self._on_reset,
+                                        replay_timeout_s=self.config.replay_timeout_s,
+                                        max_replay_gap=self.config.max_replay_gap, on_failed=self._on_failed)
+                subs.append(sub)
+                await sub.start()
+        except Exception as exc:  # noqa: BLE001 - zmq raises its own types for bad endpoints
+            for sub in subs:
+                await sub.stop()
+            self._count(worker.id, "subscribe_failed")
+            self._untrack(worker.id, f"cannot follow KV events at {worker.kv_events!r}: {exc}")
+            return
         self._subscribers[worker.id] = subs
+        self.untracked.pop(worker.id, None)
         log.info("worker %s: following KV events at %s (%d rank(s))", worker.id, worker.kv_events, len(subs))
 
     async def unwatch(self, worker_id: str) -> None:
@@ -78,26 +110,76 @@ class KVCache:
             await sub.stop()
         self.exact.drop_worker(worker_id)
         self.approx.drop_worker(worker_id)
+        self.untracked.pop(worker_id, None)
+        self._wrong_block_size.pop(worker_id, None)
+        self._counters.pop(worker_id, None)
+
+    def tracked_exactly(self, worker: Worker) -> bool:
+        """Whether placement may use this worker's event-fed entries."""
+        return bool(worker.kv_events) and worker.id not in self.untracked
+
+    def _untrack(self, worker_id: str, why: str) -> None:
+        """Stop using a worker's events: its exact entries go, routing-based tracking takes over."""
+        if worker_id not in self.untracked:
+            log.error("worker %s: %s; its prefix cache is now tracked approximately", worker_id, why)
+        self.untracked[worker_id] = why
+        self.exact.drop_worker(worker_id)
+
+    def _on_failed(self, engine: str, exc: BaseException) -> None:
+        # the subscriber already logged the exception with its traceback
+        self._untrack(engine, f"KV-event subscriber stopped ({type(exc).__name__}: {exc})")
+
+    def _count(self, worker_id: str, kind: str, n: int = 1) -> None:
+        c = self._counters.setdefault(worker_id, {})
+        c[kind] = c.get(kind, 0) + n
 
     async def stop(self) -> None:
         for worker_id in list(self._subscribers):
             await self.unwatch(worker_id)
 
     def _on_events(self, engine: str, dp_rank: int | None, events) -> None:
+        expected = self.config.block_size
+        for ev in events:
+            if type(ev) is BlockStored and ev.block_size != expected:
+                self._refuse_block_size(engine, ev.block_size)
+                return
+            if type(ev) is BlockStored and engine in self._wrong_block_size:
+                # the engine came back with the right size (restarted with a fixed config)
+                del self._wrong_block_size[engine]
+                if self.untracked.pop(engine, None) is not None:
+                    self.approx.drop_worker(engine)
+                    log.warning("worker %s: KV events now carry block_size %d: following them again",
+                                engine, expected)
+        if engine in self.untracked:
+            return  # never populate the index from events we decided not to trust
         self.exact.apply(engine, dp_rank, events)
+
+    def _refuse_block_size(self, engine: str, got: int) -> None:
+        self._count(engine, "block_size_mismatch")
+        if self._wrong_block_size.get(engine) != got:
+            self._wrong_block_size[engine] = got
+            self.untracked.pop(engine, None)  # log this reason even if another one came first
+            self._untrack(engine, f"KV events carry block_size {got} but [kv_cache] block_size is "
+                                  f"{self.config.block_size}: its events are refused until they match")
 
     def _on_reset(self, engine: str) -> None:
         # A gap we could not replay: what we believed about this engine may be wrong.
         self.exact.reset_worker(engine)
 
     def counters(self) -> dict[str, dict[str, int]]:
-        out = {}
+        """Per worker: its subscribers' counters summed over DP ranks, plus this view's own
+        (``block_size_mismatch``: refused batches; ``subscribe_failed``: unusable endpoint)."""
+        out: dict[str, dict[str, int]] = {}
         for worker_id, subs in self._subscribers.items():
             total: dict[str, int] = {}
             for sub in subs:
                 for k, v in vars(sub.counters).items():
                     total[k] = total.get(k, 0) + v
             out[worker_id] = total
+        for worker_id, mine in self._counters.items():
+            total = out.setdefault(worker_id, {})
+            for k, v in mine.items():
+                total[k] = total.get(k, 0) + v
         return out
 
     # ------------------------------------------------------------------ placement
@@ -111,8 +193,8 @@ class KVCache:
             return {}
         self._expire()
         out: dict[str, int] = {}
-        exact_ids = {w.id for w in workers if w.kv_events}
-        approx_ids = {w.id for w in workers if not w.kv_events}
+        exact_ids = {w.id for w in workers if self.tracked_exactly(w)}
+        approx_ids = {w.id for w in workers if not self.tracked_exactly(w)}
         if exact_ids:
             keys = [k for k in self.exact.workers() if k[0] in exact_ids]
             for (worker_id, _rank), depth in self.exact.match_depths(chain, keys).items():
@@ -126,7 +208,7 @@ class KVCache:
     def placed(self, worker: Worker, chain: list[int], predicted_depth: int) -> None:
         """For workers without events, remember the routed prefix; for the others, keep the
         matched prefix recent in the index."""
-        if chain and not worker.kv_events:
+        if chain and not self.tracked_exactly(worker):
             expiry = time.monotonic() + self.config.approx_ttl_s
             self.approx.store((worker.id, None), chain, None)
             self._approx_expiry.append((expiry, worker.id, tuple(chain)))

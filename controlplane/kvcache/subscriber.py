@@ -22,15 +22,25 @@ socket set ``key_by_topic`` so each engine is told apart by its topic (llm-d sty
 
 Malformed frames/payloads are counted and logged at most once per ``log_interval_s``; they still
 advance the sequence (the message arrived; its content is lost, which is not a gap).
+
+Replay is streamed and bounded: each replayed batch is applied as it arrives (nothing of the size of
+the gap is ever built), and a gap wider than ``max_replay_gap`` messages is not replayed at all: the
+engine's entries are reset, since no engine buffer holds that much (vLLM keeps ``buffer_steps``,
+10,000 by default). A sequence that jumps by 2*10^7 therefore costs one reset, not hundreds of MB.
+
+If the receive loop itself dies (a socket error, a bug outside the per-message guard), the exception
+is logged and handed to ``on_failed``, so the owner can stop trusting this engine's entries instead
+of leaving an exception in a task nobody awaits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import zmq
@@ -45,6 +55,9 @@ END_SEQ = b"\xff" * 8
 
 EventHandler = Callable[[str, "int | None", "tuple[KVEvent, ...]"], "Awaitable[None] | None"]
 ResetHandler = Callable[[str], "Awaitable[None] | None"]
+FailedHandler = Callable[[str, BaseException], None]
+
+DEFAULT_MAX_REPLAY_GAP = 100_000   # messages; vLLM's replay buffer holds 10,000 by default
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class SubscriberCounters:
     resets: int = 0         # on_reset calls (unrecovered gap or engine restart)
     handler_errors: int = 0  # exceptions raised by the event handler
     ignored_events: int = 0  # events of unknown types
+    gaps_too_large: int = 0  # gaps over max_replay_gap: reset without asking for a replay
+    failed: int = 0          # the receive loop died (see on_failed)
 
 
 class _RateLimitedLog:
@@ -101,13 +116,18 @@ class KVEventSubscriber:
 
     def __init__(self, source: KVEventSource, handler: EventHandler, on_reset: ResetHandler, *,
                  ctx: zmq.asyncio.Context | None = None, replay_timeout_s: float = 2.0,
-                 backfill_on_connect: bool = True, log_interval_s: float = 30.0) -> None:
+                 backfill_on_connect: bool = True, log_interval_s: float = 30.0,
+                 max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP, on_failed: FailedHandler | None = None) -> None:
         if source.key_by_topic and source.replay_endpoint:
             raise ValueError("replay needs one engine per socket; key_by_topic mixes engines")
+        if max_replay_gap < 1:
+            raise ValueError(f"max_replay_gap must be >= 1, got {max_replay_gap}")
         self.source = source
         self.handler = handler
         self.on_reset = on_reset
+        self.on_failed = on_failed
         self.replay_timeout_s = replay_timeout_s
+        self.max_replay_gap = max_replay_gap
         self.backfill_on_connect = backfill_on_connect
         self.counters = SubscriberCounters()
         self._ctx = ctx or zmq.asyncio.Context.instance()
@@ -130,6 +150,27 @@ class KVEventSubscriber:
             self.endpoint = self.source.endpoint
         self._sub = sub
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.engine_key}")
+        self._task.add_done_callback(self._task_done)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """Retrieve and report how the receive loop ended; a cancel (stop) is not a failure."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        self.counters.failed += 1
+        log.error("kv events from %s (%s): subscriber stopped: %s: %s", self.source.engine_key,
+                  self.endpoint or self.source.endpoint, type(exc).__name__, exc, exc_info=exc)
+        if self.on_failed is not None:
+            try:
+                self.on_failed(self.source.engine_key, exc)
+            except Exception:  # noqa: BLE001 - a done callback has nobody to raise to
+                log.exception("kv events from %s: on_failed callback failed", self.source.engine_key)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
@@ -199,26 +240,62 @@ class KVEventSubscriber:
         return True
 
     async def _replay(self, engine: str, start: int, stop: int, *, must_cover: bool) -> None:
-        """Fetch seqs [start, stop) from the engine's ROUTER; reset first if they are not all there."""
-        got, complete = await self._fetch_replay(start, stop)
-        covered = complete and [s for s, _ in got] == list(range(start, stop))
-        if must_cover and not covered:
-            self._rlog.warning("kv events from %s: replay of %d..%d incomplete (%d batches)", engine, start,
-                               stop - 1, len(got))
-            await self._reset(engine)
-        for _, payload in got:
-            if await self._deliver(engine, payload):
-                self.counters.replayed += 1
+        """Fetch seqs [start, stop) from the engine's ROUTER and apply each as it arrives.
 
-    async def _fetch_replay(self, start: int, stop: int) -> tuple[list[tuple[int, bytes]], bool]:
-        """(seq, payload) replies in [start, stop), and whether the end marker arrived in time."""
+        With ``must_cover`` (a gap), the engine's entries are reset as soon as the replay is known
+        not to cover the whole gap: a hole in the replies, a timeout, or a gap too wide to ask for.
+        Without it (backfill on first contact), whatever arrives is applied, at most the last
+        ``max_replay_gap`` messages.
+        """
+        if stop - start > self.max_replay_gap:
+            if must_cover:
+                self.counters.gaps_too_large += 1
+                self._rlog.warning("kv events from %s: gap %d..%d (%d messages) exceeds max_replay_gap %d: "
+                                   "entries reset instead of replayed", engine, start, stop - 1, stop - start,
+                                   self.max_replay_gap)
+                await self._reset(engine)
+                return
+            start = stop - self.max_replay_gap
+        expected = start            # the next seq that keeps the replay contiguous
+        hole = False
+        n = 0
+
+        async def hole_found() -> None:
+            nonlocal hole
+            if not hole:
+                hole = True
+                if must_cover:
+                    await self._reset(engine)
+
+        complete = False
+        async with contextlib.aclosing(self._fetch_replay(start, stop)) as replies:
+            async for seq, payload in replies:
+                if seq is None:           # end marker (always the last item)
+                    complete = True
+                    continue
+                if seq < expected:        # a duplicate: already applied
+                    continue
+                if seq > expected:
+                    await hole_found()
+                expected = seq + 1
+                n += 1
+                if await self._deliver(engine, payload):
+                    self.counters.replayed += 1
+        if not complete or expected != stop:
+            if must_cover and not hole:
+                self._rlog.warning("kv events from %s: replay of %d..%d incomplete (%d batches)", engine, start,
+                                   stop - 1, n)
+            await hole_found()
+
+    async def _fetch_replay(self, start: int, stop: int) -> AsyncIterator[tuple[int | None, bytes]]:
+        """Yield (seq, payload) replies in [start, stop) as they arrive, then (None, b"") when the end
+        marker arrives in time; on a timeout it just stops (no end marker yielded)."""
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(self.source.replay_endpoint)
         dealer = self._dealer
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.replay_timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -226,17 +303,18 @@ class KVEventSubscriber:
                 # late replies would confuse the next replay: start over with a fresh socket
                 dealer.close(linger=0)
                 self._dealer = None
-                return got, False
+                return
             r = await dealer.recv_multipart()
             if len(r) < 2:
                 self.counters.malformed += 1
                 continue
             seq_b, payload = r[-2], r[-1]
             if seq_b == END_SEQ or not payload:
-                return got, True
+                yield None, b""
+                return
             if len(seq_b) != 8:
                 self.counters.malformed += 1
                 continue
             rs = int.from_bytes(seq_b, "big")
             if start <= rs < stop:
-                got.append((rs, payload))
+                yield rs, payload
