@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.state import StateStore
-from controlplane.workers import Health, Worker
+from controlplane.fleet import Fleet
+from controlplane.registry import WorkerRegistry
+from controlplane.workers import EngineMetrics, Health, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,14 @@ def parse_engine_metrics(text: str) -> tuple[int, int, float, float, float]:
 
 
 class HealthChecker:
-    def __init__(self, store: StateStore, config: HealthConfig) -> None:
-        self.store = store
+    """Checks every worker this replica knows; results go to the fleet view as new values."""
+
+    def __init__(self, fleet: Fleet, registry: WorkerRegistry, config: HealthConfig) -> None:
+        self.fleet = fleet
+        self.registry = registry
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
-        # How an expired worker is removed (the registry's remove, so every hook runs).
-        self.remove: Callable[[str], Awaitable[object]] | None = None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
@@ -86,40 +87,42 @@ class HealthChecker:
 
     async def check_all(self) -> None:
         await self.expire_heartbeats()
-        workers = await self.store.list_workers()
-        await asyncio.gather(*(self.check(w) for w in workers))
+        await asyncio.gather(*(self.check(spec) for spec in self.fleet.specs()))
 
-    async def check(self, worker: Worker) -> None:
+    async def check(self, spec: WorkerSpec) -> None:
         assert self._session is not None
         error = ""
         try:
-            async with self._session.get(worker.url + "/health") as resp:
+            async with self._session.get(spec.url + "/health") as resp:
                 await resp.read()
                 if resp.status != 200:
                     error = f"/health returned {resp.status}"
-            if not error and not worker.model:
-                worker.model = await self._discover_model(worker)
+            if not error and not spec.model:
+                await self.registry.update(spec.id, model=await self._discover_model(spec))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        self._apply(worker, error)
+        self._apply(spec, error)
 
-    def _apply(self, worker: Worker, error: str) -> None:
+    def _apply(self, spec: WorkerSpec, error: str) -> None:
+        state = self.fleet.state(spec.id)
         if not error:
-            if worker.health is not Health.HEALTHY:
-                log.info("worker %s (%s) is healthy", worker.id, worker.url)
-            worker.health = Health.HEALTHY
-            worker.consecutive_failures = 0
+            if state.health is not Health.HEALTHY:
+                log.info("worker %s (%s) is healthy", spec.id, spec.url)
+            if state.health is not Health.HEALTHY or state.consecutive_failures:
+                self.fleet.set_state(spec.id, replace(state, health=Health.HEALTHY, consecutive_failures=0))
             return
-        worker.consecutive_failures += 1
-        worker.last_error = error
-        if worker.health is not Health.HEALTHY or worker.consecutive_failures >= self.config.unhealthy_after:
-            if worker.health is not Health.UNHEALTHY:
-                log.warning("worker %s (%s) is unhealthy: %s", worker.id, worker.url, error)
-            worker.health = Health.UNHEALTHY
+        failures = state.consecutive_failures + 1
+        health = state.health
+        if health is not Health.HEALTHY or failures >= self.config.unhealthy_after:
+            if health is not Health.UNHEALTHY:
+                log.warning("worker %s (%s) is unhealthy: %s", spec.id, spec.url, error)
+            health = Health.UNHEALTHY
+        self.fleet.set_state(spec.id, replace(state, health=health, consecutive_failures=failures,
+                                              last_error=error))
 
-    async def _discover_model(self, worker: Worker) -> str:
+    async def _discover_model(self, spec: WorkerSpec) -> str:
         assert self._session is not None
-        async with self._session.get(worker.url + "/v1/models") as resp:
+        async with self._session.get(spec.url + "/v1/models") as resp:
             if resp.status != 200:
                 raise ValueError(f"/v1/models returned {resp.status}")
             data = await resp.json(content_type=None)
@@ -129,13 +132,14 @@ class HealthChecker:
         return str(models[0]["id"])
 
     async def poll_all_metrics(self) -> None:
-        workers = [w for w in await self.store.list_workers() if w.health is Health.HEALTHY]
-        await asyncio.gather(*(self.poll_metrics(w) for w in workers))
+        fleet = self.fleet
+        specs = [s for s in fleet.specs() if fleet.state(s.id).health is Health.HEALTHY]
+        await asyncio.gather(*(self.poll_metrics(s) for s in specs))
 
-    async def poll_metrics(self, worker: Worker) -> None:
+    async def poll_metrics(self, spec: WorkerSpec) -> None:
         assert self._session is not None
         try:
-            async with self._session.get(worker.url + "/metrics") as resp:
+            async with self._session.get(spec.url + "/metrics") as resp:
                 if resp.status != 200:
                     return
                 text = await resp.text()
@@ -145,16 +149,14 @@ class HealthChecker:
         # placements are answered.
         running, waiting, kv, hits, queries = await asyncio.get_running_loop().run_in_executor(
             None, parse_engine_metrics, text)
-        eng = worker.engine
-        eng.running, eng.waiting, eng.kv_usage, eng.prefix_hits, eng.prefix_queries = running, waiting, kv, hits, queries
-        worker.engine.updated_at = time.monotonic()
+        self.fleet.set_engine(spec.id, EngineMetrics(running=running, waiting=waiting, kv_usage=kv,
+                                                     prefix_hits=hits, prefix_queries=queries,
+                                                     updated_at=time.monotonic()))
 
     async def expire_heartbeats(self) -> None:
         now = time.monotonic()
-        for worker in await self.store.list_workers():
-            if worker.heartbeat_ttl_s > 0 and now - worker.last_heartbeat > worker.heartbeat_ttl_s:
-                log.warning("worker %s missed heartbeats for %.1fs: removed", worker.id, now - worker.last_heartbeat)
-                if self.remove is not None:
-                    await self.remove(worker.id)
-                else:
-                    await self.store.remove_worker(worker.id)
+        for spec in self.fleet.specs():
+            if spec.heartbeat_ttl_s > 0 and now - self.fleet.last_heartbeat(spec.id) > spec.heartbeat_ttl_s:
+                log.warning("worker %s missed heartbeats for %.1fs: removed", spec.id,
+                            now - self.fleet.last_heartbeat(spec.id))
+                await self.registry.remove(spec.id)

@@ -7,11 +7,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controlplane.kvcache.manager import KVCache
 from controlplane.placement import PlacementStats
-from controlplane.workers import Health, Worker
+from controlplane.workers import Health, WorkerView
 
 
 class _Snapshot:
-    def __init__(self, workers: list[Worker], stats: PlacementStats, kv: KVCache | None) -> None:
+    def __init__(self, workers: list[WorkerView], stats: PlacementStats, kv: KVCache | None) -> None:
         self.workers = workers
         self.stats = stats
         self.kv = kv
@@ -76,7 +76,7 @@ class _Snapshot:
         yield from (blocks, refs, events)
 
 
-def render(workers: list[Worker], stats: PlacementStats, kv: KVCache | None = None) -> bytes:
+def render(workers: list[WorkerView], stats: PlacementStats, kv: KVCache | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(workers, stats, kv))
     return generate_latest(registry)

@@ -1,15 +1,21 @@
-"""Adding, refreshing and removing workers, whoever asks: config, engine plugins, operators."""
+"""Adding, changing and removing workers, whoever asks: config, engine plugins, operators.
+
+The one place where worker specs change: each change builds a new immutable spec, writes
+it to the store (shared, durable) and to this replica's fleet view.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
 
+from controlplane.fleet import Fleet
 from controlplane.state import StateStore
-from controlplane.workers import Role, Worker, normalize_url
+from controlplane.workers import Role, WorkerSpec, normalize_url
 
 log = logging.getLogger(__name__)
 
@@ -20,58 +26,79 @@ def _id_from_url(url: str, role: Role) -> str:
 
 
 class WorkerRegistry:
-    def __init__(self, store: StateStore, *, heartbeat_interval_s: float = 2.0,
+    def __init__(self, store: StateStore, fleet: Fleet, *, heartbeat_interval_s: float = 2.0,
                  heartbeat_ttl_s: float = 10.0) -> None:
         self.store = store
+        self.fleet = fleet
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
         # Called for each new worker so it can be health-checked at once, not next round.
-        self.on_added: Callable[[Worker], Awaitable[None]] | None = None
+        self.on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None
         self.on_removed: Callable[[str], Awaitable[None]] | None = None
+        self._tasks: set[asyncio.Future] = set()
 
     async def add(self, *, url: str, role: Role, model: str = "", weight: float = 1.0,
                   worker_id: str = "", labels: dict[str, str] | None = None, bootstrap_port: int = 0,
                   source: str = "config", heartbeat_ttl_s: float = 0.0, kv_events: str = "",
-                  kv_replay: str = "", dp_size: int = 1) -> Worker:
+                  kv_replay: str = "", dp_size: int = 1) -> WorkerSpec:
         url = normalize_url(url)
         worker_id = worker_id or _id_from_url(url, role)
-        existing = await self.store.get_worker(worker_id)
-        if existing is not None:
-            # Re-registration (engine restart, plugin reconnect): refresh, keep the load.
-            existing.url, existing.role, existing.weight = url, role, weight
-            existing.model = model or existing.model
-            existing.labels = dict(labels or {})
-            existing.bootstrap_port = bootstrap_port
-            existing.heartbeat_ttl_s = heartbeat_ttl_s
-            existing.kv_events, existing.kv_replay, existing.dp_size = kv_events, kv_replay, dp_size
-            existing.last_heartbeat = time.monotonic()
-            worker = existing
-        else:
-            worker = Worker(id=worker_id, url=url, role=role, model=model, weight=weight, source=source,
-                            labels=dict(labels or {}), bootstrap_port=bootstrap_port,
-                            heartbeat_ttl_s=heartbeat_ttl_s, kv_events=kv_events, kv_replay=kv_replay,
-                            dp_size=dp_size)
-            await self.store.upsert_worker(worker)
-            log.info("worker %s added (%s, %s, source=%s)", worker.id, url, role.value, source)
+        existing = self.fleet.get(worker_id)
+        spec = WorkerSpec(id=worker_id, url=url, role=role, model=model or (existing.model if existing else ""),
+                          weight=weight, draining=existing.draining if existing else False,
+                          source=existing.source if existing else source, bootstrap_port=bootstrap_port,
+                          labels=dict(labels or {}), kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size,
+                          heartbeat_ttl_s=heartbeat_ttl_s)
+        await self._put(spec)
+        self.fleet.beat(worker_id, time.monotonic())
+        if existing is None:
+            log.info("worker %s added (%s, %s, source=%s)", worker_id, url, role.value, source)
         if self.on_added is not None:
-            asyncio.ensure_future(self.on_added(worker))
-        return worker
+            # Re-registration (engine restart, plugin reconnect) keeps the load: it is
+            # in the ledger, keyed by id.
+            task = asyncio.ensure_future(self.on_added(spec))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return spec
+
+    async def update(self, worker_id: str, **changes) -> WorkerSpec | None:
+        """Replace fields of a worker's spec (drain, weight, a discovered model)."""
+        spec = self.fleet.get(worker_id)
+        if spec is None:
+            return None
+        new = dataclasses.replace(spec, **changes)
+        if new != spec:
+            await self._put(new)
+        return new
+
+    async def _put(self, spec: WorkerSpec) -> None:
+        await self.store.put_spec(spec)
+        self.fleet.put(spec)
 
     async def remove(self, worker_id: str) -> bool:
-        removed = await self.store.remove_worker(worker_id)
-        if removed is not None and self.on_removed is not None:
-            await self.on_removed(worker_id)
-        if removed is not None:
-            log.info("worker %s removed (%d requests were in flight)", worker_id, removed.inflight_requests)
-        return removed is not None
-
-    async def heartbeat(self, worker_id: str, running: int = -1, waiting: int = -1) -> bool:
-        worker = await self.store.get_worker(worker_id)
-        if worker is None:
+        removed = self.fleet.remove(worker_id)
+        await self.store.remove_spec(worker_id)
+        if removed is None:
             return False
-        worker.last_heartbeat = time.monotonic()
-        if running >= 0:
-            worker.engine.running = running
-            worker.engine.waiting = max(waiting, 0)
-            worker.engine.updated_at = worker.last_heartbeat
+        load = await self.store.forget_worker(worker_id)
+        if self.on_removed is not None:
+            await self.on_removed(worker_id)
+        log.info("worker %s removed (%d requests were in flight)", worker_id, load.requests)
         return True
+
+    def heartbeat(self, worker_id: str, running: int = -1, waiting: int = -1) -> bool:
+        if worker_id not in self.fleet:
+            return False
+        now = time.monotonic()
+        self.fleet.beat(worker_id, now)
+        if running >= 0:
+            old = self.fleet.engine(worker_id)
+            self.fleet.set_engine(worker_id, dataclasses.replace(old, running=running, waiting=max(waiting, 0),
+                                                                 updated_at=now))
+        return True
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+

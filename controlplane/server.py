@@ -13,11 +13,14 @@ from controlplane import metrics
 from controlplane.config import ControlPlaneConfig
 from controlplane.health import HealthChecker
 from controlplane.kvcache.manager import KVCache
-from controlplane.placement import Placer
+from controlplane.fleet import Fleet
+from controlplane.lifecycle import Lifecycle
+from controlplane.placement import PlacementStats, Placer
 from controlplane.registry import WorkerRegistry
 from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
 from controlplane.state import MemoryStore, StateStore
+from controlplane.workers import WorkerSpec
 from omni_proxy.runtime import start_http_site
 from metaserver.server import Metaserver
 from protos import omni_proxy_pb2 as pb
@@ -31,17 +34,20 @@ class ControlPlane:
     def __init__(self, config: ControlPlaneConfig, store: StateStore | None = None) -> None:
         self.config = config
         self.store = store or MemoryStore()
-        self.registry = WorkerRegistry(self.store, heartbeat_interval_s=config.heartbeat_interval_s,
+        self.fleet = Fleet()
+        self.registry = WorkerRegistry(self.store, self.fleet, heartbeat_interval_s=config.heartbeat_interval_s,
                                        heartbeat_ttl_s=config.heartbeat_ttl_s)
-        self.placer = Placer(self.store, build_profile(config.policy, config.profiles),
-                             pd_flow=config.pd_flow, max_request_age_s=config.max_request_age_s,
+        stats = PlacementStats.new()
+        self.placer = Placer(self.store, self.fleet, build_profile(config.policy, config.profiles),
+                             pd_flow=config.pd_flow, stats=stats,
                              metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
-        self.health = HealthChecker(self.store, config.health)
-        self.health.remove = self.registry.remove
+        self.lifecycle = Lifecycle(self.store, self.fleet, stats, max_request_age_s=config.max_request_age_s,
+                                   session_grace_s=getattr(config, "session_grace_s", 30.0))
+        self.health = HealthChecker(self.fleet, self.registry, config.health)
         self.kv = KVCache(config.kv_cache)
         self.placer.kv = self.kv
         self.registry.on_removed = self.kv.unwatch
-        self.metaserver = Metaserver(self.placer, prefill_retries=config.prefill_retries,
+        self.metaserver = Metaserver(self.placer, self.lifecycle, prefill_retries=config.prefill_retries,
                                      timeout_s=config.layerwise_timeout_s)
         self.registry.on_added = self._worker_added
         self.grpc_port = 0
@@ -57,19 +63,19 @@ class ControlPlane:
                                     worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port,
                                     kv_events=spec.kv_events, kv_replay=spec.kv_replay, dp_size=spec.dp_size)
         await self.health.start()
-        for worker in await self.store.list_workers():
-            await self.kv.watch(worker)
+        for spec in self.fleet.specs():
+            await self.kv.watch(spec)
         self.registry.on_added = self._worker_added
 
         self._server = grpc.aio.server(options=server_options())
         kvc = self.config.kv_cache
-        uses_cache = any(scorer.name == "prefix_cache" for scorer, _ in self.placer.profile.scorers)
+        uses_cache = self.placer.profile.uses_prefix_cache
         info = pb.SessionInfo(
             pd_flow=self.placer.pd_flow, parallel_protocol=self.config.parallel_protocol,
             kv_hash=pb.KVHashConfig(enabled=uses_cache, block_size=kvc.block_size, algo=kvc.hash_algo,
                                     seed=kvc.hash_seed or "", seed_set=kvc.hash_seed is not None,
                                     lora_key_format=kvc.lora_key_format))
-        pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.registry, info), self._server)
+        pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.lifecycle, self.registry, info), self._server)
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer), self._server)
         self.grpc_port = self._server.add_insecure_port(self.config.listen)
@@ -101,15 +107,16 @@ class ControlPlane:
         await self.metaserver.stop()
         await self.kv.stop()
         await self.health.stop()
+        await self.registry.stop()
 
-    async def _worker_added(self, worker) -> None:
-        await self.health.check(worker)
-        await self.kv.watch(worker)
+    async def _worker_added(self, spec: WorkerSpec) -> None:
+        await self.health.check(spec)
+        await self.kv.watch(spec)
 
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(min(60.0, self.config.max_request_age_s / 4))
-            n = await self.placer.sweep_stale()
+            n = await self.lifecycle.sweep_stale()
             if n:
                 log.warning("released %d stale request records (no lifecycle report arrived)", n)
 
@@ -120,7 +127,9 @@ class ControlPlane:
             return web.json_response({"status": "ok"})
 
         async def prom(_: web.Request) -> web.Response:
-            body = metrics.render(await self.store.list_workers(), self.placer.stats, self.kv)
+            specs = self.fleet.specs()
+            loads = await self.store.loads([s.id for s in specs])
+            body = metrics.render([self.fleet.view(s, loads[s.id]) for s in specs], self.placer.stats, self.kv)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app.router.add_get("/health", health)

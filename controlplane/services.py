@@ -11,9 +11,10 @@ import uuid
 import grpc
 
 from controlplane import validate
+from controlplane.lifecycle import Lifecycle
 from controlplane.placement import ROLE_TO_PB, Placer
 from controlplane.registry import WorkerRegistry
-from controlplane.workers import Health, Role, Worker
+from controlplane.workers import Health, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
@@ -24,24 +25,26 @@ _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HE
 _PB_TO_ROLE = {pb.ROLE_BOTH: Role.BOTH, pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 
 
-def worker_info(w: Worker, cached_blocks: int = 0) -> pb.WorkerInfo:
+def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int = 0) -> pb.WorkerInfo:
     now = time.monotonic()
+    spec, state, eng = view.spec, view.state, view.engine
     return pb.WorkerInfo(
-        kv_events=w.kv_events, cached_blocks=cached_blocks,
-        id=w.id, url=w.url, role=ROLE_TO_PB[w.role], model=w.model, weight=w.weight,
-        status=_HEALTH_TO_PB[w.health], draining=w.draining, source=w.source,
-        placements_total=w.placements_total, failures_total=w.failures_total, last_error=w.last_error,
-        labels=w.labels, bootstrap_port=w.bootstrap_port,
+        kv_events=spec.kv_events, cached_blocks=cached_blocks,
+        id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role], model=spec.model, weight=spec.weight,
+        status=_HEALTH_TO_PB[state.health], draining=spec.draining, source=spec.source,
+        placements_total=placements_total, failures_total=state.failures_total, last_error=state.last_error,
+        labels=dict(spec.labels), bootstrap_port=spec.bootstrap_port,
         load=pb.WorkerLoad(
-            inflight_requests=w.inflight_requests, inflight_tokens=w.inflight_tokens,
-            engine_running=w.engine.running, engine_waiting=w.engine.waiting,
-            engine_kv_usage=w.engine.kv_usage,
-            metrics_age_s=(now - w.engine.updated_at) if w.engine.updated_at else -1.0))
+            inflight_requests=view.load.requests, inflight_tokens=view.load.tokens,
+            engine_running=eng.running, engine_waiting=eng.waiting, engine_kv_usage=eng.kv_usage,
+            metrics_age_s=(now - eng.updated_at) if eng.updated_at else -1.0))
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
-    def __init__(self, placer: Placer, registry: WorkerRegistry, info: pb.SessionInfo | None = None) -> None:
+    def __init__(self, placer: Placer, lifecycle: Lifecycle, registry: WorkerRegistry,
+                 info: pb.SessionInfo | None = None) -> None:
         self.placer = placer
+        self.lifecycle = lifecycle
         self.registry = registry
         self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
         self._session_ids = itertools.count(1)
@@ -66,13 +69,13 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     await self._report(msg.event)
                 elif body == "open":
                     node = msg.open.node_id or node
-                    claimed = await self.placer.claim(session, msg.open.live_requests)
+                    claimed = await self.lifecycle.claim(session, msg.open.live_requests)
                     log.info("data plane %s connected (session %s, %d live requests claimed of %d)",
                              node, session, claimed, len(msg.open.live_requests))
         finally:
-            orphaned = await self.placer.orphan_session(session)
+            orphaned = await self.lifecycle.orphan_session(session)
             log.info("data plane %s disconnected (session %s); %d in-flight requests kept for %.0fs "
-                     "for it to reconnect", node, session, orphaned, self.placer.session_grace_s)
+                     "for it to reconnect", node, session, orphaned, self.lifecycle.session_grace_s)
             if orphaned:
                 self._schedule_orphan_release()
 
@@ -85,14 +88,14 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     async def _report(self, event: pb.LifecycleEvent) -> None:
         try:
-            await self.placer.report(event)
+            await self.lifecycle.report(event)
         except Exception:
             log.exception("lifecycle report for %s failed", event.request_id)
 
     def _schedule_orphan_release(self) -> None:
         async def release() -> None:
-            await asyncio.sleep(self.placer.session_grace_s)
-            released = await self.placer.release_orphans()
+            await asyncio.sleep(self.lifecycle.session_grace_s)
+            released = await self.lifecycle.release_orphans()
             if released:
                 log.warning("released %d requests whose data plane did not come back", released)
 
@@ -108,13 +111,14 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return pb.Ack()
 
     async def ListModels(self, request, context):
+        fleet = self.registry.fleet
         models: dict[str, pb.ModelInfo] = {}
-        for w in await self.registry.store.list_workers():
-            if not w.model:
+        for spec in fleet.specs():
+            if not spec.model:
                 continue
-            info = models.setdefault(w.model, pb.ModelInfo(id=w.model))
+            info = models.setdefault(spec.model, pb.ModelInfo(id=spec.model))
             info.workers += 1
-            if w.health is Health.HEALTHY and w.role is not Role.DECODE:
+            if fleet.state(spec.id).health is Health.HEALTHY and spec.role is not Role.DECODE:
                 info.healthy_workers += 1
         return pb.ListModelsResponse(models=sorted(models.values(), key=lambda m: m.id))
 
@@ -151,7 +155,7 @@ class RegistryService(pb_grpc.RegistryServicer):
         return pb.RegisterResponse(worker_id=worker.id, heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
-        known = await self.registry.heartbeat(request.worker_id, request.running, request.waiting)
+        known = self.registry.heartbeat(request.worker_id, request.running, request.waiting)
         return pb.HeartbeatResponse(known=known)
 
     async def Deregister(self, request, context):
@@ -164,19 +168,28 @@ class AdminService(pb_grpc.AdminServicer):
         self.registry = registry
         self.placer = placer
 
-    async def _get(self, worker_id: str, context) -> Worker:
-        worker = await self.registry.store.get_worker(worker_id)
-        if worker is None:
+    async def _info(self, worker_id: str) -> pb.WorkerInfo:
+        fleet = self.registry.fleet
+        spec = fleet.get(worker_id)
+        load = (await self.placer.store.loads([worker_id]))[worker_id]
+        return worker_info(fleet.view(spec, load), fleet.placements[worker_id])
+
+    async def _update(self, worker_id: str, context, **changes) -> pb.WorkerResponse:
+        if await self.registry.update(worker_id, **changes) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(worker_id)}")
-        return worker
+        info = await self._info(worker_id)
+        log.info("worker %s: %s (%d in flight)", worker_id,
+                 ", ".join(f"{k}={v}" for k, v in changes.items()), info.load.inflight_requests)
+        return pb.WorkerResponse(worker=info)
 
     async def ListWorkers(self, request, context):
-        workers = await self.registry.store.list_workers()
-        if request.model:
-            workers = [w for w in workers if w.model == request.model]
+        fleet = self.registry.fleet
+        specs = sorted((s for s in fleet.specs() if not request.model or s.model == request.model),
+                       key=lambda s: s.id)
+        loads = await self.placer.store.loads([s.id for s in specs])
         cached = self.placer.kv.cached_blocks() if self.placer.kv else {}
-        return pb.ListWorkersResponse(workers=[worker_info(w, cached.get(w.id, 0))
-                                               for w in sorted(workers, key=lambda w: w.id)],
+        return pb.ListWorkersResponse(workers=[worker_info(fleet.view(s, loads[s.id]), fleet.placements[s.id],
+                                                           cached.get(s.id, 0)) for s in specs],
                                       policy=self.placer.profile.name)
 
     async def AddWorker(self, request, context):
@@ -184,29 +197,21 @@ class AdminService(pb_grpc.AdminServicer):
             spec = _spec_from_register(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        worker = await self.registry.add(**spec, source="admin")
-        return pb.WorkerResponse(worker=worker_info(worker))
+        added = await self.registry.add(**spec, source="admin")
+        return pb.WorkerResponse(worker=await self._info(added.id))
 
     async def Drain(self, request, context):
-        worker = await self._get(request.worker_id, context)
-        worker.draining = True
-        log.info("worker %s draining (%d in flight)", worker.id, worker.inflight_requests)
-        return pb.WorkerResponse(worker=worker_info(worker))
+        return await self._update(request.worker_id, context, draining=True)
 
     async def Undrain(self, request, context):
-        worker = await self._get(request.worker_id, context)
-        worker.draining = False
-        return pb.WorkerResponse(worker=worker_info(worker))
+        return await self._update(request.worker_id, context, draining=False)
 
     async def SetWeight(self, request, context):
         try:
             weight = validate.weight(request.weight)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        worker = await self._get(request.worker_id, context)
-        worker.weight = weight
-        log.info("worker %s weight set to %g", worker.id, weight)
-        return pb.WorkerResponse(worker=worker_info(worker))
+        return await self._update(request.worker_id, context, weight=weight)
 
     async def RemoveWorker(self, request, context):
         if not await self.registry.remove(request.worker_id):

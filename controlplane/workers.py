@@ -1,10 +1,18 @@
-"""The control plane's view of one inference engine ("worker") and its load."""
+"""The control plane's values for one inference engine ("worker").
+
+Everything here is immutable. A worker's *spec* (where it is, what it serves, how much
+traffic an operator wants it to get) changes only by replacing it in the store; its
+health and engine metrics are derived from checks and replaced whole; its load lives in
+the ledger. Placement reads a :class:`WorkerView` per candidate, a snapshot that nobody
+can change behind its back, so a store that suspends mid-placement cannot tear it.
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 
 class Role(str, enum.Enum):
@@ -26,7 +34,51 @@ class Health(str, enum.Enum):
     UNHEALTHY = "unhealthy"
 
 
-@dataclass
+_NO_LABELS: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker is; durable (config, registration, operators' changes)."""
+
+    id: str
+    url: str
+    role: Role
+    model: str = ""
+    weight: float = 1.0
+    draining: bool = False
+    source: str = "config"            # config | registry | admin
+    bootstrap_port: int = 0
+    labels: Mapping[str, str] = field(default_factory=lambda: _NO_LABELS)
+    kv_events: str = ""               # ZMQ KV-event publisher; empty: approximate cache tracking
+    kv_replay: str = ""
+    dp_size: int = 1
+    heartbeat_ttl_s: float = 0.0      # 0: never expires (static workers)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.labels, MappingProxyType):
+            object.__setattr__(self, "labels", MappingProxyType(dict(self.labels)))
+
+    @property
+    def placeable(self) -> bool:
+        """The operator's part of routability: not drained, not weighted out."""
+        return not self.draining and self.weight > 0
+
+    def serves(self, model: str) -> bool:
+        return not model or self.model == model
+
+
+@dataclass(frozen=True, slots=True)
+class HealthState:
+    """Derived from health checks and data-plane failure reports."""
+
+    health: Health = Health.UNKNOWN
+    consecutive_failures: int = 0
+    failures_total: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineMetrics:
     """Engine-side numbers polled from /metrics; only used to refine our own counts."""
 
@@ -37,42 +89,81 @@ class EngineMetrics:
     prefix_queries: float = -1.0    # vllm:prefix_cache_queries_total (tokens)
     updated_at: float = 0.0
 
-    def fresh(self, max_age_s: float, now: float | None = None) -> bool:
-        return self.updated_at > 0 and ((now or time.monotonic()) - self.updated_at) <= max_age_s
+    def fresh(self, max_age_s: float, now: float) -> bool:
+        return self.updated_at > 0 and (now - self.updated_at) <= max_age_s
 
 
-@dataclass
-class Worker:
-    id: str
-    url: str
-    role: Role
-    model: str = ""
-    weight: float = 1.0
-    health: Health = Health.UNKNOWN
-    draining: bool = False
-    source: str = "config"            # config | registry | admin
-    bootstrap_port: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
-    # Load counted by the control plane itself: current at the moment of each placement.
-    inflight_requests: int = 0
-    inflight_tokens: int = 0
-    engine: EngineMetrics = field(default_factory=EngineMetrics)
-    placements_total: int = 0
-    failures_total: int = 0
-    consecutive_failures: int = 0
-    last_error: str = ""
-    heartbeat_ttl_s: float = 0.0      # 0: never expires (static workers)
-    kv_events: str = ""               # ZMQ KV-event publisher; empty: approximate cache tracking
-    kv_replay: str = ""
-    dp_size: int = 1
-    last_heartbeat: float = field(default_factory=time.monotonic)
+NO_METRICS = EngineMetrics()
+UNCHECKED = HealthState()
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the ledger holds against one worker: placed and not yet released."""
+
+    requests: int = 0
+    tokens: int = 0
+
+
+IDLE = Load()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as a placement sees it: spec, load, health and metrics at one instant."""
+
+    spec: WorkerSpec
+    load: Load = IDLE
+    state: HealthState = UNCHECKED
+    engine: EngineMetrics = NO_METRICS
+
+    # The attributes plugins read most, without the extra hop.
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def role(self) -> Role:
+        return self.spec.role
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def weight(self) -> float:
+        return self.spec.weight
+
+    @property
+    def draining(self) -> bool:
+        return self.spec.draining
+
+    @property
+    def kv_events(self) -> str:
+        return self.spec.kv_events
+
+    @property
+    def health(self) -> Health:
+        return self.state.health
+
+    @property
+    def inflight_requests(self) -> int:
+        return self.load.requests
+
+    @property
+    def inflight_tokens(self) -> int:
+        return self.load.tokens
 
     @property
     def routable(self) -> bool:
-        return self.health is Health.HEALTHY and not self.draining
+        return self.state.health is Health.HEALTHY and self.spec.placeable
 
     def serves(self, model: str) -> bool:
-        return not model or self.model == model
+        return self.spec.serves(model)
 
 
 def normalize_url(url: str) -> str:

@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from controlplane.lifecycle import Lifecycle
 from controlplane.placement import Placer
 from dataplane.body import prefill_body
 from dataplane.upstream import upstream_message
@@ -32,9 +33,10 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 class Metaserver:
-    def __init__(self, placer: Placer, *, prefill_retries: int = 1, timeout_s: float = 120.0,
+    def __init__(self, placer: Placer, lifecycle: Lifecycle, *, prefill_retries: int = 1, timeout_s: float = 120.0,
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0) -> None:
         self.placer = placer
+        self.lifecycle = lifecycle
         self.table = PendingTable()
         self.prefill_retries = prefill_retries
         self.timeout_s = timeout_s
@@ -43,7 +45,7 @@ class Metaserver:
         self._reaper: asyncio.Task | None = None
         self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0}
         placer.on_layerwise = self.register
-        placer.on_request_end = self.drop
+        lifecycle.on_request_end = self.drop
 
     @staticmethod
     def url_for(host: str, port: int) -> str:
@@ -160,13 +162,13 @@ class Metaserver:
                 p = placement.prefill
                 status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id)
                 if status == 200:
-                    await self.placer.report(pb.LifecycleEvent(request_id=entry.placement_id,
+                    await self.lifecycle.report(pb.LifecycleEvent(request_id=entry.placement_id,
                                                                kind=pb.EVENT_PREFILL_DONE))
                     error = None
                     return
                 error = f"prefill worker {p.worker_id} failed: {message}"
                 log.warning("layerwise %s: %s", entry.engine_request_id, error)
-                await self.placer.report(pb.LifecycleEvent(
+                await self.lifecycle.report(pb.LifecycleEvent(
                     request_id=entry.placement_id, kind=pb.EVENT_LEG_FAILED, worker_id=p.worker_id,
                     upstream_status=status, message=message))
                 tried.append(p.worker_id)

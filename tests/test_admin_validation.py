@@ -28,7 +28,7 @@ async def test_set_weight_refuses_values_that_are_not_finite_and_in_range(admin,
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.SetWeight(pb.SetWeightRequest(worker_id="w", weight=weight), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "weight" in err.value.details()
-    assert inproc_cp.store._workers["w"].weight == 1.0
+    assert inproc_cp.fleet.get("w").weight == 1.0
 
 
 async def test_set_weight_accepts_zero_and_normal_values(admin, inproc_cp):
@@ -47,13 +47,13 @@ async def test_register_and_add_refuse_bad_values(admin, inproc_cp, field, value
     stub, registry, _ = admin
     req = pb.RegisterRequest(url="http://127.0.0.1:9", role=pb.ROLE_BOTH, model="m")
     setattr(req, field, value)
-    before = set(inproc_cp.store._workers)
+    before = {s.id for s in inproc_cp.fleet.specs()}
     for call in (registry.Register, stub.AddWorker):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call(req, timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert len(err.value.details()) < 400     # never echoes a huge value back
-    assert set(inproc_cp.store._workers) == before
+    assert {s.id for s in inproc_cp.fleet.specs()} == before
 
 
 async def test_huge_token_counts_are_refused_and_listing_keeps_working(admin):

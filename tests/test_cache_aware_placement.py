@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from controlplane.kvcache.events import BlockRemoved, BlockStored
 from controlplane.kvcache.manager import KVCache, KVCacheConfig
+from controlplane.fleet import Fleet
 from controlplane.placement import Placer
 from controlplane.scheduling import PlacementContext, build_profile
 from controlplane.scheduling.base import Candidate
 from controlplane.scheduling.pickers import CacheAwarePicker
 from controlplane.scheduling.scorers import PrefixCacheScorer
 from controlplane.state import MemoryStore
-from controlplane.workers import Health, Role, Worker
+from controlplane.workers import Health, HealthState, Load, Role, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
 
 
-def w(wid, reqs=0, kv_events="", role=Role.BOTH):
-    return Worker(id=wid, url=f"http://{wid}", role=role, model="m", health=Health.HEALTHY,
-                  inflight_requests=reqs, kv_events=kv_events)
+def w(wid, reqs=0, kv_events="", role=Role.BOTH) -> WorkerView:
+    spec = WorkerSpec(id=wid, url=f"http://{wid}", role=role, model="m", kv_events=kv_events)
+    return WorkerView(spec, Load(reqs, 0), HealthState(health=Health.HEALTHY))
 
 
 def ctx(match, chain=10):
@@ -33,10 +34,10 @@ def test_prefix_cache_scorer_is_the_matched_fraction():
 
 def test_cache_aware_follows_the_cache_until_load_is_out_of_balance():
     picker = CacheAwarePicker(abs_threshold=4, rel_threshold=1.5)
-    warm, cold = w("warm", reqs=5), w("cold", reqs=2)
-    cands = [Candidate(warm, score=1.0), Candidate(cold, score=0.0)]
+    cold = w("cold", reqs=2)
+    cands = [Candidate(w("warm", reqs=5), score=1.0), Candidate(cold, score=0.0)]
     assert picker.pick(ctx({"warm": 10}), cands).worker.id == "warm"      # 5-2 <= 4: cache wins
-    warm.inflight_requests = 10                                          # 10-2 > 4 and 10 > 3
+    cands = [Candidate(w("warm", reqs=10), score=1.0), Candidate(cold, score=0.0)]   # 10-2 > 4 and 10 > 3
     assert picker.pick(ctx({"warm": 10}), cands).worker.id == "cold"
 
 
@@ -50,10 +51,12 @@ def test_apc_first_takes_the_deepest_match_within_budget_then_the_lighter():
 
 
 async def _placer(policy, workers):
-    store = MemoryStore()
+    store, fleet = MemoryStore(), Fleet()
     for x in workers:
-        await store.upsert_worker(x)
-    placer = Placer(store, build_profile(policy))
+        await store.put_spec(x.spec)
+        fleet.put(x.spec)
+        fleet.set_state(x.id, x.state)
+    placer = Placer(store, fleet, build_profile(policy))
     placer.kv = KVCache(KVCacheConfig(approx_ttl_s=60))
     return placer, store
 

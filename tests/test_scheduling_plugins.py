@@ -13,13 +13,13 @@ from controlplane.scheduling.filters import (DrainFilter, ExcludeFilter, Healthy
                                              OverloadFilter, RoleFilter)
 from controlplane.scheduling.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker, WeightedRandomPicker
 from controlplane.scheduling.scorers import LeastLoadScorer, effective_requests
-from controlplane.workers import Health, Role, Worker
+from controlplane.workers import EngineMetrics, Health, HealthState, Load, Role, WorkerSpec, WorkerView
 
 
 def worker(wid: str, *, role=Role.BOTH, model="m", weight=1.0, health=Health.HEALTHY, reqs=0, toks=0,
-           draining=False) -> Worker:
-    return Worker(id=wid, url=f"http://{wid}", role=role, model=model, weight=weight, health=health,
-                  inflight_requests=reqs, inflight_tokens=toks, draining=draining)
+           draining=False, engine: EngineMetrics = EngineMetrics()) -> WorkerView:
+    spec = WorkerSpec(id=wid, url=f"http://{wid}", role=role, model=model, weight=weight, draining=draining)
+    return WorkerView(spec, Load(reqs, toks), HealthState(health=health), engine)
 
 
 def ctx(**kw) -> PlacementContext:
@@ -73,13 +73,12 @@ def test_least_load_scorer_prefers_lighter_and_respects_weight():
 
 
 def test_engine_metrics_only_raise_the_count_and_only_when_fresh():
-    w = worker("a", reqs=3)
-    w.engine.running, w.engine.waiting, w.engine.updated_at = 10, 2, 99.0
-    assert effective_requests(w, ctx(now=100.0, metrics_max_age_s=5)) == 12
-    w.engine.updated_at = 10.0  # stale: ignored
-    assert effective_requests(w, ctx(now=100.0, metrics_max_age_s=5)) == 3
-    w.engine.running, w.engine.waiting, w.engine.updated_at = 1, 0, 99.0  # lower than ours: ours wins
-    assert effective_requests(w, ctx(now=100.0, metrics_max_age_s=5)) == 3
+    def w(running, waiting, updated_at):
+        return worker("a", reqs=3, engine=EngineMetrics(running=running, waiting=waiting, updated_at=updated_at))
+
+    assert effective_requests(w(10, 2, 99.0), ctx(now=100.0, metrics_max_age_s=5)) == 12
+    assert effective_requests(w(10, 2, 10.0), ctx(now=100.0, metrics_max_age_s=5)) == 3   # stale: ignored
+    assert effective_requests(w(1, 0, 99.0), ctx(now=100.0, metrics_max_age_s=5)) == 3    # lower: ours wins
 
 
 def test_round_robin_picker_is_smoothly_weighted():
@@ -114,11 +113,12 @@ def test_power_of_two_never_picks_the_worst_of_three():
 
 def test_profile_drops_with_reasons_and_explains():
     prof = build_profile("least_load")
-    ws = [worker("a", toks=10), worker("b", toks=0), worker("c", health=Health.UNHEALTHY),
-          worker("d", model="other"), worker("e", draining=True)]
-    d = prof.place(ctx(), ws)
-    assert d.worker.id == "b"
-    assert d.dropped == {"c": "healthy", "d": "model", "e": "draining"}
+    candidates = [worker("a", toks=10), worker("b", toks=0), worker("x")]
+    others = [worker("c", health=Health.UNHEALTHY), worker("d", model="other"), worker("e", draining=True)]
+    d = prof.place(ctx(exclude=frozenset({"x"})), candidates)
+    assert d.worker.id == "b" and d.dropped == {"x": "excluded"}
+    prof.dropped_from(ctx(), others, d.dropped)
+    assert d.dropped == {"x": "excluded", "c": "healthy", "d": "model", "e": "draining"}
     text = d.explain()
     assert "*b" in text and "c dropped by healthy" in text
 

@@ -29,9 +29,10 @@ async def _client(cp: ControlPlane, **kw) -> PlacementClient:
     return client
 
 
-def _load(cp: ControlPlane) -> tuple[int, int]:
-    w = cp.store._workers["w"]
-    return w.inflight_requests, len(cp.store._requests)
+async def _load(cp: ControlPlane) -> tuple[int, int]:
+    """(requests charged on worker w, request records in the ledger)"""
+    load = (await cp.store.loads(["w"]))["w"]
+    return load.requests, len(await cp.store.records())
 
 
 def _entry(rid: str) -> pb.PlaceRequest:
@@ -48,7 +49,7 @@ async def test_quiet_session_survives_frequent_keepalive_pings(cp):
         deadline = asyncio.get_running_loop().time() + 4.0
         while asyncio.get_running_loop().time() < deadline:
             assert client.sessions_started == 1 and cp.placer.stats.sessions["closed"] == 0
-            assert _load(cp) == (1, 1)
+            assert await _load(cp) == (1, 1)
             await asyncio.sleep(0.1)
     finally:
         await client.close()
@@ -59,7 +60,7 @@ async def test_reconnecting_data_plane_claims_its_live_requests(cp):
     try:
         assert not (await client.place(_entry("live"))).error
         assert not (await client.place(_entry("ends-during-blip"))).error
-        assert _load(cp) == (2, 2)
+        assert await _load(cp) == (2, 2)
         client.drop_session()
         # As the session goes down, one request ends: its report must not be lost.
         client.report(pb.LifecycleEvent(request_id="ends-during-blip", kind=pb.EVENT_FINISHED))
@@ -67,23 +68,23 @@ async def test_reconnecting_data_plane_claims_its_live_requests(cp):
                                         and cp.placer.stats.sessions["closed"] == 1),
                          what="the session to end and a new one to start")
         # The live request is claimed back and stays charged; the ended one is released.
-        await wait_until(lambda: _async(_load(cp) == (1, 1)), what="only the live request to stay charged")
+        await wait_until(lambda: _loaded(cp, (1, 1)), what="only the live request to stay charged")
         assert cp.placer.stats.sessions["requests_claimed"] >= 1
         client.report(pb.LifecycleEvent(request_id="live", kind=pb.EVENT_FINISHED))
-        await wait_until(lambda: _async(_load(cp) == (0, 0)), what="the live request to be released")
+        await wait_until(lambda: _loaded(cp, (0, 0)), what="the live request to be released")
     finally:
         await client.close()
 
 
 async def test_requests_of_a_data_plane_that_never_returns_are_released_after_grace(cp):
-    cp.placer.session_grace_s = 0.5
+    cp.lifecycle.session_grace_s = 0.5
     client = await _client(cp)
     assert not (await client.place(_entry("gone"))).error
-    assert _load(cp) == (1, 1)
+    assert await _load(cp) == (1, 1)
     await client.close()
     await wait_until(lambda: _async(cp.placer.stats.sessions["closed"] == 1), what="the session to end")
-    assert _load(cp) == (1, 1)   # not released at once: the node may come back
-    await wait_until(lambda: _async(_load(cp) == (0, 0)), timeout=10, what="release after the grace period")
+    assert await _load(cp) == (1, 1)   # not released at once: the node may come back
+    await wait_until(lambda: _loaded(cp, (0, 0)), timeout=10, what="release after the grace period")
     assert cp.placer.stats.sessions["requests_released"] == 1
 
 
@@ -109,3 +110,7 @@ async def test_an_exception_in_placement_costs_one_placement_not_the_session(cp,
 
 async def _async(value):
     return value
+
+
+async def _loaded(cp: ControlPlane, expected: tuple[int, int]) -> bool:
+    return await _load(cp) == expected

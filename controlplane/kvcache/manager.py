@@ -25,7 +25,7 @@ from controlplane import validate
 from controlplane.kvcache.events import BlockStored
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig
 from controlplane.kvcache.subscriber import DEFAULT_MAX_REPLAY_GAP, KVEventSource, KVEventSubscriber
-from controlplane.workers import Worker
+from controlplane.workers import WorkerSpec, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class KVCache:
 
     # ------------------------------------------------------------------ subscriptions
 
-    async def watch(self, worker: Worker) -> None:
+    async def watch(self, worker: WorkerSpec | WorkerView) -> None:
         """Subscribe to a worker's KV events (idempotent); no-op for workers without any.
 
         Never raises: an endpoint that cannot be used leaves the worker on approximate tracking,
@@ -114,7 +114,7 @@ class KVCache:
         self._wrong_block_size.pop(worker_id, None)
         self._counters.pop(worker_id, None)
 
-    def tracked_exactly(self, worker: Worker) -> bool:
+    def tracked_exactly(self, worker: WorkerSpec | WorkerView) -> bool:
         """Whether placement may use this worker's event-fed entries."""
         return bool(worker.kv_events) and worker.id not in self.untracked
 
@@ -184,7 +184,7 @@ class KVCache:
 
     # ------------------------------------------------------------------ placement
 
-    def match(self, chain: list[int], workers: list[Worker]) -> dict[str, int]:
+    def match(self, chain: list[int], workers: list[WorkerView]) -> dict[str, int]:
         """Per worker id, the number of leading blocks of ``chain`` it holds (0 omitted).
 
         DP ranks of one worker count as the best rank: the engine routes within itself.
@@ -205,7 +205,7 @@ class KVCache:
                 out[worker_id] = max(out.get(worker_id, 0), depth)
         return out
 
-    def placed(self, worker: Worker, chain: list[int], predicted_depth: int) -> None:
+    def placed(self, worker: WorkerSpec | WorkerView, chain: list[int], predicted_depth: int) -> None:
         """For workers without events, remember the routed prefix; for the others, keep the
         matched prefix recent in the index."""
         if chain and not self.tracked_exactly(worker):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.workers import Role, Worker
+from controlplane.workers import Role, WorkerView
 
 
 @dataclass
@@ -32,14 +32,14 @@ class PlacementContext:
 
 @dataclass
 class Candidate:
-    worker: Worker
+    worker: WorkerView
     score: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)   # per scorer, for explain
 
 
 @dataclass
 class Decision:
-    worker: Worker | None
+    worker: WorkerView | None
     candidates: list[Candidate]
     dropped: dict[str, str]        # worker id -> the filter that removed it
     policy: str
@@ -65,7 +65,7 @@ class Filter(Protocol):
 
     name: str
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool: ...
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool: ...
 
 
 class Scorer(Protocol):
@@ -73,7 +73,7 @@ class Scorer(Protocol):
 
     name: str
 
-    def score(self, ctx: PlacementContext, workers: list[Worker]) -> list[float]: ...
+    def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]: ...
 
 
 class Picker(Protocol):

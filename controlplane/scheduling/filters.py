@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
-from controlplane.workers import Health, Worker
+from controlplane.workers import Health, WorkerView
 
 
 class ModelFilter:
     name = "model"
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.serves(ctx.model)
 
 
@@ -20,14 +20,14 @@ class RoleFilter:
 
     name = "role"
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.role in ctx.roles
 
 
 class HealthyFilter:
     name = "healthy"
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.health is Health.HEALTHY
 
 
@@ -36,7 +36,7 @@ class DrainFilter:
 
     name = "draining"
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return not worker.draining
 
 
@@ -45,7 +45,7 @@ class ExcludeFilter:
 
     name = "excluded"
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.id not in ctx.exclude
 
 
@@ -54,7 +54,7 @@ class ZeroWeightFilter:
 
     name = "zero_weight"
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.weight > 0
 
 
@@ -71,7 +71,7 @@ class OverloadFilter:
     name: str = "overload"
     soft: bool = True
 
-    def keep(self, ctx: PlacementContext, worker: Worker) -> bool:
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.inflight_requests < self.max_requests and worker.inflight_tokens < self.max_tokens
 
 

@@ -90,6 +90,8 @@ class CacheAwarePicker:
     cache_threshold: float = 0.0
     rng: random.Random = field(default_factory=random.Random)
     name: str = "cache_aware"
+    uses_prefix_cache: bool = True
+    uses_tree_sizes: bool = True
 
     def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
         from controlplane.scheduling.scorers import effective_requests

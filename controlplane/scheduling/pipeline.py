@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.scheduling.base import Candidate, Decision, Filter, PlacementContext, Picker, Scorer
-from controlplane.scheduling.filters import BASE_FILTERS, FILTERS
+from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
 from controlplane.scheduling.pickers import PICKERS
 from controlplane.scheduling.scorers import SCORERS
-from controlplane.workers import Worker
+from controlplane.workers import WorkerView
+
+EXCLUDE = ExcludeFilter()
 
 
 @dataclass
@@ -23,23 +25,39 @@ class Profile:
     scorers: list[tuple[Scorer, float]] = field(default_factory=list)
     filters: list[Filter] = field(default_factory=list)
 
-    def place(self, ctx: PlacementContext, workers: list[Worker]) -> Decision:
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Only then does a placement look the prompt up in the prefix index."""
+        return any(getattr(s, "uses_prefix_cache", False) for s, _ in self.scorers) or \
+            getattr(self.picker, "uses_prefix_cache", False)
+
+    @property
+    def uses_tree_sizes(self) -> bool:
+        """Only then does a placement ask the prefix index how much each worker holds."""
+        return getattr(self.picker, "uses_tree_sizes", False)
+
+    def place(self, ctx: PlacementContext, workers: list[WorkerView]) -> Decision:
+        """Choose among ``workers``: the candidates the routable index gave for this leg.
+
+        The correctness filters that the index already applied (model, role, health,
+        drain, weight) are not run again here; ``dropped_from`` explains them on demand.
+        """
         dropped: dict[str, str] = {}
-        remaining = workers
-        for flt in BASE_FILTERS:
-            remaining = self._apply(flt, ctx, remaining, dropped)
+        remaining = self._apply(EXCLUDE, ctx, workers, dropped) if ctx.exclude else workers
         for flt in self.filters:
             kept = [w for w in remaining if flt.keep(ctx, w)]
             if not kept and getattr(flt, "soft", False):
                 continue  # a soft filter never empties the list on its own
-            for w in remaining:
-                if w not in kept:
-                    dropped[w.id] = flt.name
+            if len(kept) != len(remaining):
+                kept_ids = {w.id for w in kept}
+                for w in remaining:
+                    if w.id not in kept_ids:
+                        dropped[w.id] = flt.name
             remaining = kept
-        candidates = [Candidate(worker=w) for w in remaining]
-        if not candidates:
+        if not remaining:
             return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name,
                             chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks)
+        candidates = [Candidate(worker=w) for w in remaining]
         for scorer, weight in self.scorers:
             for cand, value in zip(candidates, scorer.score(ctx, remaining)):
                 cand.scores[scorer.name] = value
@@ -49,8 +67,20 @@ class Profile:
                         chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks)
 
     @staticmethod
-    def _apply(flt: Filter, ctx: PlacementContext, workers: list[Worker],
-               dropped: dict[str, str]) -> list[Worker]:
+    def dropped_from(ctx: PlacementContext, workers: list[WorkerView], dropped: dict[str, str]) -> dict[str, str]:
+        """Why each of ``workers`` was not a candidate (explain and refusals: O(fleet))."""
+        for w in workers:
+            if w.id in dropped:
+                continue
+            for flt in BASE_FILTERS:
+                if not flt.keep(ctx, w):
+                    dropped[w.id] = flt.name
+                    break
+        return dropped
+
+    @staticmethod
+    def _apply(flt: Filter, ctx: PlacementContext, workers: list[WorkerView],
+               dropped: dict[str, str]) -> list[WorkerView]:
         kept = []
         for w in workers:
             if flt.keep(ctx, w):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
-from controlplane.workers import Worker
+from controlplane.workers import WorkerView
 
 
-def effective_requests(worker: Worker, ctx: PlacementContext) -> int:
+def effective_requests(worker: WorkerView, ctx: PlacementContext) -> int:
     """Our own in-flight count, raised by the engine's if the engine sees more.
 
     Our count is exact for traffic we placed and current to the last placement; the
@@ -17,7 +18,7 @@ def effective_requests(worker: Worker, ctx: PlacementContext) -> int:
     """
     count = worker.inflight_requests
     eng = worker.engine
-    if eng.running >= 0 and eng.fresh(ctx.metrics_max_age_s, ctx.now or None):
+    if eng.running >= 0 and eng.fresh(ctx.metrics_max_age_s, ctx.now or time.monotonic()):
         count = max(count, eng.running + max(eng.waiting, 0))
     return count
 
@@ -33,11 +34,11 @@ class LeastLoadScorer:
     tokens_per_request: int = 256
     name: str = "least_load"
 
-    def load(self, ctx: PlacementContext, worker: Worker) -> float:
+    def load(self, ctx: PlacementContext, worker: WorkerView) -> float:
         work = worker.inflight_tokens + self.tokens_per_request * effective_requests(worker, ctx)
         return work / max(worker.weight, 1e-9)
 
-    def score(self, ctx: PlacementContext, workers: list[Worker]) -> list[float]:
+    def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
         loads = [self.load(ctx, w) for w in workers]
         top = max(loads, default=0.0)
         if top <= 0:
@@ -54,8 +55,9 @@ class PrefixCacheScorer:
     """
 
     name: str = "prefix_cache"
+    uses_prefix_cache: bool = True
 
-    def score(self, ctx: PlacementContext, workers: list[Worker]) -> list[float]:
+    def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
         if not ctx.chain_blocks:
             return [0.0] * len(workers)
         return [ctx.match_blocks.get(w.id, 0) / ctx.chain_blocks for w in workers]

@@ -1,19 +1,22 @@
-"""The one interface every state backend implements.
+"""The interfaces every state backend implements: worker specs, and one atomic ledger.
 
-It is async so a networked backend (Redis, for several control-plane replicas) fits the
-same shape. The in-memory backend never suspends inside these calls, which makes a whole
-placement (read loads, pick, charge) atomic on the event loop without locks.
+Both are async so a networked backend (Redis, for several control-plane replicas) fits
+the same shape. Every value that crosses them is immutable. The ledger's operations are
+each atomic on their own: a placement reads a snapshot of loads, decides, and then
+reserves all its charges in one call, so a backend that suspends between those steps can
+make a decision slightly stale but can never lose or double a charge.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.workers import Worker
+from controlplane.workers import Load, WorkerSpec
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Charge:
     """Load that one request holds on one worker until it is released."""
 
@@ -22,7 +25,7 @@ class Charge:
     tokens: int
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """A placed request that has not finished yet."""
 
@@ -30,22 +33,53 @@ class RequestRecord:
     model: str
     prompt_tokens: int
     max_tokens: int
-    session: str = ""   # the data-plane session that placed it; its end releases the record
-    flow: str = ""
-    charges: list[Charge] = field(default_factory=list)
+    session: str = ""          # the data-plane session that owns it; "" while orphaned
+    flow: int = 0
+    charges: tuple[Charge, ...] = ()
     created_at: float = 0.0
     orphaned_at: float = 0.0   # its session ended; released unless a session claims it in time
 
 
-class StateStore(Protocol):
-    async def upsert_worker(self, worker: Worker) -> None: ...
-    async def get_worker(self, worker_id: str) -> Worker | None: ...
-    async def remove_worker(self, worker_id: str) -> Worker | None: ...
-    async def list_workers(self) -> list[Worker]: ...
+class SpecStore(Protocol):
+    """Durable worker specs (config, registrations, operators' changes)."""
 
-    async def add_load(self, worker_id: str, requests: int, tokens: int) -> None: ...
+    async def put_spec(self, spec: WorkerSpec) -> None: ...
+    async def remove_spec(self, worker_id: str) -> WorkerSpec | None: ...
+    async def specs(self) -> list[WorkerSpec]: ...
 
-    async def put_request(self, record: RequestRecord) -> None: ...
-    async def get_request(self, request_id: str) -> RequestRecord | None: ...
-    async def pop_request(self, request_id: str) -> RequestRecord | None: ...
-    async def list_requests(self) -> list[RequestRecord]: ...
+
+class Ledger(Protocol):
+    """Load per worker, as the sum of the charges of the requests that hold it."""
+
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...]) -> RequestRecord:
+        """Add ``charges`` to the request (creating its record from ``record`` if new)."""
+        ...
+
+    async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
+        """Release the request's charges that match ``leg`` / ``worker_id``; keep the record."""
+        ...
+
+    async def end(self, request_id: str) -> RequestRecord | None:
+        """Release everything the request holds and forget it; None if it was unknown."""
+        ...
+
+    async def get(self, request_id: str) -> RequestRecord | None: ...
+    async def records(self) -> list[RequestRecord]: ...
+    async def loads(self, worker_ids: Iterable[str]) -> dict[str, Load]: ...
+    async def forget_worker(self, worker_id: str) -> Load: ...
+
+    async def orphan(self, session: str, now: float) -> int:
+        """The session ended: its requests lose their owner (see ``Lifecycle``)."""
+        ...
+
+    async def claim(self, session: str, request_ids: Iterable[str]) -> int:
+        """A session names requests it serves: owned by it from now on."""
+        ...
+
+    async def orphans(self, cutoff: float) -> list[str]:
+        """Ids of requests orphaned at or before ``cutoff``."""
+        ...
+
+
+class StateStore(SpecStore, Ledger, Protocol):
+    """A backend: specs and ledger together (one connection, one failure domain)."""

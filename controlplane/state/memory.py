@@ -1,43 +1,118 @@
-"""In-process state: the default for a single control-plane replica."""
+"""In-process state: the default for a single control-plane replica.
+
+No method awaits anything, so each one is atomic on the event loop.
+"""
 
 from __future__ import annotations
 
-from controlplane.state.base import RequestRecord
-from controlplane.workers import Worker
+import dataclasses
+from collections.abc import Iterable
+
+from controlplane.state.base import Charge, RequestRecord
+from controlplane.workers import IDLE, Load, WorkerSpec
 
 
 class MemoryStore:
     def __init__(self) -> None:
-        self._workers: dict[str, Worker] = {}
-        self._requests: dict[str, RequestRecord] = {}
+        self._specs: dict[str, WorkerSpec] = {}
+        self._records: dict[str, RequestRecord] = {}
+        self._load: dict[str, Load] = {}
+        self._by_session: dict[str, set[str]] = {}
 
-    async def upsert_worker(self, worker: Worker) -> None:
-        self._workers[worker.id] = worker
+    # ------------------------------------------------------------------ specs
 
-    async def get_worker(self, worker_id: str) -> Worker | None:
-        return self._workers.get(worker_id)
+    async def put_spec(self, spec: WorkerSpec) -> None:
+        self._specs[spec.id] = spec
 
-    async def remove_worker(self, worker_id: str) -> Worker | None:
-        return self._workers.pop(worker_id, None)
+    async def remove_spec(self, worker_id: str) -> WorkerSpec | None:
+        return self._specs.pop(worker_id, None)
 
-    async def list_workers(self) -> list[Worker]:
-        return list(self._workers.values())
+    async def specs(self) -> list[WorkerSpec]:
+        return list(self._specs.values())
 
-    async def add_load(self, worker_id: str, requests: int, tokens: int) -> None:
-        worker = self._workers.get(worker_id)
-        if worker is None:  # removed while the request was in flight: nothing to release
-            return
-        worker.inflight_requests = max(0, worker.inflight_requests + requests)
-        worker.inflight_tokens = max(0, worker.inflight_tokens + tokens)
+    # ------------------------------------------------------------------ ledger
 
-    async def put_request(self, record: RequestRecord) -> None:
-        self._requests[record.request_id] = record
+    def _add(self, worker_id: str, requests: int, tokens: int) -> None:
+        cur = self._load.get(worker_id)
+        if cur is None:
+            if requests < 0:
+                return   # the worker was removed while the request ran: nothing to release
+            cur = IDLE
+        self._load[worker_id] = Load(max(0, cur.requests + requests), max(0, cur.tokens + tokens))
 
-    async def get_request(self, request_id: str) -> RequestRecord | None:
-        return self._requests.get(request_id)
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...]) -> RequestRecord:
+        existing = self._records.get(record.request_id)
+        base = existing if existing is not None else record
+        updated = dataclasses.replace(base, charges=base.charges + tuple(charges))
+        self._records[record.request_id] = updated
+        if existing is None and updated.session:
+            self._by_session.setdefault(updated.session, set()).add(updated.request_id)
+        for c in charges:
+            self._add(c.worker_id, 1, c.tokens)
+        return updated
 
-    async def pop_request(self, request_id: str) -> RequestRecord | None:
-        return self._requests.pop(request_id, None)
+    async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
+        record = self._records.get(request_id)
+        if record is None:
+            return None
+        keep = []
+        for c in record.charges:
+            if (not leg or c.leg == leg) and (not worker_id or c.worker_id == worker_id):
+                self._add(c.worker_id, -1, -c.tokens)
+            else:
+                keep.append(c)
+        if len(keep) != len(record.charges):
+            record = dataclasses.replace(record, charges=tuple(keep))
+            self._records[request_id] = record
+        return record
 
-    async def list_requests(self) -> list[RequestRecord]:
-        return list(self._requests.values())
+    async def end(self, request_id: str) -> RequestRecord | None:
+        record = self._records.pop(request_id, None)
+        if record is None:
+            return None
+        for c in record.charges:
+            self._add(c.worker_id, -1, -c.tokens)
+        self._unown(record)
+        return record
+
+    def _unown(self, record: RequestRecord) -> None:
+        owned = self._by_session.get(record.session)
+        if owned is not None:
+            owned.discard(record.request_id)
+            if not owned:
+                del self._by_session[record.session]
+
+    async def get(self, request_id: str) -> RequestRecord | None:
+        return self._records.get(request_id)
+
+    async def records(self) -> list[RequestRecord]:
+        return list(self._records.values())
+
+    async def loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
+        load = self._load
+        return {wid: load.get(wid, IDLE) for wid in worker_ids}
+
+    async def forget_worker(self, worker_id: str) -> Load:
+        return self._load.pop(worker_id, IDLE)
+
+    async def orphan(self, session: str, now: float) -> int:
+        ids = self._by_session.pop(session, set())
+        for rid in ids:
+            record = self._records.get(rid)
+            if record is not None:
+                self._records[rid] = dataclasses.replace(record, session="", orphaned_at=now)
+        return len(ids)
+
+    async def claim(self, session: str, request_ids: Iterable[str]) -> int:
+        claimed = 0
+        for rid in request_ids:
+            record = self._records.get(rid)
+            if record is None or (record.session and not record.orphaned_at):
+                continue   # unknown, or owned by a live session
+            self._records[rid] = dataclasses.replace(record, session=session, orphaned_at=0.0)
+            self._by_session.setdefault(session, set()).add(rid)
+            claimed += 1
+        return claimed
+
+    async def orphans(self, cutoff: float) -> list[str]:
+        return [r.request_id for r in self._records.values() if r.orphaned_at and r.orphaned_at <= cutoff]

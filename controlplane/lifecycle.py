@@ -1,0 +1,109 @@
+"""What happens to a placed request after its placement: reports, sessions, safety nets.
+
+The data planes report how each request's legs end; this module turns those reports into
+ledger releases and failure notes. It also owns the rule for sessions that end while
+their requests may still be streaming: a request keeps its load until its data plane
+claims it back on a new session or a grace period passes (see ``orphan_session``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from controlplane.fleet import Fleet
+from controlplane.placement import PlacementStats
+from controlplane.state import StateStore
+from controlplane.workers import Health
+from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_ENDINGS = frozenset({pb.EVENT_FINISHED, pb.EVENT_FAILED, pb.EVENT_CANCELLED})
+
+
+class Lifecycle:
+    def __init__(self, store: StateStore, fleet: Fleet, stats: PlacementStats, *,
+                 session_grace_s: float = 30.0, max_request_age_s: float = 3600.0) -> None:
+        self.store = store
+        self.fleet = fleet
+        self.stats = stats
+        self.session_grace_s = session_grace_s
+        self.max_request_age_s = max_request_age_s
+        # Hook for the metaserver: a request ended (its pending prefill, if any, goes too).
+        self.on_request_end: Callable[[str], None] | None = None
+
+    # ------------------------------------------------------------------ reports
+
+    async def report(self, event: pb.LifecycleEvent) -> None:
+        kind = event.kind
+        if kind == pb.EVENT_PREFILL_DONE:
+            await self.store.release(event.request_id, leg="prefill")
+        elif kind == pb.EVENT_LEG_FAILED:
+            await self.store.release(event.request_id, worker_id=event.worker_id or "\0")
+            if event.worker_id:
+                self._note_failure(event)
+        elif kind in _ENDINGS:
+            if await self.store.end(event.request_id) is not None and self.on_request_end is not None:
+                self.on_request_end(event.request_id)
+            if kind == pb.EVENT_FAILED and event.worker_id:
+                self._note_failure(event)
+
+    def _note_failure(self, event: pb.LifecycleEvent) -> None:
+        wid = event.worker_id
+        if wid not in self.fleet:
+            return
+        state = self.fleet.state(wid)
+        changes = dict(failures_total=state.failures_total + 1, last_error=event.message[:300])
+        if event.upstream_status == 0 and state.health is not Health.UNHEALTHY:
+            # The data plane could not reach the engine at all: stop routing there now
+            # instead of waiting for the next health check to notice.
+            changes["health"] = Health.UNHEALTHY
+            log.warning("worker %s unreachable from data plane (%s): marked unhealthy", wid, event.message[:200])
+        self.fleet.set_state(wid, dataclasses.replace(state, **changes))
+
+    # ------------------------------------------------------------------ sessions
+
+    async def orphan_session(self, session: str) -> int:
+        """A data plane's session ended: its requests may still be streaming.
+
+        A session can end while the node lives on (a network blip, a keepalive GOAWAY, a
+        restart of the stream). Releasing its load there would make every request it still
+        serves invisible to placement, so the records only lose their owner; the node
+        claims them back when it reconnects (``claim``), and whatever is still unclaimed
+        after ``session_grace_s`` is released (``release_orphans``).
+        """
+        orphaned = await self.store.orphan(session, time.monotonic())
+        self.stats.sessions["closed"] += 1
+        self.stats.sessions["requests_orphaned"] += orphaned
+        return orphaned
+
+    async def claim(self, session: str, request_ids: Iterable[str]) -> int:
+        """A (re)connecting data plane names the requests it still serves."""
+        claimed = await self.store.claim(session, request_ids)
+        self.stats.sessions["opened"] += 1
+        self.stats.sessions["requests_claimed"] += claimed
+        return claimed
+
+    async def release_orphans(self, older_than_s: float | None = None) -> int:
+        """Release records whose data plane has not come back within the grace period."""
+        grace = self.session_grace_s if older_than_s is None else older_than_s
+        ids = await self.store.orphans(time.monotonic() - grace)
+        for request_id in ids:
+            await self._end(request_id)
+        self.stats.sessions["requests_released"] += len(ids)
+        return len(ids)
+
+    async def sweep_stale(self) -> int:
+        """Release records whose reports never came (a safety net, not the normal path)."""
+        cutoff = time.monotonic() - self.max_request_age_s
+        stale = [r.request_id for r in await self.store.records() if r.created_at < cutoff]
+        for request_id in stale:
+            await self._end(request_id)
+        return len(stale)
+
+    async def _end(self, request_id: str) -> None:
+        if await self.store.end(request_id) is not None and self.on_request_end is not None:
+            self.on_request_end(request_id)
