@@ -80,6 +80,7 @@ class GuardedRequestHandler(RequestHandler):
         super().__init__(manager, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_started = False      # some bytes of the awaited head have arrived
 
     def _awaiting_head(self) -> bool:
         """Idle between requests, with no complete request head parsed yet."""
@@ -107,8 +108,10 @@ class GuardedRequestHandler(RequestHandler):
         super().data_received(data)
         # Body bytes arrive while a handler runs (no waiter): only the head is timed here.
         if self._awaiting_head():
+            self._head_started = True
             self._arm_head_deadline()
         else:
+            self._head_started = False
             self._disarm_head_deadline()
 
     def _head_timed_out(self) -> None:
@@ -117,7 +120,9 @@ class GuardedRequestHandler(RequestHandler):
         if self._messages or self._request_in_progress or (waiter is not None and waiter.done()):
             return      # a whole head arrived: the request is the body deadline's business
         transport = self.transport
-        if transport is not None and not transport.is_closing():
+        # A client that sent part of a head hears why; one that sent nothing (an idle
+        # pre-opened connection) is closed silently, as it has no request to answer.
+        if self._head_started and transport is not None and not transport.is_closing():
             body = error_body(408, f"the request head did not arrive within {self._header_timeout_s:g}s")
             transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
