@@ -25,18 +25,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=300.0,
                    help="whole prefill leg, request to answer (a timed-out P is retried elsewhere)")
     p.add_argument("--engine-api-key", default="", help="sent to engines as a Bearer token")
+    p.add_argument("--allow-client-fields", default="",
+                   help="comma-separated PD-internal body fields a client may set (kv_transfer_params, "
+                        "bootstrap_*); by default the data plane drops them")
+    p.add_argument("--client-header-timeout", type=float, default=30.0,
+                   help="seconds for a client to send a request's line and headers (0 = no limit)")
+    p.add_argument("--client-body-timeout", type=float, default=60.0,
+                   help="seconds for a client to send a request's body (0 = no limit)")
+    p.add_argument("--keepalive-timeout", type=float, default=75.0,
+                   help="seconds an idle client keep-alive connection stays open")
+    p.add_argument("--max-header-bytes", type=int, default=8190,
+                   help="longest request line or header field (431 beyond)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace):
     from dataplane.app import DataPlaneConfig
+    from dataplane.hygiene import parse_field_list
+    from dataplane.server import ClientLimits
     from dataplane.upstream import UpstreamConfig
 
     cfg = DataPlaneConfig(host=args.host, port=args.port, controlplane=args.controlplane,
                           max_body_bytes=args.max_body_bytes, placement_timeout_s=args.placement_timeout,
                           prefill_retries=args.prefill_retries, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
+                          allowed_client_fields=parse_field_list(args.allow_client_fields),
+                          client=ClientLimits(header_timeout_s=args.client_header_timeout,
+                                              body_timeout_s=args.client_body_timeout,
+                                              keepalive_timeout_s=args.keepalive_timeout,
+                                              max_header_bytes=args.max_header_bytes),
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   prefill_timeout_s=args.prefill_timeout,
