@@ -184,6 +184,13 @@ async def test_oversized_header_is_431_json_without_the_input(agg: Cluster):
     assert orjson.loads(body)["error"]["code"] == 431 and b"S3CRET" not in raw
 
 
+async def test_too_many_headers_is_431_json(agg: Cluster):
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(150))
+    raw, _ = await raw_exchange(agg.url, post_bytes("/v1/completions", b"{}", many))
+    status, headers, body = parse_response(raw)
+    assert status == 431 and orjson.loads(body)["error"]["code"] == 431
+
+
 @pytest.mark.parametrize("request_bytes", [
     b"GET /<script>alert(1)</script> HTTP/1.1\x00\r\n\r\n",
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope<script>\r\n\r\n",
