@@ -62,8 +62,8 @@ _PROTOCOL_MESSAGES = {
 
 def protocol_error(status: int, exc: BaseException | None) -> tuple[int, str]:
     """The status and a fixed message for an error aiohttp raised before routing."""
-    if status == 500:
-        return 500, "internal error in the data plane; see its log"
+    if status >= 500:
+        return status, "internal error in the data plane; see its log"
     for kind, answer in _PROTOCOL_MESSAGES.items():
         if isinstance(exc, kind):
             return answer
@@ -130,7 +130,7 @@ class GuardedRequestHandler(RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if status == 500:
+        if status >= 500:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         else:   # malformed input from one client: one line, no traceback, no client bytes
             log.info("malformed HTTP from %s: %s", request.remote, type(exc).__name__ if exc else status)
