@@ -128,7 +128,7 @@ async def test_layerwise_same_client_id_at_once_each_decoded_from_its_own_prefil
     await wait_until(layerwise.all_idle, what="load released")
 
 
-@pytest.mark.parametrize("flow", ["sequential", "layerwise"])
+@pytest.mark.parametrize("flow", ["sequential", "sglang", "mooncake", "layerwise"])
 async def test_undecodable_client_id_works_in_pd_flows(flow, request):
     c: Cluster = request.getfixturevalue(flow)
     await c.fresh()
