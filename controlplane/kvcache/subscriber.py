@@ -173,8 +173,9 @@ class KVEventSubscriber:
                 log.exception("kv events from %s: on_failed callback failed", self.source.engine_key)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        task, self._task = self._task, None
+        if task is not None and not task.done():  # a task that died was reported by _task_done
+            await cancel_and_wait(task)
         for s in (self._sub, self._dealer):
             if s is not None:
                 s.close(linger=0)
