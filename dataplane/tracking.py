@@ -27,10 +27,12 @@ class RequestTracker:
     def _event(self, kind: int, **kw) -> None:
         self.client.report(pb.LifecycleEvent(request_id=self.req.placement_id, kind=kind, **kw))
 
-    def first_token(self) -> None:
-        # Recorded here, reported with the ending: one stream message per request saved.
+    def first_token(self, streamed: bool = True) -> None:
+        """The prompt is computed: the control plane stops counting it as prefill work
+        ahead of later requests, and learns the engine's prefill speed from the time."""
         if not self.first_token_at:
             self.first_token_at = time.perf_counter()
+            self._event(pb.EVENT_FIRST_TOKEN, ttft_ms=self.ttft_s * 1000, streamed=streamed)
 
     def prefill_done(self) -> None:
         if not self.prefill_released:

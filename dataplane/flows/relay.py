@@ -96,7 +96,7 @@ async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: 
         if ctx.abort_reason:  # the flow closed this leg on purpose; say why
             raise UpstreamError(worker_id, ctx.abort_reason, exc.upstream_status) from None
         raise
-    ctx.tracker.first_token()
+    ctx.tracker.first_token(streamed=False)
     if ctx.watch_recompute and RECOMPUTED in data:
         obj = orjson.loads(data)
         if is_recomputed((obj.get("choices") or [{}])[0]):
