@@ -111,10 +111,12 @@ async def _start(cp, cfg) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    from controlplane.validate import choice as v_choice
     from omni_proxy.runtime import run_main, wait_for_stop_signal, write_ready_file
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        level = v_choice(args.log_level.upper(), "--log-level", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         cfg = config_from_args(args)
         check_config(cfg)
     except (ValueError, OSError) as exc:

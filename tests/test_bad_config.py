@@ -140,6 +140,7 @@ FLAG_CASES = {
                            ["--decode", "id", "unique"]),
     "listen": (["--listen", "127.0.0.1:http"], ["--listen"]),
     "missing_file": (["--config", "does-not-exist.toml"], ["does-not-exist.toml"]),
+    "log_level": (["--log-level", "chatty"], ["--log-level", "DEBUG"]),
 }
 
 
