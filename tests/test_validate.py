@@ -149,3 +149,34 @@ def test_integer_zero_seed_hashes_like_pythonhashseed_zero():
     from_env = BlockHasher(BlockHashConfig(python_hash_seed="0")).event_hashes(tokens)
     empty = BlockHasher(BlockHashConfig(python_hash_seed="")).event_hashes(tokens)
     assert from_int == from_env != empty
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("127.0.0.1:50051", True), ("0.0.0.0:0", True), ("[::1]:50051", True), ("localhost:65535", True),
+    ("localhost", False), (":50051", False), ("127.0.0.1:65536", False), ("127.0.0.1:http", False),
+    ("::1:50051", False), ("a b:1", False), (50051, False),
+])
+def test_listen_address(value, ok):
+    if ok:
+        assert v.listen_address(value) == value
+    else:
+        _rejects(v.listen_address, value, "listen")
+
+
+@pytest.mark.parametrize("value, ok", [("127.0.0.1", True), ("cp.example.com", True), ("::1", True),
+                                       ("", False), ("http://cp", False), ("cp:80", False), ("a b", False),
+                                       (None, False)])
+def test_host(value, ok):
+    if ok:
+        assert v.host(value, "http_host") == value
+    else:
+        _rejects(v.host, value, "http_host", "http_host")
+
+
+def test_boolean_and_text():
+    assert v.boolean(True, "health.poll_metrics") is True
+    for bad in (1, "true", None):
+        _rejects(v.boolean, bad, "health.poll_metrics", "health.poll_metrics")
+    assert v.text("m", "model") == "m"
+    _rejects(v.text, "x" * 2000, "model", "model")
+    _rejects(v.text, 3, "model", "model")
