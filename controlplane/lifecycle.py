@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterable
 
 from controlplane.fleet import Fleet
 from controlplane.placement import PlacementStats
-from controlplane.state import StateStore
+from controlplane.prediction import Predictor
+from controlplane.queueing import PlacementQueue
+from controlplane.state import RequestRecord, StateStore
 from controlplane.workers import Health
 from protos import omni_proxy_pb2 as pb
 
@@ -26,8 +28,11 @@ _ENDINGS = frozenset({pb.EVENT_FINISHED, pb.EVENT_FAILED, pb.EVENT_CANCELLED})
 
 class Lifecycle:
     def __init__(self, store: StateStore, fleet: Fleet, stats: PlacementStats, *,
-                 session_grace_s: float = 30.0, max_request_age_s: float = 3600.0) -> None:
+                 session_grace_s: float = 30.0, max_request_age_s: float = 3600.0,
+                 predictor: Predictor | None = None, queue: PlacementQueue | None = None) -> None:
         self.store = store
+        self.predictor = predictor or Predictor()
+        self.queue = queue
         self.fleet = fleet
         self.stats = stats
         self.session_grace_s = session_grace_s
@@ -39,17 +44,53 @@ class Lifecycle:
 
     async def report(self, event: pb.LifecycleEvent) -> None:
         kind = event.kind
-        if kind == pb.EVENT_PREFILL_DONE:
-            await self.store.release(event.request_id, leg="prefill")
+        store = self.store
+        if kind == pb.EVENT_FIRST_TOKEN:
+            record = await store.get(event.request_id)
+            if record is not None:
+                self._learn_ttft(record, event)
+                await store.settle_prefill(event.request_id)
+        elif kind == pb.EVENT_PREFILL_DONE:
+            await store.release(event.request_id, leg="prefill")
         elif kind == pb.EVENT_LEG_FAILED:
-            await self.store.release(event.request_id, worker_id=event.worker_id or "\0")
+            await store.release(event.request_id, worker_id=event.worker_id or "\0")
             if event.worker_id:
                 self._note_failure(event)
         elif kind in _ENDINGS:
-            if await self.store.end(event.request_id) is not None and self.on_request_end is not None:
-                self.on_request_end(event.request_id)
+            record = await store.end(event.request_id)
+            if record is not None:
+                if kind == pb.EVENT_FINISHED:
+                    self._learn_tpot(record, event)
+                if self.on_request_end is not None:
+                    self.on_request_end(event.request_id)
+            elif self.queue is not None:
+                self.queue.cancel(event.request_id)   # it was still waiting for an engine
             if kind == pb.EVENT_FAILED and event.worker_id:
                 self._note_failure(event)
+        else:
+            return
+        if self.queue is not None:
+            self.queue.kick()
+
+    def _learn_ttft(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
+        """A real time to first token teaches the engine that computed the prompt."""
+        if not event.streamed or event.ttft_ms <= 0 or record.work_ahead_tokens <= 0:
+            return
+        for charge in record.charges:
+            if charge.leg != "decode" and charge.prefill_tokens >= 0:
+                self.predictor.model(charge.worker_id).observe_ttft(record.work_ahead_tokens, event.ttft_ms / 1000)
+                return
+
+    def _learn_tpot(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
+        """Time per output token after the first, against the decode batch at placement."""
+        n = event.completion_tokens
+        if n < 2 or event.ttft_ms <= 0 or event.latency_ms <= event.ttft_ms or record.decode_batch <= 0:
+            return
+        for charge in record.charges:
+            if charge.leg != "prefill":
+                tpot_s = (event.latency_ms - event.ttft_ms) / 1000 / (n - 1)
+                self.predictor.model(charge.worker_id).observe_tpot(record.decode_batch, tpot_s)
+                return
 
     def _note_failure(self, event: pb.LifecycleEvent) -> None:
         wid = event.worker_id
@@ -76,6 +117,8 @@ class Lifecycle:
         after ``session_grace_s`` is released (``release_orphans``).
         """
         orphaned = await self.store.orphan(session, time.monotonic())
+        if self.queue is not None:
+            self.queue.cancel_session(session)   # nobody is left to answer them; the node re-asks
         self.stats.sessions["closed"] += 1
         self.stats.sessions["requests_orphaned"] += orphaned
         return orphaned
@@ -107,3 +150,5 @@ class Lifecycle:
     async def _end(self, request_id: str) -> None:
         if await self.store.end(request_id) is not None and self.on_request_end is not None:
             self.on_request_end(request_id)
+        if self.queue is not None:
+            self.queue.kick()

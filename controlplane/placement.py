@@ -10,6 +10,7 @@ placement of the same burst, which a policy reading engine metrics seconds old c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 from controlplane.fleet import Fleet
 from controlplane.kvcache.manager import KVCache
+from controlplane.prediction import Predictor
+from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.state import Charge, RequestRecord, StateStore
 from controlplane.workers import IDLE, Role, WorkerView
@@ -56,7 +59,8 @@ class PlacementStats:
 
 class Placer:
     def __init__(self, store: StateStore, fleet: Fleet, profile: Profile, *, pd_flow: str = "sequential",
-                 metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None) -> None:
+                 metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None,
+                 predictor: Predictor | None = None, block_size: int = 16) -> None:
         if pd_flow not in PD_FLOWS:
             raise ValueError(f"unknown pd flow {pd_flow!r}; expected one of {', '.join(PD_FLOWS)}")
         self.store = store
@@ -66,13 +70,40 @@ class Placer:
         self.metrics_max_age_s = metrics_max_age_s
         self.stats = stats or PlacementStats.new()
         self.kv: KVCache | None = None     # prefix-cache view; None = placement ignores caches
+        self.predictor = predictor or Predictor()
+        self.block_size = block_size
+        # The queue stage's runner, when the policy has one (late binding).
+        self.queue = PlacementQueue(profile.queue, self.place) if profile.queue is not None else None
         self.metaserver_url = ""
         # Hook for the metaserver: a layerwise request was placed.
         self.on_layerwise: Callable[[pb.PlaceRequest, pb.Placement], None] | None = None
 
     # ------------------------------------------------------------------ placement
 
-    async def place(self, req: pb.PlaceRequest, session: str = "", *, dry_run: bool = False) -> pb.Placement:
+    async def submit(self, req: pb.PlaceRequest, session: str = "") -> "pb.Placement | asyncio.Future[pb.Placement]":
+        """A data plane's placement: answered now, or (queue stage) a future answered when
+        an engine can take the request."""
+        queue = self.queue
+        if queue is None or req.leg != pb.LEG_ENTRY:
+            return await self.place(req, session)
+        if len(queue):
+            # Others are already waiting: the queue's order decides who goes first.
+            waiting = queue.enqueue(req, session)
+            if isinstance(waiting, pb.Placement):
+                self.stats.errors[pb.ErrorCode.Name(waiting.error)] += 1
+            return waiting
+        placement = await self.place(req, session, may_hold=True)
+        if placement is not None:
+            return placement
+        waiting = queue.enqueue(req, session)
+        if isinstance(waiting, pb.Placement):
+            self.stats.errors[pb.ErrorCode.Name(waiting.error)] += 1
+        return waiting
+
+    async def place(self, req: pb.PlaceRequest, session: str = "", may_hold: bool = False, *,
+                    dry_run: bool = False) -> pb.Placement | None:
+        """Decide and reserve. With ``may_hold``, returns None instead when the queue stage
+        says even the best engine is too busy to start the request soon."""
         leg = _LEG_NAMES.get(req.leg)
         if leg is None:
             return self._error(req, pb.INVALID_REQUEST, "leg must be ENTRY, PREFILL or DECODE")
@@ -95,6 +126,9 @@ class Placer:
         chosen = decision.worker
         if chosen is None:
             return self._refusal(req, leg, ctx, roles, decision.dropped, explanation)
+        if may_hold and leg == "entry" and self.profile.queue is not None and \
+                self.profile.queue.should_hold(ctx, chosen):
+            return None
 
         out = pb.Placement(seq=req.seq, request_id=req.request_id)
         charges: list[tuple[WorkerView, str]] = []
@@ -135,12 +169,24 @@ class Placer:
             return out
 
         prompt, total = req.prompt_tokens, req.prompt_tokens + req.max_tokens
+        now = time.monotonic()
+        charge_list = []
+        notes: dict = {}
+        for w, charge_leg in charges:
+            wid = w.spec.id
+            computes = charge_leg != "decode"
+            uncached = ctx.uncached_tokens(wid) if computes else 0
+            charge_list.append(Charge(worker_id=wid, leg=charge_leg, tokens=prompt if charge_leg == "prefill" else total,
+                                      prefill_tokens=uncached))
+            if computes:
+                notes["work_ahead_tokens"] = w.load.prefill_tokens + uncached
+                notes["predicted_ttft_s"] = ctx.predicted.get(wid, (0.0, 0.0))[0]
+            if charge_leg != "prefill":
+                notes["decode_batch"] = w.load.requests + 1
         template = record or RequestRecord(request_id=req.request_id, model=req.model, prompt_tokens=prompt,
                                            max_tokens=req.max_tokens, session=session, flow=flow,
-                                           created_at=time.monotonic())
-        await self.store.reserve(template, tuple(
-            Charge(worker_id=w.spec.id, leg=charge_leg, tokens=prompt if charge_leg == "prefill" else total)
-            for w, charge_leg in charges))
+                                           created_at=now, placed_at=now, **notes)
+        await self.store.reserve(template, tuple(charge_list), **notes)
         stats = self.stats
         for worker, charge_leg in charges:
             wid = worker.spec.id
@@ -173,7 +219,10 @@ class Placer:
         return PlacementContext(
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
-            metrics_max_age_s=self.metrics_max_age_s, roles=frozenset(roles), chain_blocks=len(chain))
+            metrics_max_age_s=self.metrics_max_age_s, roles=frozenset(roles), chain_blocks=len(chain),
+            block_size=self.block_size, predictor=self.predictor,
+            ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else 0.0,
+            tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else 0.0)
 
     def _everyone(self) -> list[WorkerView]:
         """Every worker, with no load read: only for explanations of what was not a candidate."""

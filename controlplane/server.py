@@ -16,6 +16,7 @@ from controlplane.kvcache.manager import KVCache
 from controlplane.fleet import Fleet
 from controlplane.lifecycle import Lifecycle
 from controlplane.placement import PlacementStats, Placer
+from controlplane.prediction import Predictor
 from controlplane.registry import WorkerRegistry
 from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
@@ -38,15 +39,18 @@ class ControlPlane:
         self.registry = WorkerRegistry(self.store, self.fleet, heartbeat_interval_s=config.heartbeat_interval_s,
                                        heartbeat_ttl_s=config.heartbeat_ttl_s)
         stats = PlacementStats.new()
+        self.predictor = Predictor()
         self.placer = Placer(self.store, self.fleet, build_profile(config.policy, config.profiles),
-                             pd_flow=config.pd_flow, stats=stats,
+                             pd_flow=config.pd_flow, stats=stats, predictor=self.predictor,
+                             block_size=config.kv_cache.block_size,
                              metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
         self.lifecycle = Lifecycle(self.store, self.fleet, stats, max_request_age_s=config.max_request_age_s,
-                                   session_grace_s=getattr(config, "session_grace_s", 30.0))
+                                   session_grace_s=getattr(config, "session_grace_s", 30.0),
+                                   predictor=self.predictor, queue=self.placer.queue)
         self.health = HealthChecker(self.fleet, self.registry, config.health)
         self.kv = KVCache(config.kv_cache)
         self.placer.kv = self.kv
-        self.registry.on_removed = self.kv.unwatch
+        self.registry.on_removed = self._worker_removed
         self.metaserver = Metaserver(self.placer, self.lifecycle, prefill_retries=config.prefill_retries,
                                      timeout_s=config.layerwise_timeout_s)
         self.registry.on_added = self._worker_added
@@ -108,6 +112,12 @@ class ControlPlane:
         await self.kv.stop()
         await self.health.stop()
         await self.registry.stop()
+        if self.placer.queue is not None:
+            await self.placer.queue.stop()
+
+    async def _worker_removed(self, worker_id: str) -> None:
+        self.predictor.forget(worker_id)
+        await self.kv.unwatch(worker_id)
 
     async def _worker_added(self, spec: WorkerSpec) -> None:
         await self.health.check(spec)

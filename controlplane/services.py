@@ -49,39 +49,79 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
         self._session_ids = itertools.count(1)
         self._tasks: set[asyncio.Future] = set()
+        self._nodes: dict[str, str] = {}
 
     async def Session(self, request_iterator, context):
-        """Serve one data plane: placements are answered in order, reports need no answer.
+        """Serve one data plane: placements are answered, reports need no answer.
 
-        Handling each message inline keeps placements strictly ordered, so every one of
-        them sees the load charged by the one before. An error while handling one message
-        is contained to it: the session, and every other request on it, goes on.
+        Messages are read and handled in arrival order, so every placement answered at
+        once sees the load charged by the one before. A placement the queue stage holds is
+        answered later, from its own task, without holding up the ones behind it. An error
+        while handling one message is contained to it: the session, and every other
+        request on it, goes on.
         """
         session = f"s{next(self._session_ids)}-{uuid.uuid4().hex[:6]}"
-        node = "?"
+        out: asyncio.Queue = asyncio.Queue()
+        held: set[asyncio.Task] = set()
+        reader = asyncio.ensure_future(self._read(request_iterator, session, out, held))
         yield pb.ControlPlaneMessage(info=self.info)
         try:
-            async for msg in request_iterator:
-                body = msg.WhichOneof("body")
-                if body == "place":
-                    yield pb.ControlPlaneMessage(placement=await self._place(msg.place, session))
-                elif body == "event":
-                    await self._report(msg.event)
-                elif body == "open":
-                    node = msg.open.node_id or node
-                    claimed = await self.lifecycle.claim(session, msg.open.live_requests)
-                    log.info("data plane %s connected (session %s, %d live requests claimed of %d)",
-                             node, session, claimed, len(msg.open.live_requests))
+            while True:
+                msg = await out.get()
+                if msg is None:
+                    break
+                yield msg
         finally:
+            reader.cancel()
+            for task in held:
+                task.cancel()
+            await asyncio.gather(reader, *held, return_exceptions=True)
+            node = self._nodes.pop(session, "?")
             orphaned = await self.lifecycle.orphan_session(session)
             log.info("data plane %s disconnected (session %s); %d in-flight requests kept for %.0fs "
                      "for it to reconnect", node, session, orphaned, self.lifecycle.session_grace_s)
             if orphaned:
                 self._schedule_orphan_release()
 
-    async def _place(self, req: pb.PlaceRequest, session: str) -> pb.Placement:
+    async def _read(self, request_iterator, session: str, out: asyncio.Queue, held: set) -> None:
         try:
-            return await self.placer.place(req, session)
+            async for msg in request_iterator:
+                body = msg.WhichOneof("body")
+                if body == "place":
+                    answer = await self._place(msg.place, session)
+                    if isinstance(answer, pb.Placement):
+                        out.put_nowait(pb.ControlPlaneMessage(placement=answer))
+                    else:
+                        task = asyncio.ensure_future(self._answer_later(msg.place, answer, out))
+                        held.add(task)
+                        task.add_done_callback(held.discard)
+                elif body == "event":
+                    await self._report(msg.event)
+                elif body == "open":
+                    node = self._nodes[session] = msg.open.node_id or "?"
+                    claimed = await self.lifecycle.claim(session, msg.open.live_requests)
+                    log.info("data plane %s connected (session %s, %d live requests claimed of %d)",
+                             node, session, claimed, len(msg.open.live_requests))
+        finally:
+            out.put_nowait(None)
+
+    async def _answer_later(self, req: pb.PlaceRequest, waiting: asyncio.Future, out: asyncio.Queue) -> None:
+        try:
+            placement = await waiting
+        except asyncio.CancelledError:
+            if not waiting.cancelled():
+                raise   # the session itself is closing
+            placement = pb.Placement(seq=req.seq, request_id=req.request_id, error=pb.NO_HEALTHY_WORKER,
+                                     error_message="the request left the placement queue")
+        except Exception as exc:
+            log.exception("held placement of %s failed", req.request_id)
+            placement = self.placer.internal_error(req, exc)
+        placement.seq = req.seq
+        out.put_nowait(pb.ControlPlaneMessage(placement=placement))
+
+    async def _place(self, req: pb.PlaceRequest, session: str) -> "pb.Placement | asyncio.Future":
+        try:
+            return await self.placer.submit(req, session)
         except Exception as exc:  # a bug must cost one placement, never the whole session
             log.exception("placement of %s failed", req.request_id)
             return self.placer.internal_error(req, exc)
@@ -104,7 +144,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         task.add_done_callback(self._tasks.discard)
 
     async def Place(self, request, context):
-        return await self._place(request, "")
+        answer = await self._place(request, "")
+        return answer if isinstance(answer, pb.Placement) else await answer
 
     async def Report(self, request, context):
         await self._report(request)

@@ -99,10 +99,17 @@ UNCHECKED = HealthState()
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """What the ledger holds against one worker: placed and not yet released."""
+    """What the ledger holds against one worker: placed and not yet released.
+
+    ``prefill_tokens`` is the part of it still to be computed: the uncached prompt tokens
+    of requests placed there whose first token has not come yet. It is what a new
+    request would queue behind, so predicted time to first token starts from it.
+    """
 
     requests: int = 0
     tokens: int = 0
+    prefill_tokens: int = 0
+    prefills: int = 0            # requests whose prompt is still to be computed
 
 
 IDLE = Load()

@@ -102,10 +102,16 @@ class PlacementClient:
                 if not placement.error:
                     self._live.add(req.request_id)
                 return placement
+            except asyncio.CancelledError:
+                # The client went away while the placement was pending (perhaps held in the
+                # control plane's queue): tell the control plane, so it leaves the queue now.
+                self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
+                raise
             except ControlPlaneUnavailable:
                 if attempt == 2:
                     raise
             except asyncio.TimeoutError:
+                self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
                 raise ControlPlaneUnavailable(f"no placement from {self.target} within {self.timeout_s}s") from None
             finally:
                 self._pending.pop(seq, None)

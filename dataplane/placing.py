@@ -7,7 +7,7 @@ from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.requests import ClientRequest
 from protos import omni_proxy_pb2 as pb
 
-_STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400}
+_STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400, pb.OVERLOADED: 429}
 
 
 async def place(placements: PlacementClient, req: ClientRequest, leg: int,
@@ -24,6 +24,7 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: int,
     except ControlPlaneUnavailable as exc:
         raise APIError(503, f"no placement: {exc}") from None
     if placement.error:
+        retry = {"Retry-After": str(max(1, round(placement.retry_after_s)))} if placement.retry_after_s else None
         raise APIError(_STATUS.get(placement.error, 503), placement.error_message,
-                       param="model" if placement.error == pb.UNKNOWN_MODEL else None)
+                       param="model" if placement.error == pb.UNKNOWN_MODEL else None, headers=retry)
     return placement

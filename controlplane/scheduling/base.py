@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from controlplane.workers import Role, WorkerView
 
@@ -28,6 +28,17 @@ class PlacementContext:
     chain_blocks: int = 0
     match_blocks: dict[str, int] = field(default_factory=dict)
     cached_blocks: dict[str, int] = field(default_factory=dict)   # per worker: blocks it holds
+    block_size: int = 16
+    # Latency prediction (controlplane.prediction): the per-engine models, the request's
+    # own targets (0: none given), and per worker what was predicted, for explain.
+    predictor: Any = None
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
+    predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def uncached_tokens(self, worker_id: str) -> int:
+        """Prompt tokens this worker would have to compute (its cached prefix is free)."""
+        return max(self.prompt_tokens - self.match_blocks.get(worker_id, 0) * self.block_size, 0)
 
 
 @dataclass
@@ -45,6 +56,7 @@ class Decision:
     policy: str
     chain_blocks: int = 0
     match_blocks: dict[str, int] = field(default_factory=dict)
+    predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def explain(self) -> str:
         parts = [f"policy={self.policy}"]
@@ -53,8 +65,11 @@ class Decision:
             mark = "*" if self.worker is not None and c.worker.id == self.worker.id else " "
             cache = (f" match={self.match_blocks.get(c.worker.id, 0)}/{self.chain_blocks}blk"
                      if self.chain_blocks else "")
-            parts.append(f"{mark}{c.worker.id} score={c.score:.3f} [{detail}]{cache} "
-                         f"load={c.worker.inflight_requests}req/{c.worker.inflight_tokens}tok")
+            pred = self.predicted.get(c.worker.id)
+            latency = (f" ttft={pred[0] * 1000:.0f}ms tpot={pred[1] * 1000:.1f}ms" if pred else "")
+            parts.append(f"{mark}{c.worker.id} score={c.score:.3f} [{detail}]{cache}{latency} "
+                         f"load={c.worker.inflight_requests}req/{c.worker.inflight_tokens}tok"
+                         f"/{c.worker.load.prefill_tokens}prefill")
         for wid, why in sorted(self.dropped.items()):
             parts.append(f"-{wid} dropped by {why}")
         return "; ".join(parts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
+from controlplane.scheduling.latency import SLOFilter
 from controlplane.workers import Health, WorkerView
 
 
@@ -79,4 +80,4 @@ class OverloadFilter:
 BASE_FILTERS = (ModelFilter(), RoleFilter(), HealthyFilter(), DrainFilter(), ExcludeFilter(),
                 ZeroWeightFilter())
 
-FILTERS = {"overload": OverloadFilter}
+FILTERS = {"overload": OverloadFilter, "slo": SLOFilter}

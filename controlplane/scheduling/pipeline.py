@@ -12,6 +12,7 @@ from typing import Any
 from controlplane.scheduling.base import Candidate, Decision, Filter, PlacementContext, Picker, Scorer
 from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
 from controlplane.scheduling.pickers import PICKERS
+from controlplane.scheduling.queue import QUEUES, HoldQueue
 from controlplane.scheduling.scorers import SCORERS
 from controlplane.workers import WorkerView
 
@@ -24,12 +25,19 @@ class Profile:
     picker: Picker
     scorers: list[tuple[Scorer, float]] = field(default_factory=list)
     filters: list[Filter] = field(default_factory=list)
+    queue: HoldQueue | None = None      # the queue stage (late binding); None: place at once
 
     @property
     def uses_prefix_cache(self) -> bool:
         """Only then does a placement look the prompt up in the prefix index."""
         return any(getattr(s, "uses_prefix_cache", False) for s, _ in self.scorers) or \
             getattr(self.picker, "uses_prefix_cache", False)
+
+    @property
+    def uses_predictions(self) -> bool:
+        """Only then are the per-engine latency models consulted."""
+        return any(getattr(p, "uses_predictions", False) for p in (*self.filters, *(s for s, _ in self.scorers))) \
+            or self.queue is not None
 
     @property
     def uses_tree_sizes(self) -> bool:
@@ -64,7 +72,7 @@ class Profile:
                 cand.score += weight * value
         chosen = self.picker.pick(ctx, candidates)
         return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name,
-                        chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks)
+                        chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, predicted=ctx.predicted)
 
     @staticmethod
     def dropped_from(ctx: PlacementContext, workers: list[WorkerView], dropped: dict[str, str]) -> dict[str, str]:
@@ -104,6 +112,10 @@ POLICIES: dict[str, dict[str, Any]] = {
     "apc_first": {"filters": [{"name": "overload"}],
                   "scorers": [{"name": "prefix_cache", "weight": 1.0}, {"name": "least_load", "weight": 1e-6}],
                   "picker": "max_score"},
+    # Omni scheduling: predicted TTFT (queue + uncached prefill, learned per engine) and
+    # TPOT, requests' SLO headers honoured, and late binding in the control plane's queue.
+    "predicted_latency": {"filters": [{"name": "slo"}], "scorers": [{"name": "predicted_latency"}],
+                          "picker": "max_score", "queue": {"name": "omni"}},
 }
 
 
@@ -131,9 +143,11 @@ def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) ->
     for s in spec.get("scorers", []):
         weight = float(s.get("weight", 1.0)) if isinstance(s, dict) else 1.0
         scorers.append((_make(SCORERS, s, "scorer"), weight))
+    queue = spec.get("queue")
     return Profile(
         name=name,
         picker=_make(PICKERS, spec.get("picker", "max_score"), "picker"),
         scorers=scorers,
         filters=[_make(FILTERS, f, "filter") for f in spec.get("filters", [])],
+        queue=_make(QUEUES, queue, "queue") if queue else None,
     )

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
+from controlplane.scheduling.latency import PredictedLatencyScorer
 from controlplane.workers import WorkerView
 
 
@@ -63,4 +64,5 @@ class PrefixCacheScorer:
         return [ctx.match_blocks.get(w.id, 0) / ctx.chain_blocks for w in workers]
 
 
-SCORERS = {"least_load": LeastLoadScorer, "prefix_cache": PrefixCacheScorer}
+SCORERS = {"least_load": LeastLoadScorer, "prefix_cache": PrefixCacheScorer,
+           "predicted_latency": PredictedLatencyScorer}

@@ -23,6 +23,7 @@ class Charge:
     worker_id: str
     leg: str            # "prefill", "decode" or "aggregated"
     tokens: int
+    prefill_tokens: int = 0   # uncached prompt tokens this worker computes; settled at the first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,11 @@ class RequestRecord:
     charges: tuple[Charge, ...] = ()
     created_at: float = 0.0
     orphaned_at: float = 0.0   # its session ended; released unless a session claims it in time
+    # What placement predicted, kept to learn from the outcome (controlplane.prediction).
+    placed_at: float = 0.0
+    predicted_ttft_s: float = 0.0
+    work_ahead_tokens: int = 0  # prefill tokens ahead of and including this one on its prefill worker
+    decode_batch: int = 0       # requests on its decode worker, itself included, at placement
 
 
 class SpecStore(Protocol):
@@ -51,8 +57,9 @@ class SpecStore(Protocol):
 class Ledger(Protocol):
     """Load per worker, as the sum of the charges of the requests that hold it."""
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...]) -> RequestRecord:
-        """Add ``charges`` to the request (creating its record from ``record`` if new)."""
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+        """Add ``charges`` to the request (creating its record from ``record`` if new);
+        ``notes`` replace fields of an existing record (what a later leg's placement predicted)."""
         ...
 
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
@@ -61,6 +68,10 @@ class Ledger(Protocol):
 
     async def end(self, request_id: str) -> RequestRecord | None:
         """Release everything the request holds and forget it; None if it was unknown."""
+        ...
+
+    async def settle_prefill(self, request_id: str) -> RequestRecord | None:
+        """The prompt is computed: its prefill tokens no longer count as work ahead."""
         ...
 
     async def get(self, request_id: str) -> RequestRecord | None: ...

@@ -32,23 +32,28 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ ledger
 
-    def _add(self, worker_id: str, requests: int, tokens: int) -> None:
+    def _add(self, worker_id: str, requests: int, tokens: int, prefill: int = 0) -> None:
         cur = self._load.get(worker_id)
         if cur is None:
-            if requests < 0:
+            if requests < 0 or prefill < 0:
                 return   # the worker was removed while the request ran: nothing to release
             cur = IDLE
-        self._load[worker_id] = Load(max(0, cur.requests + requests), max(0, cur.tokens + tokens))
+        prefills = cur.prefills + (1 if prefill > 0 else -1 if prefill < 0 else 0)
+        self._load[worker_id] = Load(max(0, cur.requests + requests), max(0, cur.tokens + tokens),
+                                     max(0, cur.prefill_tokens + prefill), max(0, prefills))
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...]) -> RequestRecord:
+    def _drop(self, c: Charge) -> None:
+        self._add(c.worker_id, -1, -c.tokens, -c.prefill_tokens if c.prefill_tokens else 0)
+
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
         existing = self._records.get(record.request_id)
         base = existing if existing is not None else record
-        updated = dataclasses.replace(base, charges=base.charges + tuple(charges))
+        updated = dataclasses.replace(base, charges=base.charges + tuple(charges), **(notes if existing else {}))
         self._records[record.request_id] = updated
         if existing is None and updated.session:
             self._by_session.setdefault(updated.session, set()).add(updated.request_id)
         for c in charges:
-            self._add(c.worker_id, 1, c.tokens)
+            self._add(c.worker_id, 1, c.tokens, c.prefill_tokens)
         return updated
 
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
@@ -58,7 +63,7 @@ class MemoryStore:
         keep = []
         for c in record.charges:
             if (not leg or c.leg == leg) and (not worker_id or c.worker_id == worker_id):
-                self._add(c.worker_id, -1, -c.tokens)
+                self._drop(c)
             else:
                 keep.append(c)
         if len(keep) != len(record.charges):
@@ -71,8 +76,22 @@ class MemoryStore:
         if record is None:
             return None
         for c in record.charges:
-            self._add(c.worker_id, -1, -c.tokens)
+            self._drop(c)
         self._unown(record)
+        return record
+
+    async def settle_prefill(self, request_id: str) -> RequestRecord | None:
+        record = self._records.get(request_id)
+        if record is None or not any(c.prefill_tokens for c in record.charges):
+            return record
+        charges = []
+        for c in record.charges:
+            if c.prefill_tokens:
+                self._add(c.worker_id, 0, 0, -c.prefill_tokens)
+                c = dataclasses.replace(c, prefill_tokens=0)
+            charges.append(c)
+        record = dataclasses.replace(record, charges=tuple(charges))
+        self._records[request_id] = record
         return record
 
     def _unown(self, record: RequestRecord) -> None:

@@ -1,0 +1,142 @@
+"""Per-engine latency models, learned online from what the data planes report.
+
+Two straight lines per engine, refitted with every observation:
+
+* time to first token = a + b * (prefill tokens ahead of the request, its own included):
+  ``b`` is the engine's seconds per uncached prompt token, ``a`` what a request pays even
+  with nothing ahead (a scheduling step, the data path);
+* time per output token = c + d * (requests in the decode batch): the step time of
+  continuous batching, growing with the batch.
+
+The fits forget old samples exponentially (a half-life counted in observations), so a
+model follows an engine that slows down (thermal throttling, a noisy neighbour, a longer
+context mix). They start from priors given by config, kept as two pseudo-observations
+that fade like any other sample, so the first predictions are sane and a few real ones
+take over. Each model also tracks its own relative error, exported on /metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class OnlineLine:
+    """y ~ a + b*x by weighted least squares with exponential forgetting; a, b >= 0."""
+
+    prior_a: float
+    prior_b: float
+    prior_x: float              # where the second pseudo-observation sits
+    half_life: float = 64.0     # observations after which a sample counts half
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    n: int = 0
+    a: float = 0.0
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.a, self.b = self.prior_a, self.prior_b
+        self._add(0.0, self.prior_a, 1.0)
+        self._add(self.prior_x, self.prior_a + self.prior_b * self.prior_x, 1.0)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self.sw += w
+        self.sx += w * x
+        self.sy += w * y
+        self.sxx += w * x * x
+        self.sxy += w * x * y
+
+    def add(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
+            return
+        keep = 0.5 ** (1.0 / self.half_life)
+        self.sw *= keep
+        self.sx *= keep
+        self.sy *= keep
+        self.sxx *= keep
+        self.sxy *= keep
+        self._add(x, y, 1.0)
+        self.n += 1
+        var = self.sw * self.sxx - self.sx * self.sx
+        if var > 1e-12 * max(self.sw * self.sxx, 1.0):
+            b = (self.sw * self.sxy - self.sx * self.sy) / var
+            b = max(b, 0.0)
+        else:
+            b = self.b
+        self.b = b
+        self.a = max((self.sy - b * self.sx) / self.sw, 0.0)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+@dataclass(slots=True)
+class ErrorTrack:
+    """Mean absolute relative error of recent predictions (EWMA)."""
+
+    alpha: float = 0.05
+    mean: float = 0.0
+    n: int = 0
+
+    def add(self, predicted: float, observed: float) -> None:
+        if observed <= 0 or predicted < 0:
+            return
+        err = abs(predicted - observed) / observed
+        self.mean = err if self.n == 0 else self.mean + self.alpha * (err - self.mean)
+        self.n += 1
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionDefaults:
+    """Priors: what an engine is assumed to do before it has been observed."""
+
+    prefill_s_per_token: float = 1e-4    # 10k uncached tokens/s
+    ttft_base_s: float = 0.02
+    tpot_base_s: float = 0.02
+    tpot_s_per_request: float = 5e-4
+    half_life: float = 64.0
+
+
+@dataclass(slots=True)
+class EngineModel:
+    ttft: OnlineLine
+    tpot: OnlineLine
+    ttft_error: ErrorTrack = field(default_factory=ErrorTrack)
+    tpot_error: ErrorTrack = field(default_factory=ErrorTrack)
+
+    @classmethod
+    def new(cls, d: PredictionDefaults) -> "EngineModel":
+        return cls(ttft=OnlineLine(d.ttft_base_s, d.prefill_s_per_token, 8192.0, d.half_life),
+                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life))
+
+    def observe_ttft(self, work_tokens: float, ttft_s: float) -> None:
+        self.ttft_error.add(self.ttft(work_tokens), ttft_s)
+        self.ttft.add(work_tokens, ttft_s)
+
+    def observe_tpot(self, batch: float, tpot_s: float) -> None:
+        self.tpot_error.add(self.tpot(batch), tpot_s)
+        self.tpot.add(batch, tpot_s)
+
+
+class Predictor:
+    """One model per worker id, made on first use."""
+
+    def __init__(self, defaults: PredictionDefaults | None = None) -> None:
+        self.defaults = defaults or PredictionDefaults()
+        self._models: dict[str, EngineModel] = {}
+
+    def model(self, worker_id: str) -> EngineModel:
+        m = self._models.get(worker_id)
+        if m is None:
+            m = self._models[worker_id] = EngineModel.new(self.defaults)
+        return m
+
+    def forget(self, worker_id: str) -> None:
+        self._models.pop(worker_id, None)
+
+    def items(self) -> list[tuple[str, EngineModel]]:
+        return list(self._models.items())

@@ -1,0 +1,76 @@
+"""Predicted-latency plugins: choose the engine that will answer soonest, not the least busy.
+
+For each candidate the prediction is (``controlplane.prediction``):
+
+* TTFT: the engine's learned line at (prefill tokens already placed there and not yet
+  computed + the tokens of this prompt it does not hold in its prefix cache). So a warm
+  cache and a short queue both count, in the same unit: seconds.
+* TPOT: the engine's learned step time at its decode batch with this request added.
+
+A prefill leg is judged by TTFT alone, a decode leg by TPOT alone, an aggregated worker by
+both, each against the request's target (its SLO headers, or the scorer's defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controlplane.scheduling.base import PlacementContext
+from controlplane.workers import Role, WorkerView
+
+
+def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
+    """(predicted TTFT, predicted TPOT) in seconds for ``w``; 0 for a leg it does not run."""
+    got = ctx.predicted.get(w.id)
+    if got is not None:
+        return got
+    model = ctx.predictor.model(w.id)
+    role = w.spec.role
+    ttft = model.ttft(w.load.prefill_tokens + ctx.uncached_tokens(w.id)) \
+        if ctx.leg != "decode" and role is not Role.DECODE else 0.0
+    tpot = model.tpot(w.load.requests + 1) if role is not Role.PREFILL else 0.0
+    got = ctx.predicted[w.id] = (ttft, tpot)
+    return got
+
+
+@dataclass
+class PredictedLatencyScorer:
+    """Score = the best candidate's predicted cost / this one's (1.0 for the best).
+
+    Cost = TTFT / TTFT target + TPOT / TPOT target, divided by the worker's weight.
+    """
+
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.1
+    name: str = "predicted_latency"
+    uses_prefix_cache: bool = True
+    uses_predictions: bool = True
+
+    def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
+        ttft_t = ctx.ttft_slo_s or self.ttft_target_s
+        tpot_t = ctx.tpot_slo_s or self.tpot_target_s
+        costs = []
+        for w in workers:
+            ttft, tpot = predict(ctx, w)
+            costs.append((ttft / ttft_t + tpot / tpot_t) / max(w.spec.weight, 1e-9))
+        best = min(costs, default=0.0)
+        return [best / c if c > 0 else 1.0 for c in costs]
+
+
+@dataclass
+class SLOFilter:
+    """Keep the workers predicted to meet the request's own SLO headers.
+
+    Soft: when none is predicted to meet them, all stay (the scorer then takes the least
+    bad); requests without targets are not filtered.
+    """
+
+    name: str = "slo"
+    soft: bool = True
+    uses_predictions: bool = True
+
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
+        if not (ctx.ttft_slo_s or ctx.tpot_slo_s):
+            return True
+        ttft, tpot = predict(ctx, worker)
+        return (not ctx.ttft_slo_s or ttft <= ctx.ttft_slo_s) and (not ctx.tpot_slo_s or tpot <= ctx.tpot_slo_s)

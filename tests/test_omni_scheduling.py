@@ -1,0 +1,236 @@
+"""Omni scheduling in process: latency models, predicted-latency choice, the queue stage."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from controlplane.fleet import Fleet
+from controlplane.lifecycle import Lifecycle
+from controlplane.placement import PlacementStats, Placer
+from controlplane.prediction import EngineModel, OnlineLine, PredictionDefaults, Predictor
+from controlplane.scheduling import build_profile
+from controlplane.scheduling.queue import HoldQueue
+from controlplane.state import MemoryStore
+from controlplane.workers import Health, HealthState, Role, WorkerSpec
+from protos import omni_proxy_pb2 as pb
+
+# ---------------------------------------------------------------------------- prediction
+
+
+def test_online_line_learns_a_known_rhythm_and_forgets_the_prior():
+    line = OnlineLine(prior_a=0.5, prior_b=0.01, prior_x=100, half_life=32)
+    rng = random.Random(1)
+    for _ in range(300):
+        x = rng.uniform(0, 20_000)
+        line.add(x, 0.03 + 2e-4 * x + rng.gauss(0, 0.005))   # 5k tokens/s, 30 ms base
+    assert line.b == pytest.approx(2e-4, rel=0.05)
+    assert line.a == pytest.approx(0.03, abs=0.01)
+
+
+def test_model_adapts_when_an_engine_slows_down_and_tracks_its_error():
+    model = EngineModel.new(PredictionDefaults(half_life=16))
+    for i in range(200):
+        model.observe_ttft(1000 + 10 * (i % 50), 0.01 + 1e-4 * (1000 + 10 * (i % 50)))
+    fast = model.ttft(4000)
+    assert fast == pytest.approx(0.41, rel=0.05)
+    assert model.ttft_error.mean < 0.05
+    for i in range(200):   # the engine becomes three times slower
+        model.observe_ttft(1000 + 10 * (i % 50), 0.01 + 3e-4 * (1000 + 10 * (i % 50)))
+    assert model.ttft(4000) == pytest.approx(1.21, rel=0.05)
+
+
+def test_bad_samples_are_ignored():
+    line = OnlineLine(prior_a=0.1, prior_b=0.001, prior_x=10)
+    for x, y in ((float("nan"), 1.0), (1.0, float("inf")), (-1.0, 1.0), (1.0, -1.0)):
+        line.add(x, y)
+    assert line.n == 0 and line(10) == pytest.approx(0.11)
+
+
+# ---------------------------------------------------------------------------- harness
+
+
+@dataclasses.dataclass
+class Plane:
+    store: MemoryStore
+    fleet: Fleet
+    placer: Placer
+    lifecycle: Lifecycle
+
+    async def load(self, wid):
+        return (await self.store.loads([wid]))[wid]
+
+
+async def make(policy="predicted_latency", workers=("a", "b"), role=Role.BOTH, **profiles) -> Plane:
+    store, fleet, stats, predictor = MemoryStore(), Fleet(), PlacementStats.new(), Predictor()
+    for wid in workers:
+        spec = WorkerSpec(id=wid, url=f"http://{wid}", role=role, model="m")
+        await store.put_spec(spec)
+        fleet.put(spec)
+        fleet.set_state(wid, HealthState(health=Health.HEALTHY))
+    placer = Placer(store, fleet, build_profile(policy, profiles or None), stats=stats, predictor=predictor)
+    return Plane(store, fleet, placer, Lifecycle(store, fleet, stats, predictor=predictor, queue=placer.queue))
+
+
+def entry(rid, tokens=1000, **kw):
+    return pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=tokens, max_tokens=10, **kw)
+
+
+def teach(plane: Plane, wid: str, s_per_token: float, tpot: float = 0.02, tpot_per_req: float = 0.0):
+    model = plane.placer.predictor.model(wid)
+    for i in range(100):
+        model.observe_ttft(500 + 100 * i, 0.01 + s_per_token * (500 + 100 * i))
+        model.observe_tpot(1 + i % 30, tpot + tpot_per_req * (1 + i % 30))
+
+
+# ---------------------------------------------------------------------------- predicted latency
+
+
+async def test_predicted_latency_prefers_the_engine_that_answers_first_not_the_idle_one():
+    plane = await make(policy="nohold", nohold={"scorers": [{"name": "predicted_latency"}]})
+    teach(plane, "a", 1e-4)        # fast engine
+    teach(plane, "b", 1e-3)        # ten times slower prefill
+    # a already has 3k tokens to prefill (0.3 s); b is idle but would take 1 s for 1k tokens.
+    await plane.placer.place(entry("busy", tokens=3000), "s")
+    assert (await plane.load("a")).prefill_tokens == 3000 or (await plane.load("b")).prefill_tokens == 3000
+    first = (await plane.store.get("busy")).charges[0].worker_id
+    assert first == "a"                 # both idle: the fast one
+    p = await plane.placer.place(entry("next", tokens=1000), "s")
+    assert p.decode.worker_id == "a"    # 0.41 s on a beats 1.01 s on b
+    explained = await plane.placer.place(entry("x", tokens=1000, explain=True), dry_run=True)
+    assert "ttft=" in explained.explanation and "tpot=" in explained.explanation
+
+
+async def test_first_token_settles_prefill_work_and_teaches_the_engine():
+    plane = await make(policy="least_load", workers=("a",))
+    await plane.placer.place(entry("r", tokens=2000), "s")
+    assert (await plane.load("a")).prefill_tokens == 2000
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=250,
+                                                   streamed=True))
+    assert (await plane.load("a")).prefill_tokens == 0 and (await plane.load("a")).requests == 1
+    model = plane.placer.predictor.model("a")
+    assert model.ttft.n == 1 and model.ttft_error.n == 1
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_FINISHED, ttft_ms=250,
+                                                   latency_ms=250 + 9 * 30, completion_tokens=10))
+    assert model.tpot.n == 1 and (await plane.load("a")).requests == 0
+
+
+async def test_whole_response_times_do_not_teach_ttft():
+    plane = await make(policy="least_load", workers=("a",))
+    await plane.placer.place(entry("r", tokens=2000), "s")
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=5000,
+                                                   streamed=False))
+    assert plane.placer.predictor.model("a").ttft.n == 0
+    assert (await plane.load("a")).prefill_tokens == 0
+
+
+async def test_slo_filter_keeps_engines_predicted_to_meet_the_request_target():
+    plane = await make(policy="slo_only", slo_only={"filters": [{"name": "slo"}], "picker": "round_robin"})
+    teach(plane, "a", 1e-3)     # 1 s per 1k tokens
+    teach(plane, "b", 1e-4)
+    for i in range(6):
+        p = await plane.placer.place(entry(f"r{i}", tokens=1000, ttft_slo_ms=500), "s")
+        assert p.decode.worker_id == "b"
+        await plane.store.end(f"r{i}")
+    # Without targets, round robin uses both.
+    seen = {(await plane.placer.place(entry(f"n{i}"), "s")).decode.worker_id for i in range(4)}
+    assert seen == {"a", "b"}
+
+
+# ---------------------------------------------------------------------------- queue stage
+
+
+class W:
+    def __init__(self, prompt_tokens, enqueued_at):
+        self.prompt_tokens, self.enqueued_at = prompt_tokens, enqueued_at
+
+
+def test_queue_order_prefers_short_prompts_then_long_waiters_and_starvation_overrides():
+    q = HoldQueue(starvation_s=20.0)
+    short, long_, old_long = W(100, 9.0), W(8000, 9.0), W(8000, 1.0)
+    order = q.order([long_, short, old_long], now=10.0)
+    assert order[0] is short                     # 0.8 * shortness dominates
+    assert order.index(old_long) < order.index(long_)   # waiting breaks the tie between long ones
+    starved = W(9000, -11.0)                     # waited 21 s > starvation_s
+    assert q.order([short, starved], now=10.0)[0] is starved
+
+
+def test_queue_stage_refuses_bad_settings():
+    with pytest.raises(ValueError):
+        HoldQueue(on_timeout="drop")
+    with pytest.raises(ValueError):
+        HoldQueue(max_size=0)
+
+
+async def _busy(plane: Plane, wid: str, tokens: int, rid: str):
+    """Put ``tokens`` of prefill work on ``wid`` directly through the ledger."""
+    from controlplane.state import Charge, RequestRecord
+
+    await plane.store.reserve(RequestRecord(request_id=rid, model="m", prompt_tokens=tokens, max_tokens=1,
+                                            session="s"), (Charge(wid, "aggregated", tokens, tokens),))
+
+
+async def test_late_binding_holds_until_an_engine_frees_and_goes_to_that_engine():
+    plane = await make()
+    teach(plane, "a", 1e-3)
+    teach(plane, "b", 1e-3)
+    await _busy(plane, "a", 2000, "wa")        # 2 s of work ahead on each engine
+    await _busy(plane, "b", 3000, "wb")
+    answer = await plane.placer.submit(entry("held", tokens=500), "s")
+    assert isinstance(answer, asyncio.Future) and len(plane.placer.queue) == 1
+    await plane.placer.queue.dispatch()
+    assert not answer.done()                    # still nobody free
+    # b finishes its prefill first: the held request goes there, although a looked better.
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="wb", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=10))
+    placement = await asyncio.wait_for(answer, 2)
+    assert placement.decode.worker_id == "b" and placement.queued_ms >= 0
+    assert len(plane.placer.queue) == 0
+    await plane.placer.queue.stop()
+
+
+async def test_cancelled_waiting_request_leaves_the_queue_at_once():
+    plane = await make()
+    teach(plane, "a", 1e-3)
+    teach(plane, "b", 1e-3)
+    await _busy(plane, "a", 5000, "wa")
+    await _busy(plane, "b", 5000, "wb")
+    answer = await plane.placer.submit(entry("gone"), "s")
+    assert isinstance(answer, asyncio.Future)
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="gone", kind=pb.EVENT_CANCELLED))
+    assert answer.cancelled() and len(plane.placer.queue) == 0
+    assert plane.placer.queue.counters["cancelled"] == 1
+    await plane.placer.queue.stop()
+
+
+async def test_queue_bounds_full_is_overloaded_and_a_long_wait_places_anyway():
+    plane = await make(policy="q", q={"scorers": [{"name": "predicted_latency"}],
+                                      "queue": {"name": "omni", "max_size": 2, "max_wait_s": 0.05}})
+    teach(plane, "a", 1e-3)
+    teach(plane, "b", 1e-3)
+    await _busy(plane, "a", 5000, "wa")
+    await _busy(plane, "b", 5000, "wb")
+    first = await plane.placer.submit(entry("q1"), "s")
+    second = await plane.placer.submit(entry("q2"), "s")
+    third = await plane.placer.submit(entry("q3"), "s")
+    assert isinstance(first, asyncio.Future) and isinstance(second, asyncio.Future)
+    assert isinstance(third, pb.Placement) and third.error == pb.OVERLOADED and third.retry_after_s > 0
+    placed = await asyncio.wait_for(first, 2)   # max_wait_s passed: placed on the best engine anyway
+    assert placed.decode.worker_id in ("a", "b") and not placed.error and placed.queued_ms >= 50
+    await asyncio.wait_for(second, 2)
+    assert plane.placer.queue.counters["timed_out"] == 2
+    await plane.placer.queue.stop()
+
+
+async def test_session_end_removes_its_waiting_requests():
+    plane = await make()
+    teach(plane, "a", 1e-3)
+    teach(plane, "b", 1e-3)
+    await _busy(plane, "a", 5000, "wa")
+    await _busy(plane, "b", 5000, "wb")
+    answer = await plane.placer.submit(entry("w1"), "s9")
+    await plane.lifecycle.orphan_session("s9")
+    assert answer.cancelled() and len(plane.placer.queue) == 0
+    await plane.placer.queue.stop()
