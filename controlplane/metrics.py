@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import itertools
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from controlplane.kvcache.manager import KVCache
-from controlplane.placement import PlacementStats
+from controlplane.placement import LATENCY_BUCKETS, PlacementStats
+from controlplane.prediction import Predictor
+from controlplane.queueing import PlacementQueue
 from controlplane.workers import Health, WorkerView
 
 
@@ -76,7 +80,61 @@ class _Snapshot:
         yield from (blocks, refs, events)
 
 
-def render(workers: list[WorkerView], stats: PlacementStats, kv: KVCache | None = None) -> bytes:
+class _Scheduling:
+    """Latency predictions per worker (and how wrong they were), the queue stage, placement time."""
+
+    def __init__(self, workers: list[WorkerView], stats: PlacementStats, predictor: Predictor | None,
+                 queue: PlacementQueue | None) -> None:
+        self.workers, self.stats, self.predictor, self.queue = workers, stats, predictor, queue
+
+    def collect(self):
+        pending = GaugeMetricFamily("omni_worker_prefill_tokens_pending", "Uncached prompt tokens placed on the "
+                                    "worker whose first token has not come yet", labels=["worker"])
+        for w in self.workers:
+            pending.add_metric([w.id], w.load.prefill_tokens)
+        yield pending
+        if self.predictor is not None:
+            spt = GaugeMetricFamily("omni_worker_prefill_seconds_per_token", "Learned prefill time per uncached "
+                                    "prompt token", labels=["worker"])
+            ttft = GaugeMetricFamily("omni_worker_predicted_ttft_seconds", "Predicted time to first token of a "
+                                     "new 1k-token prompt, with the work already placed there", labels=["worker"])
+            tpot = GaugeMetricFamily("omni_worker_predicted_tpot_seconds", "Predicted time per output token "
+                                     "with one more request in the batch", labels=["worker"])
+            err = GaugeMetricFamily("omni_worker_prediction_error_ratio", "Mean absolute relative error of "
+                                    "recent predictions", labels=["worker", "kind"])
+            obs = CounterMetricFamily("omni_worker_prediction_observations", "Observations the latency models "
+                                      "learned from", labels=["worker", "kind"])
+            for w in self.workers:
+                m = self.predictor.model(w.id)
+                spt.add_metric([w.id], m.ttft.b)
+                ttft.add_metric([w.id], m.ttft(w.load.prefill_tokens + 1000))
+                tpot.add_metric([w.id], m.tpot(w.load.requests + 1))
+                err.add_metric([w.id, "ttft"], m.ttft_error.mean)
+                err.add_metric([w.id, "tpot"], m.tpot_error.mean)
+                obs.add_metric([w.id, "ttft"], m.ttft.n)
+                obs.add_metric([w.id, "tpot"], m.tpot.n)
+            yield from (spt, ttft, tpot, err, obs)
+        if self.queue is not None:
+            yield GaugeMetricFamily("omni_queue_depth", "Requests held in the placement queue",
+                                    value=len(self.queue))
+            events = CounterMetricFamily("omni_queue_events", "Placement queue events", labels=["event"])
+            for event, n in self.queue.counters.items():
+                events.add_metric([event], n)
+            yield events
+            yield CounterMetricFamily("omni_queue_wait_seconds", "Time requests spent held in the queue",
+                                      value=self.queue.wait_s_total)
+        lat = self.stats.latency
+        buckets = [(str(b), n) for b, n in zip(LATENCY_BUCKETS, itertools.accumulate(lat.counts))]
+        buckets.append(("+Inf", lat.total))
+        h = HistogramMetricFamily("omni_placement_seconds", "Time to decide and reserve one placement "
+                                  "(queue waits excluded)", buckets=buckets, sum_value=lat.sum_s)
+        yield h
+
+
+def render(workers: list[WorkerView], stats: PlacementStats, kv: KVCache | None = None,
+           predictor: Predictor | None = None, queue: PlacementQueue | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(workers, stats, kv))
+    registry.register(_Scheduling(workers, stats, predictor, queue))
+    ProcessCollector(registry=registry)
     return generate_latest(registry)

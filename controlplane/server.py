@@ -139,7 +139,8 @@ class ControlPlane:
         async def prom(_: web.Request) -> web.Response:
             specs = self.fleet.specs()
             loads = await self.store.loads([s.id for s in specs])
-            body = metrics.render([self.fleet.view(s, loads[s.id]) for s in specs], self.placer.stats, self.kv)
+            body = metrics.render([self.fleet.view(s, loads[s.id]) for s in specs], self.placer.stats, self.kv,
+                                  self.predictor, self.placer.queue)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app.router.add_get("/health", health)

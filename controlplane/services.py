@@ -120,8 +120,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         out.put_nowait(pb.ControlPlaneMessage(placement=placement))
 
     async def _place(self, req: pb.PlaceRequest, session: str) -> "pb.Placement | asyncio.Future":
+        started = time.perf_counter()
         try:
-            return await self.placer.submit(req, session)
+            answer = await self.placer.submit(req, session)
+            self.placer.stats.latency.observe(time.perf_counter() - started)
+            return answer
         except Exception as exc:  # a bug must cost one placement, never the whole session
             log.exception("placement of %s failed", req.request_id)
             return self.placer.internal_error(req, exc)
