@@ -9,7 +9,7 @@ import argparse
 import random
 import time
 
-from controlplane.kvcache.hashing import HASH_ALGOS, BlockHashConfig, BlockHasher
+from kvhash.hashing import HASH_ALGOS, BlockHashConfig, BlockHasher
 
 
 def main() -> None:

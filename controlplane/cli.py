@@ -47,7 +47,7 @@ def config_from_args(args: argparse.Namespace):
 
 def check_config(cfg) -> None:
     """Refuse settings that would only fail later, under traffic."""
-    from controlplane.kvcache.hashing import BlockHashConfig, UnreproducibleHashError, resolve_seed
+    from kvhash.hashing import BlockHashConfig, UnreproducibleHashError, resolve_seed
     from controlplane.scheduling import build_profile
     from metaserver.server import WILDCARD_HOSTS
 
@@ -73,7 +73,7 @@ def _grpc_bind_error(listen: str):
     """gRPC only says "Failed to bind": find out why by trying the same bind once ourselves."""
     import socket
 
-    from omni_proxy.runtime import StartupError, bind_error
+    from omni_runtime import StartupError, bind_error
 
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
@@ -90,7 +90,7 @@ def _grpc_bind_error(listen: str):
 
 async def _start(cp, cfg) -> None:
     """Start the control plane; a port it cannot bind is a :class:`StartupError` naming the key."""
-    from omni_proxy.runtime import StartupError, bind_error
+    from omni_runtime import StartupError, bind_error
 
     try:
         await cp.start()
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from controlplane.validate import choice as v_choice
-    from omni_proxy.runtime import run_main, wait_for_stop_signal, write_ready_file
+    from omni_runtime import run_main, wait_for_stop_signal, write_ready_file
 
     try:
         level = v_choice(args.log_level.upper(), "--log-level", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))

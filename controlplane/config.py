@@ -38,7 +38,7 @@ from typing import Any
 
 from controlplane import validate as v
 from controlplane.health import HealthConfig
-from controlplane.kvcache.hashing import HASH_ALGOS
+from kvhash.hashing import HASH_ALGOS
 from controlplane.kvcache.manager import KVCacheConfig
 from controlplane.workers import Role
 

@@ -22,7 +22,7 @@ from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
 from controlplane.state import MemoryStore, StateStore
 from controlplane.workers import WorkerSpec
-from omni_proxy.runtime import start_http_site
+from omni_runtime import start_http_site
 from metaserver.server import Metaserver
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc

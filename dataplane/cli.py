@@ -67,7 +67,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_proxy.runtime import bind_error, run_main, start_http_site, wait_for_stop_signal, write_ready_file
+    from omni_runtime import bind_error, run_main, start_http_site, wait_for_stop_signal, write_ready_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)

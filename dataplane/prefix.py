@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
+from kvhash.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)

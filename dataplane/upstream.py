@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 
 from dataplane.errors import APIError
+from engine_api.answers import upstream_message
 
 
 @dataclass
@@ -48,24 +49,6 @@ def _timed_out(worker_id: str, url: str) -> UpstreamError:
     # upstream_status 504, not 0: a slow engine is not an unreachable one, so the control
     # plane counts a failure but does not take the worker out of rotation.
     return UpstreamError(worker_id, f"worker {worker_id} ({url}) timed out", 504, status=504)
-
-
-def upstream_message(data: bytes) -> str:
-    """The engine's own error text where it gave one (OpenAI, FastAPI or plain)."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return data[:500].decode("utf-8", "replace").strip()
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        for key in ("message", "detail"):
-            if obj.get(key):
-                return str(obj[key])
-    return data[:500].decode("utf-8", "replace").strip()
 
 
 class Upstream:

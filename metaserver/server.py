@@ -19,11 +19,11 @@ from aiohttp import web
 
 from controlplane.lifecycle import Lifecycle
 from controlplane.placement import Placer
-from dataplane.body import prefill_body
-from dataplane.upstream import upstream_message
+from engine_api.answers import upstream_message
+from engine_api.bodies import prefill_body
 from metaserver.ids import candidates, engine_request_ids
 from metaserver.pending import PendingPrefill, PendingTable
-from omni_proxy.runtime import cancel_and_wait
+from omni_runtime import cancel_and_wait
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         agg = sum(w.placements_total for w in workers if w.role == pb.ROLE_BOTH)
         console.print(f"flows: {pd} prefill/decode (sequential), {agg} aggregated")
         if args.ready_file:
-            from omni_proxy.runtime import write_ready_file
+            from omni_runtime import write_ready_file
 
             write_ready_file(args.ready_file, port=dp.port, ok=len(ok), sent=len(summary.results),
                              pd=pd, aggregated=agg)

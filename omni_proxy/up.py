@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_proxy.runtime import run_main, start_http_site, wait_for_stop_signal, write_ready_file
+    from omni_runtime import run_main, start_http_site, wait_for_stop_signal, write_ready_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
-    from omni_proxy.runtime import StartupError, run_main
+    from omni_runtime import StartupError, run_main
     from simulator.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

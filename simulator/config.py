@@ -84,7 +84,7 @@ class SimConfig:
         for name in ("tokenize_workers", "kv_events_buffer_steps", "kv_events_hwm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        from controlplane.kvcache.hashing import HASH_ALGOS
+        from kvhash.hashing import HASH_ALGOS
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}")

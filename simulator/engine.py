@@ -6,7 +6,7 @@ pressure and preemption, one decode token per running sequence per step), each s
 lasting what the cost model says. Handlers never compute timings themselves.
 
 KV blocks come from a ``BlockPool`` with vLLM's automatic prefix caching: a request's full
-blocks are cached under vLLM's chained block hashes (``controlplane.kvcache.hashing``, the
+blocks are cached under vLLM's chained block hashes (``kvhash.hashing``, the
 same code the router uses), a new request reuses the longest cached prefix and is charged
 prefill time only for the rest, and the pool's BlockStored/BlockRemoved/AllBlocksCleared
 events go to ``on_events`` once per step (the ZMQ publisher in ``kv_events``).
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
-from omni_proxy.runtime import cancel_and_wait
+from kvhash.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
+from omni_runtime import cancel_and_wait
 from simulator.block_pool import BlockPool, KVBlock, PoolEvent
 from simulator.config import SimConfig
 from simulator.tokens import VOCAB, next_token

@@ -48,8 +48,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from controlplane.kvcache.hashing import to_event_hash
-from omni_proxy.runtime import cancel_and_wait
+from kvhash.hashing import to_event_hash
+from omni_runtime import cancel_and_wait
 from simulator.block_pool import Cleared, PoolEvent, Removed, Stored
 from simulator.config import SimConfig
 

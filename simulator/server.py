@@ -76,7 +76,7 @@ async def _on_cleanup(app: web.Application) -> None:
 
 async def serve(cfg: SimConfig, ready_file: str | None) -> None:
     """Run one sim until SIGINT/SIGTERM; announce the bound port through the ready file."""
-    from omni_proxy.runtime import start_http_site, wait_for_stop_signal, write_ready_file
+    from omni_runtime import start_http_site, wait_for_stop_signal, write_ready_file
 
     app = build_app(cfg)
     runner, port = await start_http_site(app, cfg.host, cfg.port)

@@ -10,7 +10,7 @@ import asyncio
 import orjson
 import pytest
 
-from dataplane.body import PULL_PREFILL_KV_PARAMS
+from engine_api.bodies import PULL_PREFILL_KV_PARAMS
 from tests.conftest import Cluster, start_cluster, wait_until
 from tests.test_dataplane_hygiene import parse_response, post_bytes, raw_exchange
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from omni_proxy.launcher import ProcessGroup
-from omni_proxy.runtime import start_http_site
+from omni_runtime import start_http_site
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until

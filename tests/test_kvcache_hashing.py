@@ -10,7 +10,7 @@ from pathlib import Path
 import cbor2
 import pytest
 
-from controlplane.kvcache.hashing import (BlockHashConfig, BlockHasher, UnreproducibleHashError, is_reproducible,
+from kvhash.hashing import (BlockHashConfig, BlockHasher, UnreproducibleHashError, is_reproducible,
                                           to_event_hash)
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "vllm_block_hashes.json").read_text())

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from omni_proxy.launcher import Child, ProcessGroup
-from omni_proxy.runtime import start_http_site
+from omni_runtime import start_http_site
 from simulator.config import SimConfig
 from simulator.engine import Engine, SimRequest
 from simulator.server import build_app

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from omni_proxy.launcher import Child, ProcessGroup
-from omni_proxy.runtime import start_http_site
+from omni_runtime import start_http_site
 from simulator.config import SimConfig
 from simulator.context import SIM
 from simulator.server import build_app

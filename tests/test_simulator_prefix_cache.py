@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher
+from kvhash.hashing import BlockHashConfig, BlockHasher
 from controlplane.kvcache.subscriber import KVEventSource, KVEventSubscriber
 from omni_proxy.launcher import Child, ProcessGroup
 from simulator.block_pool import BlockPool, Cleared, Removed, Stored

@@ -142,7 +142,7 @@ def test_hash_seed_rejects(value):
 
 def test_integer_zero_seed_hashes_like_pythonhashseed_zero():
     """hash_seed = 0 in TOML must produce the same chain as engines started with PYTHONHASHSEED=0."""
-    from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher
+    from kvhash.hashing import BlockHashConfig, BlockHasher
 
     tokens = list(range(32))
     from_int = BlockHasher(BlockHashConfig(python_hash_seed=v.hash_seed(0))).event_hashes(tokens)

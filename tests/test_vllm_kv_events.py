@@ -20,7 +20,7 @@ import grpc
 import orjson
 import pytest
 
-from controlplane.kvcache.hashing import BlockHashConfig, BlockHasher
+from kvhash.hashing import BlockHashConfig, BlockHasher
 from dataplane.tokenizer import Tokenizer
 from omni_proxy.launcher import ProcessGroup
 from protos import omni_proxy_pb2 as pb

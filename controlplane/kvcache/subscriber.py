@@ -47,7 +47,7 @@ import zmq
 import zmq.asyncio
 
 from controlplane.kvcache.events import KVEvent, MalformedEventError, decode_batch
-from omni_proxy.runtime import cancel_and_wait
+from omni_runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

