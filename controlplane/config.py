@@ -79,6 +79,7 @@ TOP_LEVEL: dict[str, Check] = {
     "heartbeat_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
     "heartbeat_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
     "max_request_age_s": lambda x, f: v.positive_seconds(x, f),
+    "session_grace_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=3600),
 }
 HEALTH: dict[str, Check] = {
     "interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
@@ -257,6 +258,7 @@ class ControlPlaneConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0
     max_request_age_s: float = 3600.0
+    session_grace_s: float = 30.0         # a data plane's requests outlive its session this long
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     @classmethod

@@ -45,7 +45,7 @@ class ControlPlane:
                              block_size=config.kv_cache.block_size,
                              metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
         self.lifecycle = Lifecycle(self.store, self.fleet, stats, max_request_age_s=config.max_request_age_s,
-                                   session_grace_s=getattr(config, "session_grace_s", 30.0),
+                                   session_grace_s=config.session_grace_s,
                                    predictor=self.predictor, queue=self.placer.queue)
         self.health = HealthChecker(self.fleet, self.registry, config.health)
         self.kv = KVCache(config.kv_cache)
