@@ -1,0 +1,409 @@
+"""Benchmark: the control plane's placement core, in process, on one core.
+
+What it measures (issue 8, deliverable 4 "placement"):
+
+* one placement's latency (p50/p99) and placements per second, with 128-block prompt chains,
+  at 16, 256 and 1,000 workers, for every built-in policy, once with workers that publish KV
+  events (the exact prefix index, fed synthetic BlockStored runs so chains match partially) and
+  once without (the approximate index, fed by the placements themselves);
+* KV events ingested per second: vLLM-shaped msgpack frames decoded and applied to the index;
+* prefix-index bytes per (block, worker) entry at 16 workers and 1M blocks (tracemalloc),
+  exact and approximate.
+
+The configurations are measured in interleaved rounds (every configuration once per round), so a
+noisy neighbour slows all of them alike; the spread of the per-round medians is reported.
+Bounded: fixed counts, a few minutes in all. Usage:
+
+    python bench/placement.py [--quick] [--rounds 3] [--placements 1500] [--out docs/benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import msgpack  # noqa: E402
+
+from controlplane.fleet import Fleet  # noqa: E402
+from controlplane.kvcache.events import decode_batch  # noqa: E402
+from controlplane.kvcache.manager import KVCache, KVCacheConfig  # noqa: E402
+from controlplane.placement import Placer  # noqa: E402
+from controlplane.scheduling import POLICIES, build_profile  # noqa: E402
+from controlplane.state import MemoryStore  # noqa: E402
+from controlplane.workers import Health, HealthState, Role, WorkerSpec  # noqa: E402
+from protos import omni_proxy_pb2 as pb  # noqa: E402
+
+CHAIN = 128          # blocks per prompt
+BLOCK = 16           # tokens per block
+DOCS = 256           # shared prefixes ("documents", system prompts, conversations)
+TARGET_US = 100.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def h64(rng: random.Random) -> int:
+    return rng.getrandbits(64)
+
+
+@dataclass
+class Setup:
+    """One (policy, fleet size, cache mode) configuration, built once and reused every round."""
+
+    policy: str
+    workers: int
+    mode: str                       # "exact" | "approx"
+    placer: Placer
+    store: MemoryStore
+    rng: random.Random
+    docs: list[list[int]]
+    inflight: deque = field(default_factory=deque)
+    window: int = 0
+    seq: int = 0
+    samples_ns: list[int] = field(default_factory=list)
+    round_p50_us: list[float] = field(default_factory=list)
+    loop_s: float = 0.0             # wall time of the measured loops (placement + release)
+    placed: int = 0
+
+    def request(self) -> pb.PlaceRequest:
+        """A prompt that shares a random-length prefix of one document, then goes its own way."""
+        rng = self.rng
+        doc = self.docs[rng.randrange(len(self.docs))]
+        shared = rng.randrange(CHAIN // 4, CHAIN)
+        chain = doc[:shared] + [h64(rng) for _ in range(CHAIN - shared)]
+        self.seq += 1
+        return pb.PlaceRequest(request_id=f"r{self.seq}", model="m", leg=pb.LEG_ENTRY,
+                               prompt_tokens=CHAIN * BLOCK, max_tokens=128, block_hashes=chain)
+
+
+async def build(policy: str, n: int, mode: str, seed: int) -> Setup:
+    rng = random.Random(seed)
+    store, fleet = MemoryStore(), Fleet()
+    for i in range(n):
+        spec = WorkerSpec(id=f"w{i:04d}", url=f"http://10.0.{i // 250}.{i % 250}:8000", role=Role.BOTH, model="m",
+                          kv_events=f"tcp://10.0.{i // 250}.{i % 250}:5557" if mode == "exact" else "")
+        await store.put_spec(spec)
+        fleet.put(spec)
+        fleet.set_state(spec.id, HealthState(health=Health.HEALTHY))
+    placer = Placer(store, fleet, build_profile(policy))
+    placer.kv = KVCache(KVCacheConfig(block_size=BLOCK, approx_ttl_s=3600))
+    docs = [[h64(rng) for _ in range(CHAIN)] for _ in range(DOCS)]
+    if mode == "exact":
+        # Each document is cached, to a random depth, on a few workers (as engines would have
+        # announced with BlockStored runs of up to 32 blocks).
+        from controlplane.kvcache.events import BlockStored
+        for doc in docs:
+            for wi in rng.sample(range(n), min(n, 3)):
+                depth = rng.randrange(8, CHAIN + 1)
+                for i in range(0, depth, 32):
+                    run = tuple(doc[i:min(i + 32, depth)])
+                    placer.kv.exact.apply(f"w{wi:04d}", 0, [BlockStored(run, doc[i - 1] if i else None, (), BLOCK)])
+    s = Setup(policy, n, mode, placer, store, rng, docs, window=min(4 * n, 2048))
+    for _ in range(min(300, 2 * n)):      # warm up: loads, approximate entries, learned models
+        await one(s, measure=False)
+    return s
+
+
+async def one(s: Setup, measure: bool = True) -> None:
+    req = s.request()
+    t0 = time.perf_counter_ns()
+    out = await s.placer.place(req)
+    dt = time.perf_counter_ns() - t0
+    if out is None or out.error:
+        raise RuntimeError(f"{s.policy}/{s.workers}/{s.mode}: placement failed: {out}")
+    if measure:
+        s.samples_ns.append(dt)
+    s.inflight.append(req.request_id)
+    if len(s.inflight) > s.window:          # keep a bounded number in flight, oldest finish first
+        await s.store.end(s.inflight.popleft())
+
+
+async def run_round(s: Setup, count: int) -> None:
+    first = len(s.samples_ns)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        await one(s)
+    s.loop_s += time.perf_counter() - t0
+    s.placed += count
+    s.round_p50_us.append(statistics.median(s.samples_ns[first:]) / 1000)
+
+
+def pct(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] / 1000
+
+
+# ---------------------------------------------------------------------------------- KV events
+
+def event_frames(rng: random.Random, workers: int, frames: int) -> list[tuple[str, bytes, int]]:
+    """vLLM-shaped KVEventBatch frames (array envelope, array events with token ids): each
+    engine step stores a run of 16-32 blocks continuing its last one and evicts as many old ones."""
+    out: list[tuple[str, bytes, int]] = []
+    held: list[deque] = [deque() for _ in range(workers)]
+    last: list[int | None] = [None] * workers
+    for f in range(frames):
+        wi = f % workers
+        k = rng.randrange(16, 33)
+        hashes = [h64(rng) for _ in range(k)]
+        tokens = [rng.randrange(150_000) for _ in range(k * BLOCK)]
+        events: list = [["BlockStored", hashes, last[wi], tokens, BLOCK, None, "GPU", None, None, 0,
+                         "full_attention", None]]
+        last[wi] = hashes[-1]
+        held[wi].extend(hashes)
+        blocks = k
+        if len(held[wi]) > 2048:
+            gone = [held[wi].popleft() for _ in range(k)]
+            events.append(["BlockRemoved", gone, "GPU", 0])
+            blocks += k
+        out.append((f"w{wi:04d}", msgpack.packb([time.time(), events, 0], use_bin_type=True), blocks))
+    return out
+
+
+def bench_events(rounds: int, frames: int) -> dict:
+    rng = random.Random(7)
+    workers = 16
+    data = event_frames(rng, workers, frames)
+    blocks_total = sum(b for _, _, b in data)
+    rates, decode_share = [], []
+    for r in range(rounds):
+        kv = KVCache(KVCacheConfig(block_size=BLOCK))
+        # untimed first pass fills the index to its steady size, as on a running fleet
+        t_dec = 0.0
+        t0 = time.perf_counter()
+        for engine, payload, _ in data:
+            a = time.perf_counter()
+            batch = decode_batch(payload)
+            t_dec += time.perf_counter() - a
+            kv._on_events(engine, batch.data_parallel_rank, batch.events)
+        dt = time.perf_counter() - t0
+        rates.append(blocks_total / dt)
+        decode_share.append(t_dec / dt)
+        log(f"  kv events round {r + 1}/{rounds}: {blocks_total / dt:,.0f} block events/s "
+            f"({len(data) / dt:,.0f} frames/s, decode {100 * t_dec / dt:.0f}% of the time)")
+    return {"frames": len(data), "block_events": blocks_total, "block_events_per_s": statistics.median(rates),
+            "spread": [min(rates), max(rates)], "frames_per_s": statistics.median(rates) * len(data) / blocks_total,
+            "decode_share": statistics.median(decode_share)}
+
+
+# ---------------------------------------------------------------------------------- memory
+
+def bench_memory(blocks: int, workers: int = 16) -> dict:
+    out = {}
+    rng = random.Random(11)
+    # exact: 1M distinct blocks in chains of 128, each chain held by one worker (the harshest
+    # case per entry: nothing shared), announced in runs of 32 as engines do.
+    from controlplane.kvcache.events import BlockStored
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    kv = KVCache(KVCacheConfig(block_size=BLOCK, max_blocks=blocks * 2))
+    chains = blocks // CHAIN
+    for c in range(chains):
+        chain = [h64(rng) for _ in range(CHAIN)]
+        wid = f"w{c % workers:04d}"
+        for i in range(0, CHAIN, 32):
+            kv.exact.apply(wid, 0, [BlockStored(tuple(chain[i:i + 32]), chain[i - 1] if i else None, (), BLOCK)])
+        if c % 1000 == 0:
+            log(f"  memory (exact): {c * CHAIN:,} / {blocks:,} blocks")
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    st = kv.exact.stats()
+    out["exact"] = {"blocks": st.blocks, "entries": st.block_refs, "bytes": used,
+                    "bytes_per_entry": used / max(1, st.block_refs)}
+    log(f"  memory (exact): {used / 2**20:.0f} MiB, {used / max(1, st.block_refs):.0f} B/entry")
+    del kv
+    gc.collect()
+    # approximate: the same number of blocks routed to 16 workers without KV events (placements
+    # remembered with their expiry), through KVCache.placed as placement calls it.
+    specs = [WorkerSpec(id=f"w{i:04d}", url=f"http://w{i}", role=Role.BOTH, model="m") for i in range(workers)]
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    kv = KVCache(KVCacheConfig(block_size=BLOCK, max_blocks=blocks * 2, approx_ttl_s=3600))
+    for c in range(chains):
+        chain = [h64(rng) for _ in range(CHAIN)]
+        kv.placed(specs[c % workers], chain, 0)
+        if c % 1000 == 0:
+            log(f"  memory (approx): {c * CHAIN:,} / {blocks:,} blocks")
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    st = kv.approx.stats()
+    out["approx"] = {"blocks": st.blocks, "entries": st.block_refs, "bytes": used,
+                     "bytes_per_entry": used / max(1, st.block_refs)}
+    log(f"  memory (approx): {used / 2**20:.0f} MiB, {used / max(1, st.block_refs):.0f} B/entry")
+    return out
+
+
+# ---------------------------------------------------------------------------------- report
+
+def table(result: dict, baseline: dict | None) -> str:
+    base = {}
+    if baseline:
+        for row in baseline["placement"]:
+            base[(row["policy"], row["workers"], row["mode"])] = row
+    lines = ["| policy | cache | workers | p50 us | p99 us | placements/s | round p50s (us) |"
+             + (" before p50 us | before p99 us |" if base else ""),
+             "|---|---|---:|---:|---:|---:|---|" + ("---:|---:|" if base else "")]
+    for row in result["placement"]:
+        b = base.get((row["policy"], row["workers"], row["mode"]))
+        ok = "" if row["p50_us"] <= TARGET_US else " ⚠"
+        line = (f"| {row['policy']} | {row['mode']} | {row['workers']} | {row['p50_us']:.1f}{ok} | {row['p99_us']:.1f} "
+                f"| {row['placements_per_s']:,.0f} | {', '.join(f'{x:.1f}' for x in row['round_p50_us'])} |")
+        if base:
+            line += f" {b['p50_us']:.1f} | {b['p99_us']:.1f} |" if b else " - | - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write(result: dict, out: Path, command: str, baseline: dict | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "placement.json").write_text(json.dumps(result, indent=1) + "\n")
+    ev, mem = result.get("events"), result.get("memory")
+    md = ["# Placement core benchmark", "",
+          f"Command: `{command}`", "",
+          f"Machine: {result['machine']}. In process, one core, {CHAIN}-block chains; every row's p50 is "
+          f"the median of {result['rounds']} interleaved rounds' samples, with each round's own p50 listed "
+          "to show the spread. Placements/s = placements / (time in `Placer.place`) on one core; the "
+          "release of older requests (to keep load realistic) is not counted. `exact`: workers publish KV "
+          "events (index fed synthetic BlockStored runs: each of 256 shared prefixes cached to a random depth "
+          "on 3 workers); `approx`: no events, the index remembers routed prefixes. Target: p50 <= 100 us "
+          "at 1,000 workers for every policy (⚠ marks rows above it), >= 20,000 placements/s.", "",
+          table(result, baseline), ""]
+    if ev:
+        md += ["## KV events", "",
+               f"{ev['block_events_per_s']:,.0f} block events/s ingested (decode + index apply; spread "
+               f"{ev['spread'][0]:,.0f}-{ev['spread'][1]:,.0f}), {ev['frames_per_s']:,.0f} frames/s; decoding "
+               f"is {100 * ev['decode_share']:.0f}% of it. Frames are vLLM-shaped (array envelope and events, "
+               "16-32 blocks stored per frame with their token ids, as many old blocks removed); 16 workers. "
+               "Target: >= 200,000/s.", ""]
+    if mem:
+        md += ["## Prefix index memory", "",
+               "| mode | blocks | (block, worker) entries | MiB | bytes/entry |", "|---|---:|---:|---:|---:|"]
+        for mode, m in mem.items():
+            md.append(f"| {mode} | {m['blocks']:,} | {m['entries']:,} | {m['bytes'] / 2**20:.0f} | "
+                      f"{m['bytes_per_entry']:.0f} |")
+        md += ["", "16 workers, 1M distinct blocks, each held by one worker (no sharing: the worst case per "
+               "entry), measured with tracemalloc. Approximate mode includes its expiry bookkeeping. "
+               "Target: <= 150 bytes/entry.", ""]
+    if baseline:
+        md += [f"`before` columns: {baseline.get('label', 'baseline')} ({baseline.get('commit', '?')}).", ""]
+    (out / "placement.md").write_text("\n".join(md))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, mode in zip(axes, ("exact", "approx")):
+        for policy in result["policies"]:
+            rows = [r for r in result["placement"] if r["policy"] == policy and r["mode"] == mode]
+            if rows:
+                ax.plot([r["workers"] for r in rows], [r["p50_us"] for r in rows], marker="o", label=policy)
+        if baseline:
+            for policy in result["policies"]:
+                rows = [r for r in baseline["placement"] if r["policy"] == policy and r["mode"] == mode]
+                if rows:
+                    ax.plot([r["workers"] for r in rows], [r["p50_us"] for r in rows], color="grey",
+                            alpha=0.35, linestyle="--", linewidth=1)
+        ax.axhline(TARGET_US, color="red", linestyle=":", label="target 100 us")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("workers (all candidates)")
+        ax.set_title(f"{mode} prefix index")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("placement p50 (us)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("One placement, 128-block chain" + (" (grey dashed: before)" if baseline else ""))
+    fig.tight_layout()
+    fig.savefig(out / "placement.png", dpi=110)
+
+
+async def bench_placement(policies: list[str], sizes: list[int], modes: list[str], rounds: int,
+                          placements: int) -> list[dict]:
+    setups: list[Setup] = []
+    for mode in modes:
+        for n in sizes:
+            for policy in policies:
+                log(f"  building {policy} / {n} workers / {mode}")
+                setups.append(await build(policy, n, mode, seed=hash((policy, n, mode)) & 0xFFFF))
+    per_round = max(1, placements // rounds)
+    for r in range(rounds):
+        for i, s in enumerate(setups):
+            await run_round(s, per_round)
+            log(f"  round {r + 1}/{rounds} [{i + 1}/{len(setups)}] {s.policy:<17} {s.mode:<6} {s.workers:>5} "
+                f"workers: p50 {s.round_p50_us[-1]:8.1f} us")
+    rows = []
+    for s in setups:
+        total_s = sum(s.samples_ns) / 1e9
+        rows.append({"policy": s.policy, "workers": s.workers, "mode": s.mode, "samples": len(s.samples_ns),
+                     "p50_us": statistics.median(s.samples_ns) / 1000, "p99_us": pct(s.samples_ns, 0.99),
+                     "mean_us": statistics.fmean(s.samples_ns) / 1000,
+                     "placements_per_s": len(s.samples_ns) / total_s,
+                     "loop_per_s_with_release": s.placed / s.loop_s,
+                     "round_p50_us": s.round_p50_us})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--placements", type=int, default=1500, help="per configuration, over all rounds")
+    ap.add_argument("--sizes", default="16,256,1000")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--modes", default="exact,approx")
+    ap.add_argument("--event-frames", type=int, default=20_000)
+    ap.add_argument("--memory-blocks", type=int, default=1_000_000)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: placement,events,memory")
+    ap.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    ap.add_argument("--baseline", default="", help="an earlier placement.json to show as 'before'")
+    ap.add_argument("--label", default="", help="name this run (stored in the JSON)")
+    ap.add_argument("--out", default="docs/benchmarks")
+    a = ap.parse_args()
+    if a.quick:
+        a.placements, a.event_frames, a.memory_blocks, a.rounds = 150, 2000, 100_000, 2
+    skip = set(filter(None, a.skip.split(",")))
+    policies = a.policies.split(",")
+    command = "python bench/placement.py " + " ".join(sys.argv[1:])
+    commit = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
+    result: dict = {"label": a.label or "current", "commit": commit, "rounds": a.rounds, "policies": policies,
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+                               f"Python {platform.python_version()}", "command": command}
+    t0 = time.time()
+    if "placement" not in skip:
+        log(f"placement: {len(policies)} policies x {a.sizes} workers x {a.modes}, {a.rounds} rounds")
+        result["placement"] = asyncio.run(bench_placement(policies, [int(x) for x in a.sizes.split(",")],
+                                                          a.modes.split(","), a.rounds, a.placements))
+    else:
+        result["placement"] = []
+    if "events" not in skip:
+        log("kv events")
+        result["events"] = bench_events(a.rounds, a.event_frames)
+    if "memory" not in skip:
+        log("prefix index memory")
+        result["memory"] = bench_memory(a.memory_blocks)
+    result["elapsed_s"] = time.time() - t0
+    baseline = json.loads(Path(a.baseline).read_text()) if a.baseline else None
+    write(result, Path(a.out), command, baseline)
+    print((Path(a.out) / "placement.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
