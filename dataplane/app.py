@@ -17,7 +17,9 @@ from dataplane.flows.context import FlowContext
 from dataplane.intake import read_client_body
 from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
                                        generated_from_stream)
+from dataplane.hygiene import sanitize_client_id
 from dataplane.metrics import DataPlaneMetrics
+from dataplane.observe import ACCESS_LOGGER, Observer, current_request_id, install_request_id_filter, trace_headers
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
@@ -51,6 +53,26 @@ class DataPlaneConfig:
     allowed_client_fields: frozenset[str] = frozenset()
     client: ClientLimits = field(default_factory=ClientLimits)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    access_log: bool = True        # one JSON line per request on the omni_proxy.access logger
+    otel_endpoint: str = ""        # OTLP/HTTP collector: spans per request and leg ("" = off, nothing loaded)
+    otel_service_name: str = "omni-proxy-dataplane"
+
+
+def _tracing(config: DataPlaneConfig):
+    """Spans on (``--otel-endpoint``): the SDK is imported only here."""
+    from urllib.parse import urlsplit
+
+    from omni_runtime import StartupError
+
+    url = urlsplit(config.otel_endpoint)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise StartupError(f"--otel-endpoint must be an http(s) URL with a host, got {config.otel_endpoint!r}")
+    try:
+        from dataplane.otel import Tracing
+    except ImportError as exc:
+        raise StartupError(f"--otel-endpoint needs OpenTelemetry ({exc.name} is missing): "
+                           "pip install 'omni-proxy[otel]'") from None
+    return Tracing(config.otel_endpoint, service_name=config.otel_service_name, node_id=config.node_id)
 
 
 class DataPlane:
@@ -64,6 +86,13 @@ class DataPlane:
         self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s)
+        self.tracing = None
+        if config.otel_endpoint:
+            self.tracing = _tracing(config)
+        if config.access_log:
+            # Access lines are INFO whatever --log-level says about the other loggers.
+            logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
+        self.observer = Observer(self.metrics, access_log_on=config.access_log, tracing=self.tracing)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors],
@@ -79,6 +108,7 @@ class DataPlane:
         return app
 
     async def _startup(self, app: web.Application) -> None:
+        install_request_id_filter()
         if self.config.tokenizer:
             loop = asyncio.get_running_loop()
             self.prompts.tokenizer = await loop.run_in_executor(None, lambda: Tokenizer.from_dir(
@@ -89,6 +119,8 @@ class DataPlane:
     async def _cleanup(self, app: web.Application) -> None:
         await self.placements.close()
         await self.upstream.close()
+        if self.tracing is not None:    # flush the last spans, off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -121,12 +153,18 @@ class DataPlane:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, http: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+        tracker = RequestTracker(self.placements)
         route = http.path
+        traceparent = http.headers.get("traceparent")
+        if traceparent:
+            tracker.trace = trace_headers(traceparent, http.headers.get("tracestate"))
+        if self.tracing is not None:
+            tracker.tracing = self.tracing
+            self.tracing.start_request(tracker, route)
         self.metrics.inflight.inc()
         code = 500
         try:
-            response = await self._generate(http)
+            response = await self._generate(http, tracker)
             code = response.status
             return response
         except APIError as exc:
@@ -137,33 +175,35 @@ class DataPlane:
             raise
         finally:
             self.metrics.inflight.dec()
-            self.metrics.requests.labels(route, str(code)).inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            self.observer.complete(tracker, route, code, "" if tracker.req is not None else
+                                   sanitize_client_id(http.headers.get("X-Request-Id")))
 
-    async def _generate(self, http: web.Request) -> web.StreamResponse:
+    async def _generate(self, http: web.Request, tracker: RequestTracker) -> web.StreamResponse:
         raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
                                      timeout_s=self.config.client.body_timeout_s)
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"),
                             allowed_fields=self.config.allowed_client_fields)
+        tracker.req = req
+        current_request_id.set(req.request_id)   # on every log line about this request
         await self._resolve_model(req)
         await self.prompts.process(req)
+        tracker.tokenized = time.perf_counter()
         await self._hash_prompt(req)
-        t0 = time.perf_counter()
+        tracker.matched = time.perf_counter()
         placement = await place(self.placements, req, pb.LEG_ENTRY)
-        self.metrics.placement.observe(time.perf_counter() - t0)
-
-        tracker = RequestTracker(self.placements, req)
-        flow_name, flow = FLOWS.get(placement.flow, (None, None))
+        flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
+        tracker.attach(req, placement, flow_name)
         if flow is None:
             tracker.failed("", "flow not supported", 0)
             raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
-        self.metrics.flows.labels(flow_name).inc()
         ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
                           tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries,
                           watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
         try:
             response = await self._run_flow(ctx, placement, flow)
         except UpstreamError as exc:
+            log.warning("request failed on worker %s (upstream status %s): %s", exc.worker_id,
+                        exc.upstream_status, exc.message)
             tracker.failed(exc.worker_id, exc.message, exc.upstream_status or 0)
             self.metrics.upstream_errors.labels(exc.worker_id, str(exc.upstream_status)).inc()
             raise
@@ -179,8 +219,6 @@ class DataPlane:
         except BaseException as exc:
             tracker.failed("", f"{type(exc).__name__}: {exc}", 0)
             raise
-        if tracker.first_token_at:
-            self.metrics.ttft.labels(flow_name).observe(tracker.ttft_s)
         return response
 
     async def _resolve_model(self, req: ClientRequest) -> None:
@@ -234,6 +272,7 @@ class DataPlane:
                                         f"request recomputed {recomputes} times; giving up", 200)
                 ctx.tracker.continue_as(nxt, tokens)
                 ctx.req = nxt
+                current_request_id.set(nxt.request_id)
                 await self._hash_prompt(nxt)
                 placement = await place(self.placements, nxt, pb.LEG_ENTRY)
                 _, flow = FLOWS.get(placement.flow, (None, None))

@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle client keep-alive connection stays open")
     p.add_argument("--max-header-bytes", type=int, default=8190,
                    help="longest request line or header field (431 beyond)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON line per request on the omni_proxy.access logger (default: on)")
+    p.add_argument("--otel-endpoint", default="",
+                   help="OTLP/HTTP collector (e.g. http://127.0.0.1:4318): OpenTelemetry spans per request "
+                        "and engine leg; needs the otel extra (default: off)")
+    p.add_argument("--otel-service-name", default="omni-proxy-dataplane", help="service.name of the spans")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
@@ -58,7 +64,9 @@ def config_from_args(args: argparse.Namespace):
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   prefill_timeout_s=args.prefill_timeout,
-                                                  engine_api_key=args.engine_api_key))
+                                                  engine_api_key=args.engine_api_key),
+                          access_log=args.access_log, otel_endpoint=args.otel_endpoint,
+                          otel_service_name=args.otel_service_name)
     if args.node_id:
         cfg.node_id = args.node_id
     return cfg

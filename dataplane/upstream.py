@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ import orjson
 
 from dataplane.errors import APIError
 from engine_api.answers import upstream_message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,11 +76,13 @@ class Upstream:
         return aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
 
     async def open(self, worker_id: str, url: str, body: bytes, request_id: str,
-                   timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+                   timeout: aiohttp.ClientTimeout | None = None,
+                   trace: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """POST a leg and return the response once its status is 200.
 
         Engine 4xx answers are the client's fault and pass through with their status;
         anything else the engine or the network does wrong becomes an UpstreamError.
+        ``trace``: W3C trace-context headers for this leg (``RequestTracker.leg``).
         """
         assert self._session is not None
         # Identity: the relay passes engine bytes on as they are, so they must not be
@@ -85,14 +90,19 @@ class Upstream:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
         if self.config.engine_api_key:
             headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
+        if trace:
+            headers.update(trace)
         try:
             resp = await self._session.post(url, data=body, headers=headers,
                                             **({"timeout": timeout} if timeout is not None else {}))
         except asyncio.TimeoutError:
+            log.warning("worker %s (%s) timed out", worker_id, url)
             raise _timed_out(worker_id, url) from None
         except (aiohttp.ClientConnectionError, OSError) as exc:
-            raise UpstreamError(worker_id, f"cannot reach worker {worker_id} ({url}): "
-                                f"{type(exc).__name__} {exc}".strip(), 0) from None
+            err = UpstreamError(worker_id, f"cannot reach worker {worker_id} ({url}): "
+                                f"{type(exc).__name__} {exc}".strip(), 0)
+            log.warning("%s", err.message)
+            raise err from None
         if resp.status == 200:
             return resp
         try:
@@ -105,6 +115,7 @@ class Upstream:
         if 400 <= resp.status < 500 and resp.status not in (408, 429):
             raise APIError(resp.status, message, type_=None)
         status = resp.status if resp.status in PASS_THROUGH_STATUSES else 502
+        log.warning("worker %s returned %d: %s", worker_id, resp.status, message[:200])
         raise UpstreamError(worker_id, f"worker {worker_id} returned {resp.status}: {message}", resp.status,
                             status=status, headers=_retry_after(resp) if status != 502 else None)
 
@@ -119,11 +130,14 @@ async def read_body(worker_id: str, resp: aiohttp.ClientResponse) -> bytes:
         data = await resp.read()
     except asyncio.TimeoutError:
         resp.close()
+        log.warning("worker %s timed out answering", worker_id)
         raise _timed_out(worker_id, str(resp.url)) from None
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         resp.close()
-        raise UpstreamError(worker_id, f"worker {worker_id} broke off its answer: "
-                            f"{type(exc).__name__} {exc}".strip(), 0) from None
+        err = UpstreamError(worker_id, f"worker {worker_id} broke off its answer: "
+                            f"{type(exc).__name__} {exc}".strip(), 0)
+        log.warning("%s", err.message)
+        raise err from None
     except BaseException:
         resp.close()
         raise

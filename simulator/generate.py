@@ -67,7 +67,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         bad_json = None
     base_id = _base_request_id(request, body)
     headers = {"X-Request-Id": base_id}
-    ctx.log.record(request.path, base_id, body)
+    ctx.log.record(request.path, base_id, body, request.headers)
     if bad_json is not None:
         return error_response(400, f"Invalid JSON body: {bad_json}", headers=headers)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -34,6 +34,7 @@ class SimMetrics:
 
     def __init__(self, cfg: SimConfig) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)     # process_* of the simulator's own process
         self._labels = {"model_name": cfg.model, "engine": "0"}
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

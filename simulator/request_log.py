@@ -11,9 +11,12 @@ class RequestLog:
     def __init__(self, maxlen: int = 200) -> None:
         self._entries: deque[dict[str, Any]] = deque(maxlen=maxlen)
 
-    def record(self, path: str, request_id: str, body: Any) -> None:
-        self._entries.append({"path": path, "request_id": request_id, "body": body,
-                              "received_at": time.time()})
+    def record(self, path: str, request_id: str, body: Any, headers: Any = None) -> None:
+        """``headers``: the request's headers, kept with lower-case names (last value wins)."""
+        entry = {"path": path, "request_id": request_id, "body": body, "received_at": time.time()}
+        if headers is not None:
+            entry["headers"] = {k.lower(): v for k, v in headers.items()}
+        self._entries.append(entry)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return list(self._entries)

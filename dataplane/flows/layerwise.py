@@ -14,6 +14,7 @@ from aiohttp import web
 from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
+from dataplane.tracking import LEG_WHOLE
 from protos import omni_proxy_pb2 as pb
 
 
@@ -22,5 +23,6 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     decode = placement.decode
     kv = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": placement.metaserver_url}
     resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
-                                   with_fields(req, {"kv_transfer_params": kv}), req.request_id)
+                                   with_fields(req, {"kv_transfer_params": kv}), req.request_id,
+                                   trace=ctx.tracker.leg(LEG_WHOLE, decode.worker_id))
     return await relay(ctx, resp, decode.worker_id)

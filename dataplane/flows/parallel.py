@@ -24,6 +24,7 @@ from dataplane.body import with_fields
 from engine_api.bodies import prefill_body
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
+from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, read_body
 from protos import omni_proxy_pb2 as pb
 
@@ -62,9 +63,11 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     prefill, decode = placement.prefill, placement.decode
     p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang")
     open_p = asyncio.ensure_future(ctx.upstream.open(prefill.worker_id, prefill.url + req.path, p_body,
-                                                     req.request_id, timeout=ctx.upstream.prefill_timeout()))
+                                                     req.request_id, timeout=ctx.upstream.prefill_timeout(),
+                                                     trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id)))
     open_d = asyncio.ensure_future(ctx.upstream.open(decode.worker_id, decode.url + req.path, d_body,
-                                                     req.request_id))
+                                                     req.request_id,
+                                                     trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id)))
     try:
         done, _ = await asyncio.wait({open_p, open_d}, return_when=asyncio.FIRST_COMPLETED)
         if open_p in done and open_p.exception() is not None:

@@ -19,6 +19,8 @@ from dataplane.flows.recompute import RECOMPUTED, Recomputed, is_recomputed, mer
 from dataplane.upstream import UpstreamError, read_body
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_USAGE = b'"usage"'
 _EVENT_END = b"\n\n"
 
 
@@ -43,6 +45,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
     events = 0
     watch = ctx.watch_recompute
     kept: list[bytes] = []
+    last = before_last = b""
     try:
         if out is None:  # a recompute continuation keeps writing to the same response
             out = ctx.out = web.StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
@@ -64,6 +67,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
                     raise Recomputed(b"".join(kept))
                 kept.append(chunk)
             await out.write(chunk)
+            before_last, last = last, chunk
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
         if isinstance(exc, ConnectionResetError) or ctx.http.transport is None or ctx.http.transport.is_closing():
             tracker.cancelled()
@@ -79,13 +83,31 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
         return out
     finally:
         resp.close()
-    # Every event but the final [DONE] (and a usage-only chunk) carries one token.
-    tracker.finished(max(events - 1, 0))
+    tracker.stream_ended()
+    # Every event but the final [DONE] (and a usage-only chunk) carries one token; the
+    # engine's own count wins when it sent usage (include_usage), in the last chunk or
+    # the one before [DONE]: read from those two chunks only, once per request.
+    tracker.finished(_stream_usage(tracker, last, before_last, max(events - 1, 0)))
+    tracker.completion_tokens += ctx.prior_tokens   # a recompute's earlier attempts
     try:
         await out.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionError):
         pass
     return out
+
+
+def _stream_usage(tracker, last: bytes, before_last: bytes, counted: int) -> int:
+    """Completion tokens of a finished stream; cached tokens from its usage, when sent."""
+    for chunk in (last, before_last):
+        at = chunk.rfind(_USAGE)
+        if at >= 0:
+            m = _COMPLETION_TOKENS.search(chunk, at)
+            if m is not None:
+                c = _CACHED_TOKENS.search(chunk, at)
+                if c is not None:
+                    tracker.cached_tokens = int(c.group(1))
+                return int(m.group(1))
+    return counted
 
 
 async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str) -> web.Response:
@@ -103,7 +125,12 @@ async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: 
             raise Recomputed(response=obj)
     if ctx.prior_text or ctx.prior_tokens:
         data = merge_prior(data, ctx.prior_text, ctx.prior_tokens)
-    m = _COMPLETION_TOKENS.search(data)
+    at = data.rfind(_USAGE)
+    m = _COMPLETION_TOKENS.search(data, at) if at >= 0 else None
+    if at >= 0:
+        c = _CACHED_TOKENS.search(data, at)
+        if c is not None:
+            ctx.tracker.cached_tokens = int(c.group(1))
     ctx.tracker.finished(int(m.group(1)) if m else 0)
     return web.Response(status=200, body=data, headers=_headers(resp, ctx, "application/json"))
 

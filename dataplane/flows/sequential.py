@@ -8,6 +8,7 @@ chunk arrives, because P holds the blocks until D has read them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -19,13 +20,17 @@ from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.placing import place
+from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, read_body
 from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[str, Any]:
     resp = await ctx.upstream.open(prefill.worker_id, prefill.url + ctx.req.path, body, ctx.req.request_id,
-                                   timeout=ctx.upstream.prefill_timeout())
+                                   timeout=ctx.upstream.prefill_timeout(),
+                                   trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id))
     data = await read_body(prefill.worker_id, resp)
     try:
         kv_params = orjson.loads(data).get("kv_transfer_params")
@@ -35,6 +40,7 @@ async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[
         # Sending D on without them would leave it waiting for KV that never comes.
         raise UpstreamError(prefill.worker_id, f"prefill worker {prefill.worker_id} returned no "
                             "kv_transfer_params (is it running with a kv_producer connector?)", 200)
+    ctx.tracker.prefill_answer()
     return kv_params
 
 
@@ -51,6 +57,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
             tried.append(prefill.worker_id)
             if len(tried) > ctx.prefill_retries:
                 raise
+            log.warning("prefill on %s failed (%s); trying another prefill worker", prefill.worker_id, exc.message)
             ctx.tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0)
             ctx.metrics.upstream_errors.labels(prefill.worker_id, str(exc.upstream_status)).inc()
             try:
@@ -60,5 +67,6 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
 
     decode = (await place(ctx.placements, req, pb.LEG_DECODE)).decode
     resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
-                                   with_fields(req, {"kv_transfer_params": kv_params}), req.request_id)
+                                   with_fields(req, {"kv_transfer_params": kv_params}), req.request_id,
+                                   trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id))
     return await relay(ctx, resp, decode.worker_id, on_first_chunk=ctx.tracker.prefill_done)

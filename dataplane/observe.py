@@ -1,0 +1,168 @@
+"""What the data plane tells operators about each request, once, when it ends.
+
+* Metrics (``dataplane.metrics``): stage histograms, token counters, by model and flow.
+* One access-log line per request: JSON (orjson) on the ``omni_proxy.access`` logger, INFO.
+* The request id on every other log line written while the request is being served: a
+  context variable, set once per request, read by a filter on the root handlers
+  (``install_request_id_filter``). Tasks a request starts inherit it.
+* W3C trace context: a valid client ``traceparent`` (and its ``tracestate``) is forwarded
+  to every engine leg; OpenTelemetry spans only when ``--otel-endpoint`` is set
+  (``dataplane.otel``, imported only then).
+
+Everything here runs once per request; nothing per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+
+import orjson
+
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.tracking import RequestTracker
+
+_now = time.perf_counter
+
+ACCESS_LOGGER = "omni_proxy.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+# The engine-facing id of the request the current task serves ("" outside requests).
+current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("omni_request_id", default="")
+
+# version-traceid-parentid-flags; version ff is invalid, all-zero ids are invalid.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[ -~]*)?")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+MAX_TRACESTATE = 512
+
+
+def trace_headers(traceparent: str | None, tracestate: str | None) -> dict[str, str] | None:
+    """The client's trace context to forward, if it is valid W3C trace context; else None."""
+    if not traceparent:
+        return None
+    value = traceparent.strip().lower()
+    m = _TRACEPARENT.fullmatch(value)
+    if m is None or m.group(1) == "ff" or m.group(2) == _ZERO_TRACE or m.group(3) == _ZERO_SPAN \
+            or (m.group(1) == "00" and m.group(5)):
+        return None
+    headers = {"traceparent": value}
+    if tracestate and len(tracestate) <= MAX_TRACESTATE and tracestate.isprintable():
+        headers["tracestate"] = tracestate.strip()
+    return headers
+
+
+class RequestIdFilter(logging.Filter):
+    """Prefix ``[request id]`` to a record logged while a request is served.
+
+    Installed on handlers, so every logger's records get it however they were configured;
+    ``record.request_id`` is set for formatters that want it as a field. The access log
+    line carries the ids in its JSON and is left as it is.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            rid = current_request_id.get()
+            record.request_id = rid
+            if rid and record.name != ACCESS_LOGGER and isinstance(record.msg, str):
+                record.msg = f"[{rid}] {record.msg}"
+        return True
+
+
+_FILTER = RequestIdFilter()
+
+
+def install_request_id_filter() -> None:
+    """Add the filter to the root logger's handlers (idempotent)."""
+    for handler in logging.getLogger().handlers:
+        if _FILTER not in handler.filters:
+            handler.addFilter(_FILTER)
+
+
+def _ms(t: float, t0: float) -> float | None:
+    return round((t - t0) * 1000, 3) if t else None
+
+
+class Observer:
+    """The end-of-request bookkeeping: metrics, access log, and the request's span."""
+
+    def __init__(self, metrics: DataPlaneMetrics, *, access_log_on: bool = True, tracing=None) -> None:
+        self.metrics = metrics
+        self.access_log_on = access_log_on
+        self.tracing = tracing          # dataplane.otel.Tracing or None
+
+    def complete(self, t: RequestTracker, route: str, code: int, client_id: str = "") -> None:
+        """The handler is done with request ``t`` (answered ``code``): record it everywhere."""
+        if not t.done:
+            t.done = t.last_token or _now()
+        self.metrics.count_request(route, code)
+        if t.placed:
+            self._observe(t)
+        if self.access_log_on and access_log.isEnabledFor(logging.INFO):
+            access_log.info(self.access_line(t, route, code, client_id))
+        if t.span is not None:
+            self.tracing.end_request(t, code)
+
+    def _observe(self, t: RequestTracker) -> None:
+        req = t.req
+        s = self.metrics.series(req.model, t.flow)
+        s.flows.inc()
+        s.e2e.observe(t.done - t.received)
+        s.placement.observe(t.placed_at - t.matched if t.matched else t.placed_at - t.received)
+        s.queue.observe(t.queued_ms / 1000)
+        s.prompt_tokens.inc(req.prompt_tokens)
+        if t.cached_tokens > 0:
+            s.cached_tokens.inc(t.cached_tokens)
+        if t.completion_tokens:
+            s.generated_tokens.inc(t.completion_tokens)
+        first = t.first_token_at
+        prefill_end = t.prefill_answered or (first if t.stream else 0.0)
+        if t.dispatched and prefill_end:
+            s.prefill.observe(prefill_end - t.dispatched)
+        decode_start = t.decode_dispatched if t.decode_dispatched >= prefill_end > 0 else (
+            first if t.stream else 0.0)
+        if decode_start and t.last_token:
+            s.decode.observe(t.last_token - decode_start)
+        if t.stream and first:
+            s.ttft.observe(first - t.received)
+            if t.completion_tokens > 1 and t.last_token > first:
+                s.tpot.observe((t.last_token - first) / (t.completion_tokens - 1))
+
+    def access_line(self, t: RequestTracker, route: str, code: int, client_id: str = "") -> str:
+        req = t.req
+        t0 = t.received
+        first = t.first_token_at
+        line = {
+            "request_id": req.request_id if req is not None else None,
+            "client_request_id": (req.client_id if req is not None else client_id) or None,
+            "route": route,
+            "model": req.model if req is not None else None,
+            "stream": t.stream,
+            "flow": t.flow or None,
+            "prefill_worker": t.prefill_worker or None,
+            "decode_worker": t.decode_worker or None,
+            "status": code,
+            "outcome": t.outcome or ("rejected" if not t.placed else None),
+            "prompt_tokens": req.prompt_tokens if req is not None else None,
+            "completion_tokens": t.completion_tokens,
+            "cached_tokens": t.cached_tokens if t.cached_tokens >= 0 else None,
+            "retries": t.retries,
+            "e2e_ms": round((t.done - t0) * 1000, 3),
+            "queued_ms": round(t.queued_ms, 3),
+            "ttft_ms": _ms(first, t0) if t.stream else None,
+            "tpot_ms": (round((t.last_token - first) * 1000 / (t.completion_tokens - 1), 3)
+                        if t.stream and first and t.completion_tokens > 1 and t.last_token > first else None),
+            # Each stage as ms since the request was received (null: not reached).
+            "stages_ms": {"tokenized": _ms(t.tokenized, t0), "matched": _ms(t.matched, t0),
+                          "placed": _ms(t.placed_at, t0), "dispatched": _ms(t.dispatched, t0),
+                          "prefill_answered": _ms(t.prefill_answered, t0),
+                          "decode_dispatched": _ms(t.decode_dispatched, t0), "first_token": _ms(first, t0),
+                          "last_token": _ms(t.last_token, t0), "done": _ms(t.done, t0)},
+        }
+        if t.error:
+            line["error"] = t.error
+            line["upstream_status"] = t.upstream_status
+        if t.trace is not None:
+            line["traceparent"] = t.trace["traceparent"]
+        return orjson.dumps(line).decode()
