@@ -23,12 +23,22 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class OnlineLine:
-    """y ~ a + b*x by weighted least squares with exponential forgetting; a, b >= 0."""
+    """y ~ a + b*x by ridge regression toward the priors, forgetting old samples; a, b >= 0.
+
+    The intercept's prior counts as ``prior_weight_a`` observations that never fade; the
+    slope's as ``prior_weight_b`` observations at the data's typical x, so it is all there
+    is before the first sample and soon no more than a nudge. Samples
+    that cannot tell intercept from slope (every prompt the same length) therefore teach
+    the slope while the intercept stays near its prior: prefill time is mostly
+    proportional to tokens, not a constant.
+    """
 
     prior_a: float
     prior_b: float
-    prior_x: float              # where the second pseudo-observation sits
+    prior_x: float              # a typical x, where predictions are checked before any data
     half_life: float = 64.0     # observations after which a sample counts half
+    prior_weight_a: float = 1.0
+    prior_weight_b: float = 0.5
     sw: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -40,35 +50,33 @@ class OnlineLine:
 
     def __post_init__(self) -> None:
         self.a, self.b = self.prior_a, self.prior_b
-        self._add(0.0, self.prior_a, 1.0)
-        self._add(self.prior_x, self.prior_a + self.prior_b * self.prior_x, 1.0)
-
-    def _add(self, x: float, y: float, w: float) -> None:
-        self.sw += w
-        self.sx += w * x
-        self.sy += w * y
-        self.sxx += w * x * x
-        self.sxy += w * x * y
 
     def add(self, x: float, y: float) -> None:
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             return
         keep = 0.5 ** (1.0 / self.half_life)
-        self.sw *= keep
-        self.sx *= keep
-        self.sy *= keep
-        self.sxx *= keep
-        self.sxy *= keep
-        self._add(x, y, 1.0)
+        self.sw = self.sw * keep + 1.0
+        self.sx = self.sx * keep + x
+        self.sy = self.sy * keep + y
+        self.sxx = self.sxx * keep + x * x
+        self.sxy = self.sxy * keep + x * y
         self.n += 1
-        var = self.sw * self.sxx - self.sx * self.sx
-        if var > 1e-12 * max(self.sw * self.sxx, 1.0):
-            b = (self.sw * self.sxy - self.sx * self.sy) / var
-            b = max(b, 0.0)
-        else:
-            b = self.b
-        self.b = b
-        self.a = max((self.sy - b * self.sx) / self.sw, 0.0)
+        self._solve()
+
+    def _solve(self) -> None:
+        la = self.prior_weight_a
+        lb = self.prior_weight_b * self.sxx / self.sw
+        if lb <= 0:
+            return   # no spread in x yet: nothing to learn the slope from
+        m11, m12, m22 = self.sw + la, self.sx, self.sxx + lb
+        r1, r2 = self.sy + la * self.prior_a, self.sxy + lb * self.prior_b
+        det = m11 * m22 - m12 * m12
+        a, b = (r1 * m22 - m12 * r2) / det, (m11 * r2 - m12 * r1) / det
+        if a < 0:
+            a, b = 0.0, max(r2 / m22, 0.0)
+        elif b < 0:
+            a, b = max(r1 / m11, 0.0), 0.0
+        self.a, self.b = a, b
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
