@@ -2,6 +2,16 @@
 
 Used by ``omni-proxy demo``, ``omni-proxy up`` and the test-suite, so all three run the
 system the same way an operator does: separate processes talking over loopback.
+
+**Children never outlive their launcher.** Each child runs in its own session (its own
+process group), and stopping it signals the whole group, so anything it started goes
+too. A child also holds the read end of a *lifeline* pipe whose only write end stays in
+the launcher process: when the launcher dies in any way, SIGKILL included, the kernel
+closes that end, the child reads EOF and terminates its process group (SIGTERM, then
+SIGKILL after a grace period). This is what ``PR_SET_PDEATHSIG`` would give, without its
+trap: PDEATHSIG fires when the *thread* that forked the child exits, and children are
+started from worker threads (``asyncio.to_thread``, thread pools in the benchmarks), which
+would kill healthy servers as soon as that thread ended.
 """
 
 from __future__ import annotations
@@ -12,9 +22,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+LIFELINE_ENV = "OMNI_PROXY_LIFELINE_FD"
+# After the launcher dies: how long the child's process group gets to exit on SIGTERM.
+LIFELINE_GRACE_S = 5.0
 
 
 class LaunchError(RuntimeError):
@@ -46,6 +61,107 @@ class Child:
             return ""
 
 
+# ---- the lifeline -----------------------------------------------------------------------
+
+_lifeline_lock = threading.Lock()
+_lifeline: tuple[int, int, int] | None = None   # (pid that made it, read fd, write fd)
+
+
+def lifeline_fd() -> int:
+    """The read end of this process's lifeline pipe, for ``pass_fds`` of a child.
+
+    Both ends are non-inheritable: only children that are handed the read end get it, and
+    the write end lives in this process alone, so it closes exactly when this process dies.
+    """
+    global _lifeline
+    with _lifeline_lock:
+        if _lifeline is None or _lifeline[0] != os.getpid():   # a forked copy makes its own
+            r, w = os.pipe()
+            _lifeline = (os.getpid(), r, w)
+        return _lifeline[1]
+
+
+def lifeline_env(fd: int) -> dict[str, str]:
+    """Environment that tells a child (run through :func:`child_main`) which fd to watch."""
+    return {LIFELINE_ENV: str(fd)}
+
+
+def _terminate_own_group(grace: float) -> None:
+    """SIGTERM this process's group (this process alone when it leads none), then SIGKILL."""
+    leader = os.getpgrp() == os.getpid()
+    try:
+        if leader:
+            os.killpg(0, signal.SIGTERM)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+    except OSError:
+        pass
+    time.sleep(grace)
+    try:
+        if leader:
+            os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(1)
+
+
+def watch_lifeline(fd: int, *, grace: float = LIFELINE_GRACE_S) -> threading.Thread:
+    """Start a daemon thread that ends this process (and its group) when ``fd`` reads EOF."""
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except InterruptedError:
+                continue
+            except OSError:
+                return        # not a pipe we can watch: do nothing rather than kill ourselves
+            if not data:
+                break
+        _terminate_own_group(grace)
+
+    thread = threading.Thread(target=watch, name="omni-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def child_main(argv: list[str] | None = None) -> None:
+    """Entry point of a launched child: watch the lifeline, then run ``omni-proxy ARGV``."""
+    fd = os.environ.pop(LIFELINE_ENV, None)
+    if fd is not None:
+        try:
+            fd_num = int(fd)
+            os.set_inheritable(fd_num, False)   # grandchildren must not hold it
+            watch_lifeline(fd_num)
+        except (ValueError, OSError):
+            pass
+    from omni_proxy.cli import main
+
+    main(sys.argv[1:] if argv is None else argv)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the child's process group (it leads one: ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        # the group is empty; a child still unreaped is signalled directly
+        if proc.poll() is None:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def spawn(cmd: list[str], *, log_path: Path, env: dict | None = None, **popen_kw) -> subprocess.Popen:
+    """Popen ``cmd`` in its own session, logging to ``log_path``, holding this process's
+    lifeline (only children run through :func:`child_main` watch it)."""
+    fd = lifeline_fd()
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**(env if env is not None else os.environ), **lifeline_env(fd)},
+                                start_new_session=True, pass_fds=(fd,), **popen_kw)
+
+
 class ProcessGroup:
     """Owns a set of child servers and a scratch directory; stops them all on close."""
 
@@ -56,24 +172,27 @@ class ProcessGroup:
         self.children: list[Child] = []
 
     def start(self, name: str, subcommand: list[str], *, env: dict | None = None) -> Child:
-        """Run ``python -m omni_proxy <subcommand> --ready-file F`` and wait for F."""
+        """Run ``omni-proxy <subcommand> --ready-file F`` in a child and wait for F.
+
+        The child is ``python -m omni_proxy.launcher``: ``omni-proxy`` plus the lifeline
+        watch (see the module docstring)."""
         ready = self.workdir / f"{name}.ready"
         log_path = self.workdir / f"{name}.log"
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "omni_proxy", *subcommand, "--ready-file", str(ready)]
+        cmd = [sys.executable, "-m", "omni_proxy.launcher", *subcommand, "--ready-file", str(ready)]
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        log = open(log_path, "wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                start_new_session=True)
-        log.close()
+        proc = spawn(cmd, log_path=log_path, env=child_env)
         deadline = time.monotonic() + self.ready_timeout
         while not ready.exists():
             if proc.poll() is not None:
+                _signal_group(proc, signal.SIGKILL)
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise LaunchError(f"{name} exited with {proc.returncode} before ready:\n{tail}")
             if time.monotonic() > deadline:
-                proc.kill()
-                raise LaunchError(f"{name} not ready after {self.ready_timeout}s")
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise LaunchError(f"{name} not ready after {self.ready_timeout}s:\n{tail}")
             time.sleep(0.02)
         info = json.loads(ready.read_text())
         child = Child(name=name, proc=proc, port=int(info["port"]), log_path=log_path, info=info)
@@ -81,33 +200,49 @@ class ProcessGroup:
         return child
 
     def stop(self, child: Child, *, timeout: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-            try:
-                child.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
-        if child in self.children:
-            self.children.remove(child)
+        """SIGTERM the child's process group, then SIGKILL after ``timeout``; returns the
+        child's exit code."""
+        self._stop_all([child], timeout)
         return child.proc.returncode
 
     def kill(self, child: Child) -> None:
-        """Kill abruptly, like a crashed engine."""
-        child.proc.kill()
+        """Kill abruptly (the whole process group), like a crashed engine."""
+        _signal_group(child.proc, signal.SIGKILL)
         child.proc.wait()
         if child in self.children:
             self.children.remove(child)
 
+    def _stop_all(self, children: list[Child], timeout: float) -> None:
+        """SIGTERM every group at once, wait up to ``timeout`` in all, then SIGKILL the rest
+        (and whatever is left of each group, even when its leader exited)."""
+        for child in children:
+            if child.proc.poll() is None:
+                _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in children:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in children:
+            _signal_group(child.proc, signal.SIGKILL)
+            child.proc.wait()
+            if child in self.children:
+                self.children.remove(child)
+
     def close(self) -> None:
-        for child in reversed(list(self.children)):
-            self.stop(child)
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        try:
+            self._stop_all(list(reversed(self.children)), 10.0)
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
 
     def __enter__(self) -> "ProcessGroup":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+if __name__ == "__main__":
+    child_main()
