@@ -84,10 +84,11 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
     finally:
         resp.close()
     tracker.stream_ended()
-    # Every event but the final [DONE] (and a usage-only chunk) carries one token; the
-    # engine's own count wins when it sent usage (include_usage), in the last chunk or
-    # the one before [DONE]: read from those two chunks only, once per request.
-    tracker.finished(_stream_usage(tracker, last, before_last, max(events - 1, 0)))
+    # Every event but the final [DONE] (and, in chat, the first, role-only one) carries
+    # one token; the engine's own count wins when it sent usage (include_usage), in the
+    # last chunk or the one before [DONE]: read from those two chunks only, once per request.
+    counted = max(events - (2 if ctx.req.is_chat else 1), 0)
+    tracker.finished(_stream_usage(tracker, last, before_last, counted))
     tracker.completion_tokens += ctx.prior_tokens   # a recompute's earlier attempts
     try:
         await out.write_eof()
