@@ -50,8 +50,13 @@ def metric(text: str, name: str, **labels) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+_prompts = iter(range(1, 1_000_000))
+
+
 async def complete(http, url, tokens: int, max_tokens: int = 4) -> int:
-    body = {"model": "", "prompt": [7] * tokens, "max_tokens": max_tokens, "stream": True}
+    """A streamed completion of a prompt no other request shares (no prefix-cache hits)."""
+    first = next(_prompts)
+    body = {"model": "", "prompt": [first] + [7] * (tokens - 1), "max_tokens": max_tokens, "stream": True}
     async with http.post(url + "/v1/completions", json=body) as r:
         await r.read()
         return r.status
