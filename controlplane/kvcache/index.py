@@ -8,21 +8,27 @@ blocks does each worker already have?". The hot path is therefore one dict probe
 Lookup walks the chain with a running mask of still-matching workers, ANDs each block's holders
 into it, records the depth of every worker that drops out, and stops as soon as the mask is empty
 (a worker's match stops at its first missing block). A 1,000-block chain over 16 workers costs
-about 1,000 dict probes and integer ANDs (see bench/kvindex_lookup.py for numbers).
+about 1,000 dict probes and integer ANDs (see bench/kvindex_lookup.py for numbers). The same walk
+over a whole fleet's mask tells which workers hold the *deepest* match without naming the others
+(:meth:`PrefixIndex.deepest`), so placement at 1,000 workers can consider the few that matter.
 
 Each worker slot is one (worker_id, dp_rank): DP ranks have separate KV caches and publish
-separately. Per-slot hash sets make AllBlocksCleared / drop_worker proportional to that worker's
-blocks, not to the whole index. Parent links (from BlockStored) are kept so a block's chain can be
-walked back (debugging, future tree-aware scoring); lookup itself does not need them because the
-chain hash already commits to the whole prefix.
+separately. What each slot holds is kept as an append-only ``array('Q')`` of hashes (8 bytes an
+entry, compacted when stale entries outnumber live ones) so AllBlocksCleared / drop_worker stay
+proportional to that worker's blocks, not to the whole index; whether an entry is live is always
+read from ``holders``. This, a plain dict in LRU order instead of an OrderedDict, and parent
+links only on request (``keep_parents``; lookup never needs them because the chain hash already
+commits to the whole prefix) keep an entry near 100 bytes (bench/placement.py measures it).
 
 Bounding memory: the engines evict on their own and say so with BlockRemoved, so the cap is a
 safety net for lost removals (seq gaps without replay, engines that vanish). Eviction is LRU over
-blocks. Within one BlockStored run the deepest block is made the *least* recent and the parent the
-most recent, so eviction takes leaves before their ancestors and the index stays prefix-closed as
-far as possible (an orphaned child could never be matched anyway). Lookups are read-only by
-default so they stay cheap; pass ``touch=True`` (or call :meth:`touch`) to refresh a matched
-prefix, since vLLM does not re-announce blocks it reuses from its prefix cache.
+blocks: the dict's insertion order, refreshed by re-inserting. Within one BlockStored run the
+deepest block is made the *least* recent and the parent the most recent, so eviction takes leaves
+before their ancestors and the index stays prefix-closed as far as possible (an orphaned child
+could never be matched anyway). Large caps evict in batches of 1/256 of the cap, so the scan for
+the oldest entries is paid once per batch. Lookups are read-only by default so they stay cheap;
+pass ``touch=True`` (or call :meth:`touch`) to refresh a matched prefix, since vLLM does not
+re-announce blocks it reuses from its prefix cache.
 
 ``group_idx`` (hybrid models' KV cache groups) and ``medium`` are not distinguished: a hash held
 in any group/medium counts as held.
@@ -30,18 +36,23 @@ in any group/medium counts as held.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import random
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 WorkerKey = tuple[str, int]   # (worker_id, dp_rank)
+_STAMP_BITS = 32
+_STAMP = (1 << _STAMP_BITS) - 1
 
 
 @dataclass(frozen=True)
 class PrefixIndexConfig:
     max_blocks: int = 2_000_000   # distinct block hashes kept; beyond that LRU eviction
+    keep_parents: bool = True     # parent links for walking a chain back (about 50 bytes a block)
 
 
 @dataclass(frozen=True)
@@ -55,22 +66,83 @@ class PrefixIndexStats:
     evicted: int           # blocks dropped by the max_blocks cap
 
 
+class SlotBlocks:
+    """The blocks one slot holds: hashes appended when the slot gains them, ``live`` counted.
+
+    Entries whose bit was since cleared in ``holders`` are stale and skipped; a block stored
+    again after a removal may appear twice. ``in``, ``len`` and iteration answer for live ones.
+    """
+
+    __slots__ = ("_index", "bit", "hashes", "extra", "live")
+
+    def __init__(self, index: "PrefixIndex", bit: int) -> None:
+        self._index = index
+        self.bit = bit << index._shift
+        self.hashes = array("Q")
+        self.extra: set[int] | None = None     # hashes that do not fit 64 unsigned bits
+        self.live = 0
+
+    def add(self, h: int) -> None:
+        try:
+            self.hashes.append(h)
+        except OverflowError:
+            if self.extra is None:
+                self.extra = set()
+            self.extra.add(h)
+
+    def raw(self) -> Iterator[int]:
+        yield from self.hashes
+        if self.extra:
+            yield from list(self.extra)
+
+    def __contains__(self, h: int) -> bool:
+        return bool(self._index._holders.get(h, 0) & self.bit)
+
+    def __len__(self) -> int:
+        return self.live
+
+    def __iter__(self) -> Iterator[int]:
+        get, bit, seen = self._index._holders.get, self.bit, set()
+        for h in self.raw():
+            if get(h, 0) & bit and h not in seen:
+                seen.add(h)
+                yield h
+
+    def compact(self) -> None:
+        """Drop stale entries once they outnumber live ones (amortised over the appends)."""
+        if len(self.hashes) <= 2 * self.live + 64:
+            return
+        kept = array("Q", self)
+        extra = self.extra
+        self.hashes, self.extra = array("Q"), None
+        for h in kept:
+            self.hashes.append(h)
+        if extra:
+            live = [h for h in extra if self._index._holders.get(h, 0) & self.bit]
+            self.extra = set(live) or None
+
+
 class PrefixIndex:
     """Not thread-safe: owned by one asyncio loop (the subscriber's handlers and placement)."""
+
+    _shift = 0    # RoutedIndex keeps a routing stamp in the low bits of every value
 
     def __init__(self, config: PrefixIndexConfig | None = None) -> None:
         self.config = config or PrefixIndexConfig()
         if self.config.max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
-        self._holders: OrderedDict[int, int] = OrderedDict()   # LRU order: oldest first
-        self._parent: dict[int, int | None] = {}
+        self._holders: dict[int, int] = {}                   # insertion order = LRU, oldest first
+        self._parent: dict[int, int | None] | None = {} if self.config.keep_parents else None
         self._slot_of: dict[WorkerKey, int] = {}
         self._key_of: list[WorkerKey | None] = []
-        self._blocks_of: list[set[int]] = []
+        self._blocks_of: list[SlotBlocks] = []
+        self._by_worker: dict[str, list[int]] = {}           # worker id -> its slots (DP ranks)
         self._free: list[int] = []
         self._all = 0                                        # mask of registered slots
         self._refs = 0
         self._stored = self._removed = self._cleared = self._evicted = 0
+        # Bumped whenever slots come or go: masks cached by callers are valid for one generation.
+        self.generation = 0
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -80,38 +152,63 @@ class PrefixIndex:
             if self._free:
                 slot = self._free.pop()
                 self._key_of[slot] = key
+                self._blocks_of[slot] = SlotBlocks(self, 1 << slot)
             else:
                 slot = len(self._key_of)
                 self._key_of.append(key)
-                self._blocks_of.append(set())
+                self._blocks_of.append(SlotBlocks(self, 1 << slot))
             self._slot_of[key] = slot
+            self._by_worker.setdefault(key[0], []).append(slot)
             self._all |= 1 << slot
+            self.generation += 1
         return slot
 
     def workers(self) -> list[WorkerKey]:
         return list(self._slot_of)
 
-    def blocks_by_worker(self) -> dict[str, int]:
-        """Blocks held per worker id, summed over its DP ranks, in one pass over the slots."""
+    def blocks_by_worker(self, worker_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Blocks held per worker id, summed over its DP ranks (only ``worker_ids``, if given)."""
+        blocks_of, by_worker = self._blocks_of, self._by_worker
+        if worker_ids is None:
+            return {wid: sum(blocks_of[s].live for s in slots) for wid, slots in by_worker.items()}
         out: dict[str, int] = {}
-        for (worker_id, _rank), slot in self._slot_of.items():
-            out[worker_id] = out.get(worker_id, 0) + len(self._blocks_of[slot])
+        for wid in worker_ids:
+            slots = by_worker.get(wid)
+            if slots:
+                out[wid] = sum(blocks_of[s].live for s in slots)
         return out
+
+    def mask_of(self, worker_ids: Iterable[str]) -> int:
+        """The slots of these workers (all their DP ranks) as one mask; unknown ids add nothing."""
+        by_worker = self._by_worker
+        mask = 0
+        for wid in worker_ids:
+            slots = by_worker.get(wid)
+            if slots:
+                for s in slots:
+                    mask |= 1 << s
+        return mask
 
     def drop_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Forget a worker (every DP rank when ``dp_rank`` is None) and free its slot(s)."""
-        keys = [k for k in self._slot_of if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]
+        keys = [(worker_id, self._key_of[s][1]) for s in self._by_worker.get(worker_id, ())
+                if dp_rank is None or self._key_of[s][1] == dp_rank]
         for key in keys:
             slot = self._slot_of.pop(key)
             self._clear_slot(slot)
             self._key_of[slot] = None
             self._all &= ~(1 << slot)
             self._free.append(slot)
+            slots = self._by_worker[worker_id]
+            slots.remove(slot)
+            if not slots:
+                del self._by_worker[worker_id]
+            self.generation += 1
 
     def reset_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Drop what a worker holds but keep it registered (seq gap / engine restart)."""
-        for key, slot in self._slot_of.items():
-            if key[0] == worker_id and (dp_rank is None or key[1] == dp_rank):
+        for slot in list(self._by_worker.get(worker_id, ())):
+            if dp_rank is None or self._key_of[slot][1] == dp_rank:
                 self._clear_slot(slot)
 
     # ---- events --------------------------------------------------------------------------------
@@ -133,25 +230,35 @@ class PrefixIndex:
             return
         slot = self._slot(key)
         bit = 1 << slot
-        holders, parents, mine = self._holders, self._parent, self._blocks_of[slot]
-        prev = parent
-        for h in hashes:
-            parents[h] = prev
-            prev = h
+        holders, mine = self._holders, self._blocks_of[slot]
+        parents = self._parent
+        if parents is not None:
+            prev = parent
+            for h in hashes:
+                parents[h] = prev
+                prev = h
+        pop, add = holders.pop, mine.add
+        added = 0
         for h in reversed(hashes):          # deepest first = least recent (see module docstring)
-            m = holders.get(h)
+            m = pop(h, None)
             if m is None:
                 holders[h] = bit
-                self._refs += 1
+            elif m & bit:
+                holders[h] = m
+                continue
             else:
-                if not m & bit:
-                    holders[h] = m | bit
-                    self._refs += 1
-                holders.move_to_end(h)
-            mine.add(h)
-        if parent is not None and parent in holders:
-            holders.move_to_end(parent)
+                holders[h] = m | bit
+            add(h)
+            added += 1
+        if parent is not None:
+            m = pop(parent, None)
+            if m is not None:
+                holders[parent] = m
+        mine.live += added
+        self._refs += added
         self._stored += len(hashes)
+        if len(mine.hashes) > 2 * mine.live + 64:
+            mine.compact()
         if len(holders) > self.config.max_blocks:
             self._evict(len(holders) - self.config.max_blocks)
 
@@ -160,41 +267,76 @@ class PrefixIndex:
         if slot is None:
             return
         mine = self._blocks_of[slot]
+        bit, get = mine.bit, self._holders.get
         for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                self._unhold(h, 1 << slot)
+            m = get(h)
+            if m is not None and m & bit:
+                self._unhold(h, m, bit)
+                mine.live -= 1
                 self._removed += 1
+        mine.compact()
 
-    def _unhold(self, h: int, bit: int) -> None:
-        m = self._holders[h] & ~bit
+    def _unhold(self, h: int, m: int, bit: int) -> None:
+        """Clear ``bit`` (already shifted) from block ``h`` whose value is ``m``."""
+        m &= ~bit
         self._refs -= 1
-        if m:
+        if m >> self._shift:
             self._holders[h] = m
         else:
             del self._holders[h]
-            self._parent.pop(h, None)
+            if self._parent is not None:
+                self._parent.pop(h, None)
 
     def _clear_slot(self, slot: int) -> None:
-        bit = 1 << slot
-        for h in self._blocks_of[slot]:
-            self._unhold(h, bit)
-        self._blocks_of[slot] = set()
+        mine = self._blocks_of[slot]
+        bit, get = mine.bit, self._holders.get
+        for h in mine.raw():
+            m = get(h)
+            if m is not None and m & bit:
+                self._unhold(h, m, bit)
+        self._blocks_of[slot] = SlotBlocks(self, 1 << slot)
         self._cleared += 1
 
-    def _evict(self, n: int) -> None:
-        holders, blocks_of = self._holders, self._blocks_of
-        for _ in range(n):
-            h, m = holders.popitem(last=False)
+    def _drop_block(self, h: int) -> None:
+        """Forget block ``h`` for every worker holding it."""
+        m = self._holders.pop(h) >> self._shift
+        if self._parent is not None:
             self._parent.pop(h, None)
-            while m:
-                low = m & -m
-                blocks_of[low.bit_length() - 1].discard(h)
-                self._refs -= 1
-                m ^= low
+        blocks_of = self._blocks_of
+        while m:
+            low = m & -m
+            blocks_of[low.bit_length() - 1].live -= 1
+            self._refs -= 1
+            m ^= low
+
+    def _evict(self, n: int) -> None:
+        holders = self._holders
+        n = min(len(holders), n + (self.config.max_blocks >> 8))
+        for h in list(islice(holders, n)):
+            self._drop_block(h)
             self._evicted += 1
+        for mine in self._blocks_of:
+            mine.compact()
 
     # ---- queries -------------------------------------------------------------------------------
+
+    def _walk(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
+        """(depth, mask of the slots whose match ends at that depth), shallowest first; depth >= 1."""
+        get, shift = self._holders.get, self._shift
+        levels: list[tuple[int, int]] = []
+        depth = 0
+        for h in chain:
+            m = (get(h, 0) >> shift if shift else get(h, 0)) & alive
+            if m != alive:
+                if depth:
+                    levels.append((depth, alive & ~m))
+                alive = m
+                if not alive:
+                    break
+            depth += 1
+        if alive:
+            levels.append((depth, alive))
+        return levels
 
     def match_depths(self, chain: Sequence[int], workers: Iterable[WorkerKey] | None = None, *,
                      touch: bool = False) -> dict[WorkerKey, int]:
@@ -214,42 +356,73 @@ class PrefixIndex:
         out: dict[WorkerKey, int] = {}
         if not alive or not chain:
             return out
-        get = self._holders.get
         key_of = self._key_of
-        depth = 0
-        for h in chain:
-            m = get(h, 0) & alive
-            if m != alive:
-                if depth:
-                    lost = alive & ~m
-                    while lost:
-                        low = lost & -lost
-                        out[key_of[low.bit_length() - 1]] = depth
-                        lost ^= low
-                alive = m
-                if not alive:
-                    break
-            depth += 1
-        while alive:
-            low = alive & -alive
-            out[key_of[low.bit_length() - 1]] = depth
-            alive ^= low
+        for depth, m in self._walk(chain, alive):
+            while m:
+                low = m & -m
+                out[key_of[low.bit_length() - 1]] = depth
+                m ^= low
         if touch and out:
             self.touch(chain[:max(out.values())])
+        return out
+
+    def depths(self, chain: Sequence[int], alive: int) -> dict[str, int]:
+        """Per worker id (best DP rank), the leading blocks of ``chain`` held, for the slots in
+        ``alive`` (see :meth:`mask_of`); workers at 0 are omitted. Costs the chain walk plus one
+        step per slot in ``alive`` that matches at all."""
+        out: dict[str, int] = {}
+        if not alive or not chain:
+            return out
+        key_of = self._key_of
+        for depth, m in self._walk(chain, alive):
+            while m:
+                low = m & -m
+                out[key_of[low.bit_length() - 1][0]] = depth   # deeper levels come later: best rank wins
+                m ^= low
+        return out
+
+    def deepest(self, chain: Sequence[int], alive: int, k: int, rng: random.Random) -> dict[str, int]:
+        """Up to ``k`` worker ids among the slots in ``alive`` holding the deepest matches of
+        ``chain``, with their depths. Cost: the chain walk plus O(k) big-integer steps, whatever
+        the number of slots; where a level holds more than the budget left, a random subset of it
+        is taken (rotating the mask, so low slot numbers are not favoured)."""
+        out: dict[str, int] = {}
+        if not alive or not chain or k <= 0:
+            return out
+        key_of = self._key_of
+        width = len(key_of)
+        full = (1 << width) - 1
+        for depth, m in reversed(self._walk(chain, alive)):
+            if m.bit_count() > k - len(out):
+                r = rng.randrange(width)
+                m = ((m >> r) | (m << (width - r))) & full    # rotate right by r
+            else:
+                r = 0
+            while m and len(out) < k:
+                low = m & -m
+                slot = low.bit_length() - 1 + r
+                wid = key_of[slot - width if slot >= width else slot][0]
+                if wid not in out:
+                    out[wid] = depth
+                m ^= low
+            if len(out) >= k:
+                break
         return out
 
     def touch(self, chain: Sequence[int]) -> None:
         """Mark a matched prefix recently used (deepest least recent, root most recent)."""
         holders = self._holders
+        pop = holders.pop
         for h in reversed(chain):
-            if h in holders:
-                holders.move_to_end(h)
+            m = pop(h, None)
+            if m is not None:
+                holders[h] = m
 
     def parent_of(self, h: int) -> int | None:
-        return self._parent.get(h)
+        return self._parent.get(h) if self._parent is not None else None
 
     def holders_of(self, h: int) -> list[WorkerKey]:
-        m = self._holders.get(h, 0)
+        m = self._holders.get(h, 0) >> self._shift
         out = []
         while m:
             low = m & -m
@@ -264,6 +437,61 @@ class PrefixIndex:
         return PrefixIndexStats(blocks=len(self._holders), block_refs=self._refs, workers=len(self._slot_of),
                                 stored=self._stored, removed=self._removed, cleared=self._cleared,
                                 evicted=self._evicted)
+
+
+class RoutedIndex(PrefixIndex):
+    """The approximate index: prefixes remembered because they were *routed*, not announced.
+
+    Each value is the holders' mask shifted left by 32 bits with a routing stamp in the low
+    bits: the stamp of the last routing that included the block. A routing's expiry (queued by
+    the caller with its stamp) forgets the blocks whose stamp is still its own; a block routed
+    again since (the next turn of a conversation, a shared system prompt) outlives it and counts,
+    for every worker it was routed to, until ``approx_ttl_s`` after its last routing. This keeps
+    the expiry bookkeeping at 8 bytes per routed block instead of one timestamp per
+    (worker, block), at the price of that coarser expiry for blocks routed to several workers.
+    """
+
+    _shift = _STAMP_BITS
+
+    def route(self, key: WorkerKey, chain: Sequence[int], stamp: int) -> None:
+        """``chain`` was routed to ``key`` now; ``stamp`` (32 bits) names this routing."""
+        if not chain:
+            return
+        slot = self._slot(key)
+        holders, mine = self._holders, self._blocks_of[slot]
+        sbit, keep = mine.bit, ~_STAMP
+        stamp &= _STAMP
+        pop, add = holders.pop, mine.add
+        added = 0
+        for h in reversed(chain):           # deepest least recent, as for BlockStored
+            m = pop(h, None)
+            if m is None:
+                holders[h] = sbit | stamp
+            else:
+                holders[h] = (m & keep) | sbit | stamp
+                if m & sbit:
+                    continue
+            add(h)
+            added += 1
+        mine.live += added
+        self._refs += added
+        self._stored += len(chain)
+        if len(mine.hashes) > 2 * mine.live + 64:
+            mine.compact()
+        if len(holders) > self.config.max_blocks:
+            self._evict(len(holders) - self.config.max_blocks)
+
+    def expire(self, chain: Iterable[int], stamp: int) -> int:
+        """Forget the blocks of the routing ``stamp`` that no later routing refreshed."""
+        get, stamp = self._holders.get, stamp & _STAMP
+        gone = 0
+        for h in chain:
+            m = get(h)
+            if m is not None and m & _STAMP == stamp:
+                self._drop_block(h)
+                self._removed += 1
+                gone += 1
+        return gone
 
 
 def best_per_worker(depths: dict[WorkerKey, int]) -> dict[str, int]:

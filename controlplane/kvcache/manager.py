@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 import time
+import random
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from controlplane import validate
 from controlplane.kvcache.events import BlockStored
-from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig
+from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, RoutedIndex
 from controlplane.kvcache.subscriber import DEFAULT_MAX_REPLAY_GAP, KVEventSource, KVEventSubscriber
 from controlplane.workers import WorkerSpec, WorkerView
 
@@ -57,12 +60,17 @@ def _offset_port(endpoint: str, rank: int) -> str:
 class KVCache:
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
-        self.exact = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks))
-        self.approx = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks))
-        self._approx_expiry: deque[tuple[float, str, tuple[int, ...]]] = deque()
-        # (worker, block hash) -> when it stops counting; a block shared by a newer routed
-        # prompt (the next turn of a conversation) must outlive the older prompt's expiry.
-        self._approx_latest: dict[tuple[str, int], float] = {}
+        # Parent links are not kept: lookup does not need them and they cost ~50 bytes a block.
+        self.exact = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
+        self.approx = RoutedIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
+        # (when it stops counting, routing stamp, the routed chain); a block shared by a newer
+        # routed prompt (the next turn of a conversation) outlives the older prompt's expiry
+        # (RoutedIndex keeps the stamp of each block's last routing).
+        self._approx_expiry: deque[tuple[float, int, array]] = deque()
+        self._approx_stamp = 0
+        # Masks of the slots of a routable group, per index generation (see deepest()).
+        self._masks: dict[int, tuple[tuple[str, ...], int, int, int, int, int]] = {}
+        self._tracking = 0          # bumped when a worker's events become (un)trusted
         self._subscribers: dict[str, list[KVEventSubscriber]] = {}
         # Workers with kv_events whose events are not used (why, for logs and explain): they are
         # tracked approximately instead.
@@ -102,7 +110,8 @@ class KVCache:
             self._untrack(worker.id, f"cannot follow KV events at {worker.kv_events!r}: {exc}")
             return
         self._subscribers[worker.id] = subs
-        self.untracked.pop(worker.id, None)
+        if self.untracked.pop(worker.id, None) is not None:
+            self._tracking += 1
         log.info("worker %s: following KV events at %s (%d rank(s))", worker.id, worker.kv_events, len(subs))
 
     async def unwatch(self, worker_id: str) -> None:
@@ -110,7 +119,8 @@ class KVCache:
             await sub.stop()
         self.exact.drop_worker(worker_id)
         self.approx.drop_worker(worker_id)
-        self.untracked.pop(worker_id, None)
+        if self.untracked.pop(worker_id, None) is not None:
+            self._tracking += 1
         self._wrong_block_size.pop(worker_id, None)
         self._counters.pop(worker_id, None)
 
@@ -123,6 +133,7 @@ class KVCache:
         if worker_id not in self.untracked:
             log.error("worker %s: %s; its prefix cache is now tracked approximately", worker_id, why)
         self.untracked[worker_id] = why
+        self._tracking += 1
         self.exact.drop_worker(worker_id)
 
     def _on_failed(self, engine: str, exc: BaseException) -> None:
@@ -147,6 +158,7 @@ class KVCache:
                 # the engine came back with the right size (restarted with a fixed config)
                 del self._wrong_block_size[engine]
                 if self.untracked.pop(engine, None) is not None:
+                    self._tracking += 1
                     self.approx.drop_worker(engine)
                     log.warning("worker %s: KV events now carry block_size %d: following them again",
                                 engine, expected)
@@ -184,55 +196,89 @@ class KVCache:
 
     # ------------------------------------------------------------------ placement
 
-    def match(self, chain: list[int], workers: list[WorkerView]) -> dict[str, int]:
+    def match(self, chain: Sequence[int], workers: list[WorkerView] | list[WorkerSpec]) -> dict[str, int]:
         """Per worker id, the number of leading blocks of ``chain`` it holds (0 omitted).
 
         DP ranks of one worker count as the best rank: the engine routes within itself.
+        Costs one chain walk per index in use plus a step per candidate: never the fleet.
         """
         if not chain:
             return {}
         self._expire()
-        out: dict[str, int] = {}
-        exact_ids = {w.id for w in workers if self.tracked_exactly(w)}
-        approx_ids = {w.id for w in workers if not self.tracked_exactly(w)}
-        if exact_ids:
-            keys = [k for k in self.exact.workers() if k[0] in exact_ids]
-            for (worker_id, _rank), depth in self.exact.match_depths(chain, keys).items():
-                out[worker_id] = max(out.get(worker_id, 0), depth)
+        exact_ids, approx_ids = [], []
+        untracked = self.untracked
+        for w in workers:
+            spec = w.spec if isinstance(w, WorkerView) else w
+            (exact_ids if spec.kv_events and spec.id not in untracked else approx_ids).append(spec.id)
+        out = self.exact.depths(chain, self.exact.mask_of(exact_ids)) if exact_ids else {}
         if approx_ids:
-            keys = [k for k in self.approx.workers() if k[0] in approx_ids]
-            for (worker_id, _rank), depth in self.approx.match_depths(chain, keys).items():
-                out[worker_id] = max(out.get(worker_id, 0), depth)
+            got = self.approx.depths(chain, self.approx.mask_of(approx_ids))
+            if out:
+                for worker_id, depth in got.items():
+                    if depth > out.get(worker_id, 0):
+                        out[worker_id] = depth
+            else:
+                out = got
         return out
 
-    def placed(self, worker: WorkerSpec | WorkerView, chain: list[int], predicted_depth: int) -> None:
+    def _group_masks(self, ids: tuple[str, ...]) -> tuple[int, int]:
+        """(exact, approximate) slot masks of the workers ``ids``, cached for as long as neither
+        index gains or loses a slot and no worker's tracking changes: O(group) once, then O(1)."""
+        gens = (self.exact.generation, self.approx.generation, self._tracking)
+        got = self._masks.get(id(ids))
+        if got is not None and got[0] is ids and got[1:4] == gens:
+            return got[4], got[5]
+        exact_mask = self.exact.mask_of(ids)
+        held_exactly = self.exact._by_worker
+        approx_mask = self.approx.mask_of(i for i in ids if i not in held_exactly)
+        if len(self._masks) >= 64:
+            self._masks.clear()
+        self._masks[id(ids)] = (ids, *gens, exact_mask, approx_mask)
+        return exact_mask, approx_mask
+
+    def deepest(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> dict[str, int]:
+        """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain`` (a hint for
+        choosing candidates; :meth:`match` gives the depths placement uses). Costs one chain walk
+        per index and O(k), whatever the size of ``ids`` (its masks are cached per tuple)."""
+        if not chain or k <= 0:
+            return {}
+        self._expire()
+        exact_mask, approx_mask = self._group_masks(ids)
+        out = self.exact.deepest(chain, exact_mask, k, rng) if exact_mask else {}
+        if approx_mask:
+            for worker_id, depth in self.approx.deepest(chain, approx_mask, k, rng).items():
+                if depth > out.get(worker_id, 0):
+                    out[worker_id] = depth
+            if len(out) > k:
+                out = dict(sorted(out.items(), key=lambda kv: -kv[1])[:k])
+        return out
+
+    def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int) -> None:
         """For workers without events, remember the routed prefix; for the others, keep the
         matched prefix recent in the index."""
         if chain and not self.tracked_exactly(worker):
-            expiry = time.monotonic() + self.config.approx_ttl_s
-            self.approx.store((worker.id, None), chain, None)
-            self._approx_expiry.append((expiry, worker.id, tuple(chain)))
-            latest = self._approx_latest
-            for h in chain:
-                latest[(worker.id, h)] = expiry
-        elif chain:
+            self._approx_stamp = stamp = (self._approx_stamp + 1) & 0xFFFFFFFF
+            self.approx.route((worker.id, 0), chain, stamp)
+            try:
+                routed = array("Q", chain)
+            except OverflowError:
+                routed = list(chain)
+            self._approx_expiry.append((time.monotonic() + self.config.approx_ttl_s, stamp, routed))
+        elif chain and predicted_depth:
             self.exact.touch(chain[:predicted_depth])
 
     def _expire(self) -> None:
-        now = time.monotonic()
         q = self._approx_expiry
+        if not q:
+            return
+        now = time.monotonic()
         while q and q[0][0] <= now:
-            _, worker_id, chain = q.popleft()
-            latest = self._approx_latest
-            gone = [h for h in chain if latest.get((worker_id, h), 0.0) <= now]
-            for h in gone:
-                latest.pop((worker_id, h), None)
-            if gone:
-                self.approx.remove((worker_id, None), gone)
+            _, stamp, chain = q.popleft()
+            self.approx.expire(chain, stamp)
 
-    def cached_blocks(self) -> dict[str, int]:
-        """Blocks each worker holds, by events or by routing."""
-        out = self.exact.blocks_by_worker()
-        for worker_id, n in self.approx.blocks_by_worker().items():
+    def cached_blocks(self, worker_ids: Sequence[str] | None = None) -> dict[str, int]:
+        """Blocks each worker holds, by events or by routing (only ``worker_ids``, if given)."""
+        out = self.exact.blocks_by_worker(worker_ids)
+        for worker_id, n in self.approx.blocks_by_worker(worker_ids).items():
             out[worker_id] = out.get(worker_id, 0) + n
         return out
