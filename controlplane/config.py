@@ -22,6 +22,12 @@ Example (TOML)::
     hash_algo = "sha256"           # --prefix-caching-hash-algo
     hash_seed = "0"                # the engines' PYTHONHASHSEED (omit if unset)
 
+    [state]                        # where specs and loads live; "redis" to share them between replicas
+    backend = "redis"              # memory (default) | redis
+    redis_url = "redis://127.0.0.1:6379/0"   # redis://, rediss:// or unix:///path
+    key_prefix = "omni:"           # namespaces one deployment's keys in a shared Redis
+    replica_ttl_s = 10.0           # a replica silent this long loses its reservations
+
     [profiles.cautious]            # a custom policy built from plugin names
     filters = [{name = "overload", max_requests = 16}]
     scorers = [{name = "least_load", weight = 1.0}]
@@ -99,6 +105,59 @@ KV_CACHE: dict[str, Check] = {
     "max_replay_gap": lambda x, f: v.int_range(x, f, 1, 10_000_000),
 }
 
+STATE_BACKENDS = ("memory", "redis")
+
+
+def _redis_url(value: Any, name: str) -> str:
+    """redis://[user:password@]host[:port][/db], rediss://..., or unix:///path; never echoes a password."""
+    allowed = "a redis://host[:port][/db], rediss://... or unix:///path URL"
+    if not isinstance(value, str) or not value.strip() or len(value) > v.MAX_URL_LEN \
+            or any(c.isspace() or ord(c) < 32 for c in value.strip()):
+        raise ValueError(f"{name} must be {allowed}")
+    from urllib.parse import urlsplit
+
+    url = value.strip()
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{name} must be {allowed} (the port must be a number from 1 to 65535)") from None
+    scheme = parts.scheme.lower()
+    if scheme in ("redis", "rediss"):
+        db = parts.path.strip("/")
+        if not parts.hostname or (db and not db.isdigit()) or port == 0:
+            raise ValueError(f"{name} must be {allowed} (a host is required; the db is a number)")
+    elif scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"{name} must be {allowed} (unix:// needs a socket path)")
+    else:
+        raise ValueError(f"{name} must be {allowed}, got scheme {v.show(parts.scheme, 20)}")
+    return url
+
+
+def _key_prefix(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > 64 or \
+            any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{name} must be 1-64 characters without spaces (for example \"omni:\"), "
+                         f"got {v.show(value)}")
+    return value
+
+
+STATE: dict[str, Check] = {
+    "backend": lambda x, f: v.choice(x, f, STATE_BACKENDS),
+    "redis_url": _redis_url,
+    "key_prefix": _key_prefix,
+    "replica_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+}
+
+
+@dataclass
+class StateConfig:
+    backend: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "omni:"
+    replica_ttl_s: float = 10.0
+
 
 def _table(value: Any, name: str) -> dict[Any, Any]:
     if value is None:
@@ -113,7 +172,8 @@ def _apply(target: object, checks: dict[str, Check], data: dict[Any, Any], secti
     for key, value in data.items():
         name = f"{section}.{key}" if section else str(key)
         if key not in checks:
-            hint = next((f" (it belongs in [{sec}])" for sec, keys in (("health", HEALTH), ("kv_cache", KV_CACHE))
+            hint = next((f" (it belongs in [{sec}])" for sec, keys in (("health", HEALTH), ("kv_cache", KV_CACHE),
+                                                                         ("state", STATE))
                          if not section and key in keys), "")
             raise ValueError(f"unknown {what} {v.show(key)}{hint}: allowed are {', '.join(checks)}")
         setattr(target, key, checks[key](value, name))
@@ -261,6 +321,7 @@ class ControlPlaneConfig:
     max_request_age_s: float = 3600.0
     session_grace_s: float = 30.0         # a data plane's requests outlive its session this long
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    state: StateConfig = field(default_factory=StateConfig)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ControlPlaneConfig":
@@ -296,9 +357,11 @@ class ControlPlaneConfig:
         workers = data.pop("workers", None) or []
         profiles = data.pop("profiles", None)
         kv = _table(data.pop("kv_cache", None), "kv_cache")
+        state = _table(data.pop("state", None), "state")
         _apply(cfg, TOP_LEVEL, data, "", "config key")
         _apply(cfg.health, HEALTH, health, "health", "health key")
         _apply(cfg.kv_cache, KV_CACHE, kv, "kv_cache", "kv_cache key")
+        _apply(cfg.state, STATE, state, "state", "state key")
         if not isinstance(workers, list):
             raise ValueError(f"workers must be a list of [[workers]] tables, got {v.show(workers)}")
         cfg.workers = [WorkerSpec.from_dict(w, f"workers[{i}]") for i, w in enumerate(workers)]
@@ -307,10 +370,10 @@ class ControlPlaneConfig:
         return cfg
 
     def set(self, key: str, value: Any, name: str) -> None:
-        """Set one top-level, ``health.*`` or ``kv_cache.*`` key from a flag, with the file's checks."""
+        """Set one top-level, ``health.*``, ``kv_cache.*`` or ``state.*`` key from a flag, with the file's checks."""
         section, _, sub = key.rpartition(".")
         target, checks = {"": (self, TOP_LEVEL), "health": (self.health, HEALTH),
-                          "kv_cache": (self.kv_cache, KV_CACHE)}[section]
+                          "kv_cache": (self.kv_cache, KV_CACHE), "state": (self.state, STATE)}[section]
         setattr(target, sub, checks[sub](value, name))
 
     def check(self) -> None:

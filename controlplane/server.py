@@ -20,7 +20,7 @@ from controlplane.prediction import Predictor
 from controlplane.registry import WorkerRegistry
 from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
-from controlplane.state import MemoryStore, StateStore
+from controlplane.state import StateStore, make_store
 from controlplane.workers import WorkerSpec
 from omni_runtime import start_http_site
 from metaserver.server import Metaserver
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class ControlPlane:
     def __init__(self, config: ControlPlaneConfig, store: StateStore | None = None) -> None:
         self.config = config
-        self.store = store or MemoryStore()
+        self.store = store or make_store(config)   # [state] backend: memory (default) or redis
         self.fleet = Fleet()
         self.registry = WorkerRegistry(self.store, self.fleet, heartbeat_interval_s=config.heartbeat_interval_s,
                                        heartbeat_ttl_s=config.heartbeat_ttl_s)

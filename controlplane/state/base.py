@@ -16,6 +16,15 @@ from typing import Protocol
 from controlplane.workers import Load, WorkerSpec
 
 
+class StoreUnavailable(Exception):
+    """A networked backend cannot be reached; the operation may not have happened.
+
+    Raised by every method of a shared store (Redis) while it is away. The caller keeps
+    serving from what it holds in memory and retries later; the backend reconnects by
+    itself. MemoryStore never raises it.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class Charge:
     """Load that one request holds on one worker until it is released."""

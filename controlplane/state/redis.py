@@ -1,0 +1,660 @@
+"""Redis-backed state: specs and the ledger shared by several control-plane replicas.
+
+Same protocol as :class:`~controlplane.state.memory.MemoryStore` (``StateStore``), same
+results for the same calls; every ledger operation is one Lua script, so it is atomic in
+Redis exactly as a MemoryStore method is atomic on the event loop.
+
+Keys (``P`` is ``key_prefix``, default ``omni:``; several deployments share one Redis
+by using different prefixes)::
+
+    P spec              hash  worker id -> spec (orjson)            durable
+    P spec:ver          int   bumped on every spec change
+    P spec:changed      pub/sub channel: "put <id> <ver>" / "del <id> <ver>"
+    P load:<worker>     hash  requests, tokens, prefill_tokens, prefills (integers >= 0)
+    P rec:<request>     hash  one RequestRecord (fields as text; charges as JSON)
+    P recs              set   every request id with a record
+    P sess:<session>    set   request ids owned by a data-plane session
+    P orphans           zset  request id -> orphaned_at (wall clock)
+    P rep:<replica>     set   request ids whose reservations a replica owns
+    P replicas          set   replica ids that own (or owned) records
+    P alive:<replica>   key   the replica's heartbeat, expiring after ``replica_ttl_s``
+
+Scripts build keys from the prefix, so they touch undeclared keys: use a standalone
+Redis (or Sentinel). For Redis Cluster, put a hash tag in the prefix (``{omni}:``) so
+every key lands in one slot.
+
+**Loads that expire with their replica.** Each record carries the id of the replica that
+reserved it (or last claimed it). A replica refreshes ``alive:<id>`` with
+:meth:`RedisStore.heartbeat` (every ``replica_ttl_s / 3`` or so); any replica may call
+:meth:`RedisStore.sweep`, which releases (or orphans) the records of every replica whose
+heartbeat key has expired. :meth:`RedisStore.maintain` does both in a loop.
+
+**Clocks.** Callers pass ``time.monotonic()`` values (``created_at``, ``placed_at``,
+``orphaned_at``, the ``orphans`` cutoff). Monotonic clocks of two processes are
+unrelated, so the store keeps wall-clock time in Redis and converts on the way in and out
+with a per-instance offset: every replica reads times in its own monotonic frame, and
+two replicas compare them correctly up to the hosts' wall-clock skew.
+
+**Redis lost.** Every method raises :class:`StoreUnavailable` when Redis cannot be
+reached (refused, reset, timed out, loading, read-only replica). The client reconnects
+by itself on the next call: there is nothing to reopen. A connection error is retried
+twice within ~50 ms first (a pooled connection that a Redis restart broke); ``reserve``
+carries an operation token so that such a retry can never charge twice. A timeout is not
+retried: the operation may or may not have happened, and the caller is told so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from controlplane.state.base import Charge, RequestRecord, StoreUnavailable
+from controlplane.workers import IDLE, Load, Role, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX = "omni:"
+
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError, asyncio.TimeoutError)
+
+# ---------------------------------------------------------------------------- Lua
+
+# Shared by the scripts: P is the key prefix (ARGV[1]).
+_LUA_COMMON = r"""
+local P = ARGV[1]
+
+-- MemoryStore._add: a missing load entry is created by increments only (a worker removed
+-- while its requests ran has nothing left to release); every field is clamped at 0.
+local function addload(wid, r, t, p)
+  local k = P .. 'load:' .. wid
+  if redis.call('EXISTS', k) == 0 and (r < 0 or p < 0) then return end
+  local pf = 0
+  if p > 0 then pf = 1 elseif p < 0 then pf = -1 end
+  if r >= 0 and t >= 0 and p >= 0 then
+    redis.call('HINCRBY', k, 'requests', r)
+    redis.call('HINCRBY', k, 'tokens', t)
+    redis.call('HINCRBY', k, 'prefill_tokens', p)
+    redis.call('HINCRBY', k, 'prefills', pf)
+    return
+  end
+  local cur = redis.call('HMGET', k, 'requests', 'tokens', 'prefill_tokens', 'prefills')
+  local deltas = {r, t, p, pf}
+  local names = {'requests', 'tokens', 'prefill_tokens', 'prefills'}
+  for i = 1, 4 do
+    local c = tonumber(cur[i] or '0') or 0
+    local d = deltas[i]
+    if d < 0 and c + d < 0 then d = -c end
+    redis.call('HINCRBY', k, names[i], d)
+  end
+end
+
+local function drop(c)
+  local p = 0
+  if c[4] ~= 0 then p = -c[4] end
+  addload(c[1], -1, -c[3], p)
+end
+
+local function charges_of(rk)
+  local raw = redis.call('HGET', rk, 'charges')
+  if not raw then return {} end
+  local list = cjson.decode(raw)
+  if type(list) ~= 'table' then return {} end
+  return list
+end
+
+local function encode(list)
+  if #list == 0 then return '[]' end
+  return cjson.encode(list)
+end
+
+-- Forget a record everywhere but in the load hashes.
+local function unlink(rid, rk)
+  local f = redis.call('HMGET', rk, 'session', 'replica')
+  if f[1] and f[1] ~= '' then redis.call('SREM', P .. 'sess:' .. f[1], rid) end
+  if f[2] and f[2] ~= '' then redis.call('SREM', P .. 'rep:' .. f[2], rid) end
+  redis.call('SREM', P .. 'recs', rid)
+  redis.call('ZREM', P .. 'orphans', rid)
+  redis.call('DEL', rk)
+end
+
+local function end_record(rid)
+  local rk = P .. 'rec:' .. rid
+  local rec = redis.call('HGETALL', rk)
+  if #rec == 0 then return false end
+  for _, c in ipairs(charges_of(rk)) do drop(c) end
+  unlink(rid, rk)
+  return rec
+end
+"""
+
+# ARGV: P, request id, replica, alive ttl ms, op token, n fields, fields..., n notes, notes...,
+#       n charges, (worker, leg, tokens, prefill_tokens) * n
+_RESERVE = _LUA_COMMON + r"""
+local rid, rep, ttl, op = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local rk = P .. 'rec:' .. rid
+local exists = redis.call('EXISTS', rk) == 1
+if exists and redis.call('HGET', rk, 'op') == op then
+  return redis.call('HGETALL', rk)   -- a retried call that already happened
+end
+local i = 6
+local nf = tonumber(ARGV[i]); i = i + 1
+if not exists then
+  for j = 0, nf - 1 do redis.call('HSET', rk, ARGV[i + 2 * j], ARGV[i + 2 * j + 1]) end
+  redis.call('HSET', rk, 'replica', rep)
+  redis.call('SADD', P .. 'recs', rid)
+  redis.call('SADD', P .. 'rep:' .. rep, rid)
+  redis.call('SADD', P .. 'replicas', rep)
+  redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
+  local f = redis.call('HMGET', rk, 'session', 'orphaned_at')
+  if f[1] and f[1] ~= '' then redis.call('SADD', P .. 'sess:' .. f[1], rid) end
+  local o = tonumber(f[2] or '0') or 0
+  if o ~= 0 then redis.call('ZADD', P .. 'orphans', f[2], rid) end
+end
+i = i + 2 * nf
+local nn = tonumber(ARGV[i]); i = i + 1
+if exists then
+  for j = 0, nn - 1 do redis.call('HSET', rk, ARGV[i + 2 * j], ARGV[i + 2 * j + 1]) end
+end
+i = i + 2 * nn
+local nc = tonumber(ARGV[i]); i = i + 1
+local list = charges_of(rk)
+for j = 0, nc - 1 do
+  local c = {ARGV[i + 4 * j], ARGV[i + 4 * j + 1], tonumber(ARGV[i + 4 * j + 2]), tonumber(ARGV[i + 4 * j + 3])}
+  table.insert(list, c)
+  addload(c[1], 1, c[3], c[4])
+end
+redis.call('HSET', rk, 'charges', encode(list), 'op', op)
+return redis.call('HGETALL', rk)
+"""
+
+# ARGV: P, request id, leg ('' = any), worker id ('' = any)
+_RELEASE = _LUA_COMMON + r"""
+local rid, leg, wid = ARGV[2], ARGV[3], ARGV[4]
+local rk = P .. 'rec:' .. rid
+if redis.call('EXISTS', rk) == 0 then return false end
+local keep, changed = {}, false
+for _, c in ipairs(charges_of(rk)) do
+  if (leg == '' or c[2] == leg) and (wid == '' or c[1] == wid) then
+    drop(c); changed = true
+  else
+    table.insert(keep, c)
+  end
+end
+if changed then redis.call('HSET', rk, 'charges', encode(keep)) end
+return redis.call('HGETALL', rk)
+"""
+
+# ARGV: P, request id
+_END = _LUA_COMMON + r"""
+return end_record(ARGV[2])
+"""
+
+# ARGV: P, request id
+_SETTLE = _LUA_COMMON + r"""
+local rk = P .. 'rec:' .. ARGV[2]
+if redis.call('EXISTS', rk) == 0 then return false end
+local list, changed = charges_of(rk), false
+for _, c in ipairs(list) do
+  if c[4] ~= 0 then
+    addload(c[1], 0, 0, -c[4]); c[4] = 0; changed = true
+  end
+end
+if changed then redis.call('HSET', rk, 'charges', encode(list)) end
+return redis.call('HGETALL', rk)
+"""
+
+# ARGV: P, session, now (wall clock)
+_ORPHAN = _LUA_COMMON + r"""
+local sk = P .. 'sess:' .. ARGV[2]
+local ids = redis.call('SMEMBERS', sk)
+redis.call('DEL', sk)
+for _, rid in ipairs(ids) do
+  local rk = P .. 'rec:' .. rid
+  if redis.call('EXISTS', rk) == 1 then
+    redis.call('HSET', rk, 'session', '', 'orphaned_at', ARGV[3])
+    redis.call('ZADD', P .. 'orphans', ARGV[3], rid)
+  end
+end
+return #ids
+"""
+
+# ARGV: P, session, replica, request ids...
+_CLAIM = _LUA_COMMON + r"""
+local sess, rep = ARGV[2], ARGV[3]
+local claimed = 0
+for i = 4, #ARGV do
+  local rid = ARGV[i]
+  local rk = P .. 'rec:' .. rid
+  local f = redis.call('HMGET', rk, 'session', 'orphaned_at', 'replica')
+  local owned = f[1] and f[1] ~= '' and (tonumber(f[2] or '0') or 0) == 0
+  if redis.call('EXISTS', rk) == 1 and not owned then
+    if f[1] and f[1] ~= '' then redis.call('SREM', P .. 'sess:' .. f[1], rid) end
+    redis.call('HSET', rk, 'session', sess, 'orphaned_at', '0.0', 'replica', rep)
+    redis.call('ZREM', P .. 'orphans', rid)
+    redis.call('SADD', P .. 'sess:' .. sess, rid)
+    if f[3] ~= rep then
+      if f[3] and f[3] ~= '' then redis.call('SREM', P .. 'rep:' .. f[3], rid) end
+      redis.call('SADD', P .. 'rep:' .. rep, rid)
+      redis.call('SADD', P .. 'replicas', rep)
+    end
+    claimed = claimed + 1
+  end
+end
+return claimed
+"""
+
+# ARGV: P, worker id
+_FORGET = r"""
+local k = ARGV[1] .. 'load:' .. ARGV[2]
+local v = redis.call('HMGET', k, 'requests', 'tokens', 'prefill_tokens', 'prefills')
+redis.call('DEL', k)
+return v
+"""
+
+# ARGV: P, worker id
+_REMOVE_SPEC = r"""
+local P = ARGV[1]
+local old = redis.call('HGET', P .. 'spec', ARGV[2])
+if not old then return false end
+redis.call('HDEL', P .. 'spec', ARGV[2])
+local ver = redis.call('INCR', P .. 'spec:ver')
+redis.call('PUBLISH', P .. 'spec:changed', 'del ' .. ARGV[2] .. ' ' .. ver)
+return old
+"""
+
+# ARGV: P, worker id, spec
+_PUT_SPEC = r"""
+local P = ARGV[1]
+redis.call('HSET', P .. 'spec', ARGV[2], ARGV[3])
+local ver = redis.call('INCR', P .. 'spec:ver')
+redis.call('PUBLISH', P .. 'spec:changed', 'put ' .. ARGV[2] .. ' ' .. ver)
+return ver
+"""
+
+# ARGV: P, replica, mode ('end' | 'orphan'), now (wall clock, for 'orphan')
+# Releases the records of a replica whose heartbeat expired; re-checked here, atomically.
+_SWEEP = _LUA_COMMON + r"""
+local rep, mode, now = ARGV[2], ARGV[3], ARGV[4]
+if redis.call('EXISTS', P .. 'alive:' .. rep) == 1 then return {} end
+local rsk = P .. 'rep:' .. rep
+local ids = redis.call('SMEMBERS', rsk)
+local done = {}
+for _, rid in ipairs(ids) do
+  local rk = P .. 'rec:' .. rid
+  if mode == 'end' then
+    if end_record(rid) then table.insert(done, rid) end
+  elseif redis.call('EXISTS', rk) == 1 then
+    local s = redis.call('HGET', rk, 'session')
+    if s and s ~= '' then redis.call('SREM', P .. 'sess:' .. s, rid) end
+    local o = tonumber(redis.call('HGET', rk, 'orphaned_at') or '0') or 0
+    if o == 0 then
+      redis.call('HSET', rk, 'session', '', 'orphaned_at', now)
+      redis.call('ZADD', P .. 'orphans', now, rid)
+    end
+    redis.call('HSET', rk, 'replica', '')
+    table.insert(done, rid)
+  end
+end
+redis.call('DEL', rsk)
+redis.call('SREM', P .. 'replicas', rep)
+return done
+"""
+
+# ---------------------------------------------------------------------------- encoding
+
+_INT_FIELDS = frozenset({"prompt_tokens", "max_tokens", "flow", "work_ahead_tokens", "decode_batch"})
+_TIME_FIELDS = frozenset({"created_at", "placed_at", "orphaned_at"})   # monotonic <-> wall clock
+_FLOAT_FIELDS = frozenset({"predicted_ttft_s"}) | _TIME_FIELDS
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerSpec))
+_LOAD_FIELDS = ("requests", "tokens", "prefill_tokens", "prefills")
+
+
+def encode_spec(spec: WorkerSpec) -> bytes:
+    data = {f: getattr(spec, f) for f in _SPEC_FIELDS}
+    data["role"] = spec.role.value
+    data["labels"] = dict(spec.labels)
+    return orjson.dumps(data)
+
+
+def decode_spec(raw: str | bytes) -> WorkerSpec:
+    data = orjson.loads(raw)
+    # Fields a newer replica wrote that this one does not know are ignored.
+    data = {k: v for k, v in data.items() if k in _SPEC_FIELDS}
+    data["role"] = Role(data["role"])
+    return WorkerSpec(**data)
+
+
+def _charges_json(charges: Iterable[Charge]) -> bytes:
+    return orjson.dumps([[c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens)] for c in charges])
+
+
+def _load(values: list[Any]) -> Load:
+    if values[0] is None and values[1] is None:
+        return IDLE
+    return Load(*(int(x or 0) for x in values))
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis url>"
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True, slots=True)
+class SpecChange:
+    """One spec change another replica (or this one) made: ``kind`` is "put" or "del"."""
+
+    kind: str
+    worker_id: str
+    version: int
+
+
+def _unavailable(method):
+    @functools.wraps(method)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailable(f"redis at {self.url_for_logs} unavailable ({type(exc).__name__}: {exc})") from exc
+    return wrapper
+
+
+class RedisStore:
+    """``StateStore`` on Redis. One instance per control-plane replica (``replica_id``)."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, key_prefix: str = DEFAULT_PREFIX, replica_id: str = "",
+                 replica_ttl_s: float = 10.0, socket_timeout_s: float = 1.0, client: aioredis.Redis | None = None
+                 ) -> None:
+        self.url_for_logs = safe_url(url)
+        self.prefix = key_prefix
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.replica_ttl_ms = max(1, int(replica_ttl_s * 1000))
+        self._ops = itertools.count(1)
+        # Monotonic -> wall clock, fixed for this instance (see "Clocks" above).
+        self._wall_offset = time.time() - time.monotonic()
+        self.redis = client or aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(RedisConnectionError,)),
+            health_check_interval=30)
+        r = self.redis
+        self._reserve = r.register_script(_RESERVE)
+        self._release = r.register_script(_RELEASE)
+        self._end = r.register_script(_END)
+        self._settle = r.register_script(_SETTLE)
+        self._orphan = r.register_script(_ORPHAN)
+        self._claim = r.register_script(_CLAIM)
+        self._forget = r.register_script(_FORGET)
+        self._put_spec = r.register_script(_PUT_SPEC)
+        self._remove_spec = r.register_script(_REMOVE_SPEC)
+        self._sweep = r.register_script(_SWEEP)
+        P = key_prefix
+        self._k_spec, self._k_ver, self.spec_channel = P + "spec", P + "spec:ver", P + "spec:changed"
+        self._k_load, self._k_rec, self._k_recs = P + "load:", P + "rec:", P + "recs"
+        self._k_orphans, self._k_replicas, self._k_alive = P + "orphans", P + "replicas", P + "alive:"
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    @_unavailable
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # ------------------------------------------------------------------ clocks and records
+
+    def _to_wall(self, t: float) -> float:
+        return t + self._wall_offset if t else 0.0
+
+    def _from_wall(self, t: float) -> float:
+        return t - self._wall_offset if t else 0.0
+
+    def _encode_fields(self, fields: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        for key, value in fields.items():
+            if key == "charges" or key not in _RECORD_FIELDS:
+                raise TypeError(f"not a RequestRecord note: {key!r}")
+            if key in _TIME_FIELDS:
+                value = repr(self._to_wall(float(value)))
+            elif key in _FLOAT_FIELDS:
+                value = repr(float(value))
+            elif key in _INT_FIELDS:
+                value = str(int(value))
+            out += (key, value)
+        return out
+
+    def _record(self, flat: list[str] | dict[str, str] | None) -> RequestRecord | None:
+        if not flat:
+            return None
+        data = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2]))
+        kwargs: dict[str, Any] = {}
+        for key in _RECORD_FIELDS:
+            raw = data.get(key)
+            if raw is None:
+                continue
+            if key == "charges":
+                items = orjson.loads(raw)
+                kwargs[key] = tuple(Charge(str(w), str(leg), int(t), int(p)) for w, leg, t, p in items) \
+                    if isinstance(items, list) else ()
+            elif key in _TIME_FIELDS:
+                kwargs[key] = self._from_wall(float(raw))
+            elif key in _FLOAT_FIELDS:
+                kwargs[key] = float(raw)
+            elif key in _INT_FIELDS:
+                kwargs[key] = int(raw)
+            else:
+                kwargs[key] = raw
+        return RequestRecord(**kwargs)
+
+    # ------------------------------------------------------------------ specs
+
+    @_unavailable
+    async def put_spec(self, spec: WorkerSpec) -> None:
+        await self._put_spec(args=[self.prefix, spec.id, encode_spec(spec)])
+
+    @_unavailable
+    async def remove_spec(self, worker_id: str) -> WorkerSpec | None:
+        raw = await self._remove_spec(args=[self.prefix, worker_id])
+        return decode_spec(raw) if raw else None
+
+    @_unavailable
+    async def specs(self) -> list[WorkerSpec]:
+        return [decode_spec(raw) for raw in (await self.redis.hgetall(self._k_spec)).values()]
+
+    @_unavailable
+    async def spec_version(self) -> int:
+        """Bumped by every spec change: poll it to know when to re-read ``specs()``."""
+        return int(await self.redis.get(self._k_ver) or 0)
+
+    @_unavailable
+    async def specs_versioned(self) -> tuple[int, list[WorkerSpec]]:
+        """The specs and the version they are at, read together (one MULTI)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            ver, specs = await pipe.get(self._k_ver).hgetall(self._k_spec).execute()
+        return int(ver or 0), [decode_spec(raw) for raw in specs.values()]
+
+    async def watch_specs(self) -> AsyncIterator[SpecChange]:
+        """Spec changes as they happen (Redis pub/sub), from any replica, this one included.
+
+        Pub/sub loses what is published while the connection is down: when this raises
+        :class:`StoreUnavailable`, re-read every spec (``specs_versioned``) before watching
+        again. ``controlplane.state.sync.SpecSync`` does that.
+        """
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            try:
+                await pubsub.subscribe(self.spec_channel)
+            except _UNAVAILABLE as exc:
+                raise StoreUnavailable(f"redis at {self.url_for_logs}: cannot subscribe ({exc})") from exc
+            while True:
+                try:
+                    msg = await pubsub.get_message(timeout=None)
+                except _UNAVAILABLE as exc:
+                    raise StoreUnavailable(f"redis at {self.url_for_logs}: spec channel lost ({exc})") from exc
+                if msg is None or msg.get("type") != "message":
+                    continue
+                kind, _, rest = str(msg["data"]).partition(" ")
+                wid, _, ver = rest.rpartition(" ")
+                yield SpecChange(kind, wid, int(ver) if ver.isdigit() else 0)
+        finally:
+            try:
+                await pubsub.aclose()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                pass
+
+    # ------------------------------------------------------------------ ledger
+
+    @_unavailable
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+        fields = {f: getattr(record, f) for f in _RECORD_FIELDS if f != "charges"}
+        args: list[Any] = [self.prefix, record.request_id, self.replica_id, self.replica_ttl_ms,
+                           f"{self.replica_id}:{next(self._ops)}"]
+        enc = self._encode_fields(fields)
+        # A template's own charges are kept but not added to any load, as MemoryStore does.
+        enc += ("charges", _charges_json(record.charges))
+        args += [len(enc) // 2, *enc]
+        enc = self._encode_fields(notes)
+        args += [len(enc) // 2, *enc]
+        args.append(len(charges))
+        for c in charges:
+            args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
+        return self._record(await self._reserve(args=args))
+
+    @_unavailable
+    async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
+        return self._record(await self._release(args=[self.prefix, request_id, leg, worker_id]))
+
+    @_unavailable
+    async def end(self, request_id: str) -> RequestRecord | None:
+        return self._record(await self._end(args=[self.prefix, request_id]))
+
+    @_unavailable
+    async def settle_prefill(self, request_id: str) -> RequestRecord | None:
+        return self._record(await self._settle(args=[self.prefix, request_id]))
+
+    @_unavailable
+    async def get(self, request_id: str) -> RequestRecord | None:
+        return self._record(await self.redis.hgetall(self._k_rec + request_id))
+
+    @_unavailable
+    async def records(self) -> list[RequestRecord]:
+        ids = await self.redis.smembers(self._k_recs)
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in ids:
+                pipe.hgetall(self._k_rec + rid)
+            rows = await pipe.execute()
+        return [r for r in map(self._record, rows) if r is not None]
+
+    @_unavailable
+    async def loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
+        ids = list(worker_ids)
+        if not ids:
+            return {}
+        prefix = self._k_load
+        if len(ids) == 1:
+            return {ids[0]: _load(await self.redis.hmget(prefix + ids[0], _LOAD_FIELDS))}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.hmget(prefix + wid, _LOAD_FIELDS)
+            rows = await pipe.execute()
+        return {wid: _load(row) for wid, row in zip(ids, rows)}
+
+    @_unavailable
+    async def forget_worker(self, worker_id: str) -> Load:
+        return _load(await self._forget(args=[self.prefix, worker_id]))
+
+    @_unavailable
+    async def orphan(self, session: str, now: float) -> int:
+        return int(await self._orphan(args=[self.prefix, session, repr(self._to_wall(now))]))
+
+    @_unavailable
+    async def claim(self, session: str, request_ids: Iterable[str]) -> int:
+        ids = list(request_ids)
+        if not ids:
+            return 0
+        return int(await self._claim(args=[self.prefix, session, self.replica_id, *ids]))
+
+    @_unavailable
+    async def orphans(self, cutoff: float) -> list[str]:
+        return list(await self.redis.zrangebyscore(self._k_orphans, "(0", repr(self._to_wall(cutoff))))
+
+    # ------------------------------------------------------------------ replicas
+
+    @_unavailable
+    async def heartbeat(self) -> None:
+        """This replica is alive for ``replica_ttl_s`` more; call every ttl/3 or so."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k_alive + self.replica_id, "1", px=self.replica_ttl_ms)
+            pipe.sadd(self._k_replicas, self.replica_id)
+            await pipe.execute()
+
+    @_unavailable
+    async def sweep(self, *, orphan_at: float | None = None) -> list[str]:
+        """Release what replicas whose heartbeat expired held; returns the request ids.
+
+        With ``orphan_at`` (a ``time.monotonic()`` value), their records are orphaned at
+        that time instead: a data plane that fails over to another replica can still claim
+        them, and ``Lifecycle.release_orphans`` releases the rest after the session grace.
+        """
+        replicas = [r for r in await self.redis.smembers(self._k_replicas) if r != self.replica_id]
+        if not replicas:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rep in replicas:
+                pipe.exists(self._k_alive + rep)
+            alive = await pipe.execute()
+        mode, now = ("end", "0") if orphan_at is None else ("orphan", repr(self._to_wall(orphan_at)))
+        released: list[str] = []
+        for rep, up in zip(replicas, alive):
+            if not up:
+                done = await self._sweep(args=[self.prefix, rep, mode, now])
+                if done:
+                    log.warning("replica %s stopped heartbeating: %s %d of its requests", rep,
+                                "released" if mode == "end" else "orphaned", len(done))
+                released += done
+        return released
+
+    async def maintain(self, interval_s: float | None = None, *, orphan: bool = True) -> None:
+        """Heartbeat and sweep forever (run it as a task; cancel it to stop).
+
+        Redis being away is logged once per outage and retried every interval.
+        """
+        interval = interval_s if interval_s is not None else self.replica_ttl_ms / 3000
+        down = False
+        while True:
+            try:
+                await self.heartbeat()
+                await self.sweep(orphan_at=time.monotonic() if orphan else None)
+                if down:
+                    log.warning("redis at %s is back", self.url_for_logs)
+                down = False
+            except StoreUnavailable as exc:
+                if not down:
+                    log.error("%s", exc)
+                down = True
+            await asyncio.sleep(interval)
