@@ -131,10 +131,27 @@ class _Scheduling:
         yield h
 
 
+class _Counters:
+    """A plain ``{label: count}`` dict as one counter family (e.g. the metaserver's calls)."""
+
+    def __init__(self, name: str, doc: str, label: str, counts: dict[str, int]) -> None:
+        self.name, self.doc, self.label, self.counts = name, doc, label, counts
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+        for key, n in self.counts.items():
+            family.add_metric([key], n)
+        yield family
+
+
 def render(workers: list[WorkerView], stats: PlacementStats, kv: KVCache | None = None,
-           predictor: Predictor | None = None, queue: PlacementQueue | None = None) -> bytes:
+           predictor: Predictor | None = None, queue: PlacementQueue | None = None,
+           metaserver_calls: dict[str, int] | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(workers, stats, kv))
     registry.register(_Scheduling(workers, stats, predictor, queue))
+    if metaserver_calls is not None:
+        registry.register(_Counters("omni_metaserver_calls", "Decode engines' metaserver calls by outcome",
+                                    "outcome", metaserver_calls))
     ProcessCollector(registry=registry)
     return generate_latest(registry)

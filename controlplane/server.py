@@ -140,7 +140,7 @@ class ControlPlane:
             specs = self.fleet.specs()
             loads = await self.store.loads([s.id for s in specs])
             body = metrics.render([self.fleet.view(s, loads[s.id]) for s in specs], self.placer.stats, self.kv,
-                                  self.predictor, self.placer.queue)
+                                  self.predictor, self.placer.queue, self.metaserver.calls)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app.router.add_get("/health", health)

@@ -23,6 +23,10 @@ class PendingPrefill:
     max_tokens: int
     expected: list[str]             # engine ids that must report before P is sent
     block_hashes: list[int] = field(default_factory=list)
+    # Who may answer for this request: the token in the metaserver URL given to the
+    # placed decode engine, and that engine's address when it is an IP literal.
+    token: str = ""
+    decode_host: str = ""
     created: float = field(default_factory=time.monotonic)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     result: asyncio.Future | None = None    # set once: None = ok, str = error message

@@ -10,8 +10,12 @@ before it decodes, so a failed prefill fails fast instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
+import secrets
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -43,7 +47,7 @@ class Metaserver:
         self._timeouts = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._reaper: asyncio.Task | None = None
-        self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0}
+        self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0, "forbidden": 0}
         placer.on_layerwise = self.register
         lifecycle.on_request_end = self.drop
 
@@ -86,8 +90,11 @@ class Metaserver:
             prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
             expected=engine_request_ids(req.engine_request_id or req.request_id, req.path == CHAT_PATH,
                                         req.num_prompts),
-            block_hashes=list(req.block_hashes))
+            block_hashes=list(req.block_hashes), token=secrets.token_urlsafe(18),
+            decode_host=_ip_literal(placement.decode.url))
         if self.table.add(entry):
+            # Only the decode engine placed for this request learns the token.
+            placement.metaserver_url = f"{placement.metaserver_url}?token={entry.token}"
             return True
         self.calls["duplicate"] += 1
         log.warning("layerwise %s: refused, an engine request id of it is already pending", entry.placement_id)
@@ -120,6 +127,13 @@ class Metaserver:
         if entry is None:
             self.calls["unknown"] += 1
             return _error(404, f"no pending request {data['request_id']!r}")
+        if not hmac.compare_digest(http.query.get("token", ""), entry.token) or \
+                (entry.decode_host and http.remote and _ip(http.remote) != entry.decode_host):
+            # Anyone else answering for D could choose where P pushes the KV.
+            self.calls["forbidden"] += 1
+            log.warning("layerwise %s: metaserver call refused from %s (not the placed decode engine)",
+                        entry.placement_id, http.remote)
+            return _error(403, "only the decode engine placed for this request may call for its prefill")
         if child in entry.params and entry.params[child] != data:   # a retry repeats itself exactly
             self.calls["duplicate"] += 1
             return _error(409, f"request {child!r} has already reported its KV destination")
@@ -195,6 +209,18 @@ class Metaserver:
             for entry in self.table.older_than(self.timeout_s):
                 log.warning("layerwise %s: no metaserver call within %.0fs", entry.engine_request_id, self.timeout_s)
                 self.drop(entry.placement_id, "timed out waiting for the decode engine")
+
+
+def _ip(host: str) -> str:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).compressed
+    except ValueError:
+        return ""
+
+
+def _ip_literal(url: str) -> str:
+    """The host of ``url`` when it is an IP address (a name is not compared: DNS may differ)."""
+    return _ip(urlsplit(url).hostname or "")
 
 
 def _error(status: int, message: str) -> web.Response:

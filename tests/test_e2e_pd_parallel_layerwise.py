@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import orjson
 import pytest
@@ -98,9 +100,10 @@ async def test_layerwise_decode_first_then_metaserver_drives_prefill(layerwise: 
     assert raw.endswith(b"data: [DONE]\n\n")
     (d,) = await layerwise.sim_requests("decode-0")
     (p,) = await layerwise.sim_requests("prefill-0")
-    assert d["body"]["kv_transfer_params"] == {
-        "do_remote_decode": False, "do_remote_prefill": True,
-        "metaserver": f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver"}
+    dk = d["body"]["kv_transfer_params"]
+    assert {k: v for k, v in dk.items() if k != "metaserver"} == {"do_remote_decode": False, "do_remote_prefill": True}
+    base, _, token = dk["metaserver"].partition("?token=")
+    assert base == f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver" and len(token) >= 20
     # P got the original request, capped, with D's KV destination from the metaserver call.
     assert p["body"]["messages"] == body["messages"] and p["body"]["max_tokens"] == 1
     assert p["body"]["stream"] is False
@@ -121,6 +124,42 @@ async def test_layerwise_prefill_failure_fails_fast(layerwise: Cluster, http):
     d_state = await layerwise.sim_get("decode-0", "/sim/state")
     assert d_state["metaserver_calls_failed"] >= 1
     await wait_until(layerwise.all_idle, what="load released")
+
+
+async def test_metaserver_answers_only_the_placed_decode_engine(layerwise: Cluster, http):
+    """A third party that knows a pending id cannot choose where prefill pushes the KV."""
+    await layerwise.fresh()
+    # Hold D back so the request stays pending while a third party calls the metaserver.
+    await layerwise.sim_post("decode-0", "/sim/faults", {"delay_s": 1.5, "count": 1})
+    body = {"model": MODEL, "prompt": "mine", "max_tokens": 3}
+    task = asyncio.create_task(http.post(layerwise.url + "/v1/completions", json=body,
+                                         headers={"X-Request-Id": "victim"}))
+    url = f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver"
+    forged = {"request_id": "", "remote_engine_id": "evil", "remote_host": "10.9.9.9", "remote_port": 1}
+
+    await wait_until(lambda: _has_pending(layerwise, http), what="the request to wait for its decode call")
+    engine_id = (await _decode_request_id(layerwise))
+    for query in ("", "?token=guess"):
+        forged["request_id"] = f"cmpl-{engine_id}-0"
+        async with http.post(url + query, json=forged) as r:
+            assert r.status == 403, await r.text()
+    r = await task
+    assert r.status == 200
+    r.release()
+    (p,) = await layerwise.sim_requests("prefill-0")
+    assert p["body"]["kv_transfer_params"]["remote_engine_id"] != "evil"
+    async with http.get(f"http://127.0.0.1:{layerwise.cp.info['http_port']}/metrics") as m:
+        assert 'omni_metaserver_calls_total{outcome="forbidden"} 2.0' in await m.text()
+    await wait_until(layerwise.all_idle, what="load released")
+
+
+async def _has_pending(c: Cluster, http) -> bool:
+    return bool(await c.sim_requests("decode-0"))
+
+
+async def _decode_request_id(c: Cluster) -> str:
+    (d,) = await c.sim_requests("decode-0")
+    return d["request_id"]
 
 
 async def test_metaserver_rejects_unknown_ids_and_bad_bodies(layerwise: Cluster, http):
