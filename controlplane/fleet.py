@@ -6,17 +6,109 @@ replaced whole. The routable index maps (model, role) to the ids of the workers 
 get a placement right now; it is rebuilt only when a spec changes or a worker's health
 flips, which is rare next to placements, so placement cost follows the candidates, not
 the fleet.
+
+Above a few dozen candidates placement considers a bounded sample of a group
+(``controlplane.scheduling.candidates``); for it a :class:`Group` keeps, built on first use
+and dropped with the index, the group's least-loaded order (a lazy heap fed by the ledger's
+load changes, :meth:`Fleet.note_load`) and its cumulative weights.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from controlplane.workers import (NO_METRICS, UNCHECKED, EngineMetrics, Health, HealthState, Load, Role,
                                   WorkerSpec, WorkerView)
 
 _ALL_MODELS = ""
+TOKENS_PER_REQUEST = 256     # the least-loaded order's work per request, as LeastLoadScorer's default
+
+
+class Group:
+    """The routable workers for one (model, roles) at one index version, and what bounded
+    placement needs of them, each built on first use: O(group) once, O(log group) per query."""
+
+    __slots__ = ("ids", "_fleet", "_members", "_heap", "_cum", "_uniform")
+
+    def __init__(self, fleet: "Fleet", ids: tuple[str, ...]) -> None:
+        self.ids = ids
+        self._fleet = fleet
+        self._members: frozenset[str] | None = None
+        self._heap: list[tuple[float, str]] | None = None
+        self._cum: list[float] | None = None
+        self._uniform: bool | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def members(self) -> frozenset[str]:
+        if self._members is None:
+            self._members = frozenset(self.ids)
+        return self._members
+
+    # ---- weights (random picks in O(log n)) ----------------------------------------------------
+
+    @property
+    def uniform(self) -> bool:
+        if self._uniform is None:
+            specs = self._fleet._specs
+            first = specs[self.ids[0]].weight if self.ids else 1.0
+            self._uniform = all(specs[i].weight == first for i in self.ids)
+        return self._uniform
+
+    @property
+    def cumulative_weights(self) -> list[float]:
+        if self._cum is None:
+            specs = self._fleet._specs
+            self._cum = list(itertools.accumulate(specs[i].weight for i in self.ids))
+        return self._cum
+
+    def weight(self, worker_id: str) -> float:
+        return self._fleet._specs[worker_id].weight
+
+    # ---- least-loaded order --------------------------------------------------------------------
+
+    def _key(self, worker_id: str) -> float:
+        fleet = self._fleet
+        return fleet._work.get(worker_id, 0) / fleet._specs[worker_id].weight
+
+    def _push(self, worker_id: str) -> None:
+        heap = self._heap
+        assert heap is not None
+        heapq.heappush(heap, (self._key(worker_id), worker_id))
+        if len(heap) > 3 * len(self.ids) + 64:     # stale entries: rebuild, amortised O(1) a push
+            self._heap = None
+
+    def least_loaded(self, k: int, skip: Sequence[str] | frozenset[str] = ()) -> list[str]:
+        """The ``k`` workers with the least work (in-flight tokens + 256 per in-flight request,
+        per unit of weight) by the ledger's counts, skipping ``skip``; ties in id order."""
+        heap = self._heap
+        if heap is None:
+            if self._members is None:
+                self._members = frozenset(self.ids)
+            self._fleet._ordered.add(self)
+            heap = self._heap = [(self._key(i), i) for i in self.ids]
+            heapq.heapify(heap)
+        out: list[str] = []
+        keep: list[tuple[float, str]] = []
+        seen: set[str] = set()
+        work, specs = self._fleet._work, self._fleet._specs
+        while heap and len(out) < k:
+            entry = heapq.heappop(heap)
+            key, wid = entry
+            if wid in seen or key != work.get(wid, 0) / specs[wid].weight:
+                continue                     # stale (the load changed since) or a duplicate
+            seen.add(wid)
+            keep.append(entry)
+            if wid not in skip:
+                out.append(wid)
+        for entry in keep:
+            heapq.heappush(heap, entry)
+        return out
 
 
 class Fleet:
@@ -26,6 +118,10 @@ class Fleet:
         self._engine: dict[str, EngineMetrics] = {}
         self._heartbeat: dict[str, float] = {}
         self._index: dict[tuple[str, Role], tuple[str, ...]] | None = None
+        self._groups: dict[tuple[str, tuple[Role, ...]], Group] = {}
+        self._ordered: set[Group] = set()              # groups whose least-loaded heap exists
+        self._work: dict[str, int] = {}                # ledger work per worker (see note_load)
+        self._view_cache: dict[str, WorkerView] = {}
         self._models: Counter[str] = Counter()
         self.placements: Counter[str] = Counter()   # per worker id, for listings
 
@@ -37,7 +133,7 @@ class Fleet:
             self._models[old.model] -= 1
         self._specs[spec.id] = spec
         self._models[spec.model] += 1
-        self._index = None
+        self._invalidate()
         return old
 
     def remove(self, worker_id: str) -> WorkerSpec | None:
@@ -48,7 +144,9 @@ class Fleet:
             self._engine.pop(worker_id, None)
             self._heartbeat.pop(worker_id, None)
             self.placements.pop(worker_id, None)
-            self._index = None
+            self._work.pop(worker_id, None)
+            self._view_cache.pop(worker_id, None)
+            self._invalidate()
         return spec
 
     def get(self, worker_id: str) -> WorkerSpec | None:
@@ -78,7 +176,7 @@ class Fleet:
         old = self._state.get(worker_id, UNCHECKED)
         self._state[worker_id] = state
         if old.health is not state.health:
-            self._index = None
+            self._invalidate()
 
     def engine(self, worker_id: str) -> EngineMetrics:
         return self._engine.get(worker_id, NO_METRICS)
@@ -99,11 +197,51 @@ class Fleet:
         return WorkerView(spec, load, self._state.get(wid, UNCHECKED), self._engine.get(wid, NO_METRICS))
 
     def views(self, ids: Iterable[str], loads: dict[str, Load]) -> list[WorkerView]:
-        specs, state, engine = self._specs, self._state, self._engine
-        return [WorkerView(specs[i], loads[i], state.get(i, UNCHECKED), engine.get(i, NO_METRICS))
-                for i in ids if i in specs]
+        """Views of ``ids`` with ``loads``; a view whose parts are the same objects as last
+        time is reused (loads, specs, health and metrics are immutable, replaced on change)."""
+        specs, state, engine, cache = self._specs, self._state, self._engine, self._view_cache
+        out = []
+        for i in ids:
+            spec = specs.get(i)
+            if spec is None:
+                continue
+            load, st, en = loads[i], state.get(i, UNCHECKED), engine.get(i, NO_METRICS)
+            v = cache.get(i)
+            if v is None or v.load is not load or v.spec is not spec or v.state is not st or v.engine is not en:
+                v = cache[i] = WorkerView(spec, load, st, en)
+            out.append(v)
+        return out
+
+    # ------------------------------------------------------------------ load order
+
+    def note_load(self, worker_id: str, load: Load) -> None:
+        """The ledger's load of a worker changed (a store's load listener, or placement after
+        reading or reserving it): keeps the groups' least-loaded orders current in O(log n)."""
+        work = load.tokens + TOKENS_PER_REQUEST * load.requests
+        if self._work.get(worker_id, 0) == work or worker_id not in self._specs:
+            return
+        self._work[worker_id] = work
+        for group in self._ordered:
+            if group._heap is not None and worker_id in group.members:
+                group._push(worker_id)
 
     # ------------------------------------------------------------------ the routable index
+
+    def _invalidate(self) -> None:
+        self._index = None
+        self._groups = {}
+        self._ordered = set()
+
+    def group(self, model: str, roles: tuple[Role, ...]) -> Group:
+        """The routable workers of ``roles`` serving ``model``, as a :class:`Group` (the same
+        object until the index changes, so what it builds on demand is reused)."""
+        key = (model, roles)
+        group = self._groups.get(key)
+        if group is None:
+            ids = self.routable(model, roles[0]) if len(roles) == 1 else \
+                tuple(i for role in roles for i in self.routable(model, role))
+            group = self._groups[key] = Group(self, ids)
+        return group
 
     def routable(self, model: str, role: Role) -> tuple[str, ...]:
         """Ids of healthy, undrained, positively weighted workers of ``role`` serving ``model``

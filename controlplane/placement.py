@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from controlplane.fleet import Fleet
@@ -90,6 +91,12 @@ class Placer:
         self.kv: KVCache | None = None     # prefix-cache view; None = placement ignores caches
         self.predictor = predictor or Predictor()
         self.block_size = block_size
+        # The fleet's least-loaded order follows the ledger: told by the store on every change
+        # when the store can (MemoryStore), else by this placer whenever it reads or charges a load.
+        listeners = getattr(store, "load_listeners", None)
+        self._store_notes_loads = listeners is not None
+        if listeners is not None and fleet.note_load not in listeners:
+            listeners.append(fleet.note_load)
         # The queue stage's runner, when the policy has one (late binding).
         self.queue = PlacementQueue(profile.queue, self.place) if profile.queue is not None else None
         self.metaserver_url = ""
@@ -138,8 +145,7 @@ class Placer:
         explain = req.explain or dry_run
         chain = list(req.block_hashes) if self.kv is not None and self.profile.uses_prefix_cache else []
         ctx = self._context(req, leg, roles, chain)
-        candidates = await self._candidates(req.model, roles, ctx, chain)
-        decision = self.profile.place(ctx, candidates)
+        decision = await self._decide(req.model, roles, ctx, chain)
         explanation = self._explain(decision, ctx, roles) if explain else ""
         chosen = decision.worker
         if chosen is None:
@@ -161,7 +167,7 @@ class Placer:
             # to D first and lets the metaserver choose P when D asks for its prefill.
             d_roles = _LEG_ROLES["decode"]
             d_ctx = self._context(req, "decode", d_roles, chain)
-            d_decision = self.profile.place(d_ctx, await self._candidates(req.model, d_roles, d_ctx, chain))
+            d_decision = await self._decide(req.model, d_roles, d_ctx, chain)
             if explain:
                 explanation += " | decode: " + self._explain(d_decision, d_ctx, d_roles)
             if d_decision.worker is None:
@@ -208,6 +214,13 @@ class Placer:
         stats = self.stats
         for worker, charge_leg in charges:
             wid = worker.spec.id
+            if not self._store_notes_loads:
+                # The least-loaded order learns of this charge now (a store with a load
+                # listener has told the fleet already).
+                c = next(c for c in charge_list if c.worker_id == wid)
+                load = worker.load
+                fleet.note_load(wid, dataclasses.replace(load, requests=load.requests + 1,
+                                                         tokens=load.tokens + c.tokens))
             fleet.placements[wid] += 1
             stats.placed[(wid, charge_leg)] += 1
             if chain and charge_leg != "decode":
@@ -220,17 +233,35 @@ class Placer:
             self.on_layerwise(req, out)
         return out
 
-    async def _candidates(self, model: str, roles: tuple[Role, ...], ctx: PlacementContext,
-                          chain: list[int]) -> list[WorkerView]:
-        """The routable workers for this leg, with their loads (and cache depths, if used)."""
+    async def _decide(self, model: str, roles: tuple[Role, ...], ctx: PlacementContext,
+                      chain: list[int]) -> Decision:
+        """Run the profile over this leg's candidates: a bounded sample of the routable group when
+        it is large (the candidate stage), else all of it; the whole group again if a sample left
+        nothing (hard filters), so sampling alone never refuses."""
+        group = self.fleet.group(model, roles)
+        stage = self.profile.candidates
+        if stage is not None and stage.applies(len(group.ids)):
+            ids = stage.select(ctx, group, self.kv if chain else None, chain)
+            ctx.sampled = (len(ids), len(group.ids))
+            decision = self.profile.place(ctx, await self._candidates(ids, ctx, chain))
+            if decision.worker is not None:
+                return decision
+            ctx.sampled = (0, 0)
+            ctx.match_blocks, ctx.cached_blocks, ctx.predicted = {}, {}, {}
+        return self.profile.place(ctx, await self._candidates(group.ids, ctx, chain))
+
+    async def _candidates(self, ids: Sequence[str], ctx: PlacementContext, chain: list[int]) -> list[WorkerView]:
+        """Views of ``ids`` with their loads (and cache depths, if used): O(len(ids))."""
         fleet = self.fleet
-        ids = fleet.routable(model, roles[0]) if len(roles) == 1 else \
-            [i for role in roles for i in fleet.routable(model, role)]
-        views = fleet.views(ids, await self.store.loads(ids))
+        loads = await self.store.loads(ids)
+        if not self._store_notes_loads:
+            for wid, load in loads.items():
+                fleet.note_load(wid, load)
+        views = fleet.views(ids, loads)
         if chain:
             ctx.match_blocks = self.kv.match(chain, views)
             if self.profile.uses_tree_sizes:
-                ctx.cached_blocks = self.kv.cached_blocks()
+                ctx.cached_blocks = self.kv.cached_blocks([v.spec.id for v in views])
         return views
 
     def _context(self, req: pb.PlaceRequest, leg: str, roles: tuple[Role, ...], chain: list[int]) -> PlacementContext:

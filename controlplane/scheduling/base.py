@@ -35,17 +35,27 @@ class PlacementContext:
     ttft_slo_s: float = 0.0
     tpot_slo_s: float = 0.0
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # (candidates considered, routable workers) when the candidate stage sampled; (0, 0) if not.
+    sampled: tuple[int, int] = (0, 0)
 
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to compute (its cached prefix is free)."""
         return max(self.prompt_tokens - self.match_blocks.get(worker_id, 0) * self.block_size, 0)
 
 
-@dataclass
 class Candidate:
-    worker: WorkerView
-    score: float = 0.0
-    scores: dict[str, float] = field(default_factory=dict)   # per scorer, for explain
+    """One worker under consideration, with its combined score and, per scorer, its part
+    (for explain). A plain slotted class: one is built per candidate per placement."""
+
+    __slots__ = ("worker", "score", "scores")
+
+    def __init__(self, worker: WorkerView, score: float = 0.0, scores: dict[str, float] | None = None) -> None:
+        self.worker = worker
+        self.score = score
+        self.scores = {} if scores is None else scores
+
+    def __repr__(self) -> str:
+        return f"Candidate({self.worker.id!r}, score={self.score:.3f}, scores={self.scores!r})"
 
 
 @dataclass
@@ -57,9 +67,12 @@ class Decision:
     chain_blocks: int = 0
     match_blocks: dict[str, int] = field(default_factory=dict)
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
+    sampled: tuple[int, int] = (0, 0)
 
     def explain(self) -> str:
         parts = [f"policy={self.policy}"]
+        if self.sampled[1]:
+            parts.append(f"candidates={self.sampled[0]} sampled of {self.sampled[1]} routable")
         for c in sorted(self.candidates, key=lambda c: -c.score):
             detail = ",".join(f"{k}={v:.3f}" for k, v in c.scores.items())
             mark = "*" if self.worker is not None and c.worker.id == self.worker.id else " "

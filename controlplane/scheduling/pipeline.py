@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.scheduling.base import Candidate, Decision, Filter, PlacementContext, Picker, Scorer
+from controlplane.scheduling.candidates import CANDIDATE_STAGES, SampleStage
 from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
 from controlplane.scheduling.pickers import PICKERS
 from controlplane.scheduling.queue import QUEUES, HoldQueue
@@ -26,6 +27,12 @@ class Profile:
     scorers: list[tuple[Scorer, float]] = field(default_factory=list)
     filters: list[Filter] = field(default_factory=list)
     queue: HoldQueue | None = None      # the queue stage (late binding); None: place at once
+    # The candidate stage: bounds the candidates when many workers are routable; None: all of them.
+    candidates: SampleStage | None = None
+
+    def __post_init__(self) -> None:
+        if self.candidates is not None:
+            self.candidates.bind(self)
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -64,15 +71,17 @@ class Profile:
             remaining = kept
         if not remaining:
             return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name,
-                            chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks)
-        candidates = [Candidate(worker=w) for w in remaining]
+                            chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, sampled=ctx.sampled)
+        candidates = [Candidate(w) for w in remaining]
         for scorer, weight in self.scorers:
+            name = scorer.name
             for cand, value in zip(candidates, scorer.score(ctx, remaining)):
-                cand.scores[scorer.name] = value
+                cand.scores[name] = value
                 cand.score += weight * value
         chosen = self.picker.pick(ctx, candidates)
         return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name,
-                        chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, predicted=ctx.predicted)
+                        chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, predicted=ctx.predicted,
+                        sampled=ctx.sampled)
 
     @staticmethod
     def dropped_from(ctx: PlacementContext, workers: list[WorkerView], dropped: dict[str, str]) -> dict[str, str]:
@@ -144,10 +153,13 @@ def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) ->
         weight = float(s.get("weight", 1.0)) if isinstance(s, dict) else 1.0
         scorers.append((_make(SCORERS, s, "scorer"), weight))
     queue = spec.get("queue")
+    # Bounded candidates unless the profile says "all" (see controlplane.scheduling.candidates).
+    stage = spec.get("candidates", "sample")
     return Profile(
         name=name,
         picker=_make(PICKERS, spec.get("picker", "max_score"), "picker"),
         scorers=scorers,
         filters=[_make(FILTERS, f, "filter") for f in spec.get("filters", [])],
         queue=_make(QUEUES, queue, "queue") if queue else None,
+        candidates=None if stage in ("all", None, "") else _make(CANDIDATE_STAGES, stage, "candidate stage"),
     )

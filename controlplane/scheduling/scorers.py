@@ -40,7 +40,19 @@ class LeastLoadScorer:
         return work / max(worker.weight, 1e-9)
 
     def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
-        loads = [self.load(ctx, w) for w in workers]
+        # self.load() inlined: this runs once per candidate per placement.
+        per_request = self.tokens_per_request
+        loads = []
+        now = 0.0
+        for w in workers:
+            load, eng = w.load, w.engine
+            count = load.requests
+            if eng.running >= 0:
+                if not now:
+                    now = ctx.now or time.monotonic()
+                if eng.fresh(ctx.metrics_max_age_s, now):
+                    count = max(count, eng.running + max(eng.waiting, 0))
+            loads.append((load.tokens + per_request * count) / max(w.spec.weight, 1e-9))
         top = max(loads, default=0.0)
         if top <= 0:
             return [1.0] * len(workers)

@@ -6,7 +6,7 @@ No method awaits anything, so each one is atomic on the event loop.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from controlplane.state.base import Charge, RequestRecord
 from controlplane.workers import IDLE, Load, WorkerSpec
@@ -18,6 +18,9 @@ class MemoryStore:
         self._records: dict[str, RequestRecord] = {}
         self._load: dict[str, Load] = {}
         self._by_session: dict[str, set[str]] = {}
+        # Called with (worker id, new load) on every change: the fleet's least-loaded order
+        # (controlplane.fleet.Group) follows the ledger without reading it per placement.
+        self.load_listeners: list[Callable[[str, Load], None]] = []
 
     # ------------------------------------------------------------------ specs
 
@@ -39,8 +42,10 @@ class MemoryStore:
                 return   # the worker was removed while the request ran: nothing to release
             cur = IDLE
         prefills = cur.prefills + (1 if prefill > 0 else -1 if prefill < 0 else 0)
-        self._load[worker_id] = Load(max(0, cur.requests + requests), max(0, cur.tokens + tokens),
-                                     max(0, cur.prefill_tokens + prefill), max(0, prefills))
+        new = self._load[worker_id] = Load(max(0, cur.requests + requests), max(0, cur.tokens + tokens),
+                                           max(0, cur.prefill_tokens + prefill), max(0, prefills))
+        for listener in self.load_listeners:
+            listener(worker_id, new)
 
     def _drop(self, c: Charge) -> None:
         self._add(c.worker_id, -1, -c.tokens, -c.prefill_tokens if c.prefill_tokens else 0)
@@ -112,7 +117,10 @@ class MemoryStore:
         return {wid: load.get(wid, IDLE) for wid in worker_ids}
 
     async def forget_worker(self, worker_id: str) -> Load:
-        return self._load.pop(worker_id, IDLE)
+        load = self._load.pop(worker_id, IDLE)
+        for listener in self.load_listeners:
+            listener(worker_id, IDLE)
+        return load
 
     async def orphan(self, session: str, now: float) -> int:
         ids = self._by_session.pop(session, set())
