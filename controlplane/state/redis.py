@@ -102,7 +102,7 @@ local function addload(wid, r, t, p)
     local c = tonumber(cur[i] or '0') or 0
     local d = deltas[i]
     if d < 0 and c + d < 0 then d = -c end
-    redis.call('HINCRBY', k, names[i], d)
+    if d ~= 0 then redis.call('HINCRBY', k, names[i], d) end   -- never "-0": HINCRBY refuses it
   end
 end
 
@@ -388,8 +388,8 @@ class RedisStore:
     """``StateStore`` on Redis. One instance per control-plane replica (``replica_id``)."""
 
     def __init__(self, url: str = DEFAULT_URL, *, key_prefix: str = DEFAULT_PREFIX, replica_id: str = "",
-                 replica_ttl_s: float = 10.0, socket_timeout_s: float = 1.0, client: aioredis.Redis | None = None
-                 ) -> None:
+                 replica_ttl_s: float = 10.0, socket_timeout_s: float = 1.0, max_connections: int = 32,
+                 client: aioredis.Redis | None = None) -> None:
         self.url_for_logs = safe_url(url)
         self.prefix = key_prefix
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -397,10 +397,16 @@ class RedisStore:
         self._ops = itertools.count(1)
         # Monotonic -> wall clock, fixed for this instance (see "Clocks" above).
         self._wall_offset = time.time() - time.monotonic()
-        self.redis = client or aioredis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(RedisConnectionError,)),
-            health_check_interval=30)
+        if client is None:
+            # Callers queue for a free connection instead of failing when a burst needs more
+            # than max_connections at once; connections are freed within the socket timeout.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=max(5.0, 2 * socket_timeout_s), decode_responses=True,
+                socket_timeout=socket_timeout_s, socket_connect_timeout=max(2.0, socket_timeout_s),
+                retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(RedisConnectionError,)),
+                health_check_interval=30)
+            client = aioredis.Redis(connection_pool=pool)
+        self.redis = client
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._release = r.register_script(_RELEASE)
@@ -418,7 +424,7 @@ class RedisStore:
         self._k_orphans, self._k_replicas, self._k_alive = P + "orphans", P + "replicas", P + "alive:"
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await self.redis.aclose(close_connection_pool=True)
 
     @_unavailable
     async def ping(self) -> bool:

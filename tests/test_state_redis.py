@@ -1,0 +1,536 @@
+"""The Redis state store against a real redis-server, held to the in-memory store's behaviour.
+
+The behavioural tests run twice, on MemoryStore (the reference) and on RedisStore. Then
+what only a shared store has: atomicity under concurrent callers and two replicas, the
+sweep of a dead replica's reservations, Redis going away and coming back, and a control
+plane placing through Redis. Assumption for the restart test: Redis persists writes
+(``appendonly yes``); without persistence a restart loses the specs and the ledger (the
+test on an ephemeral server checks only that the store works again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import random
+import time
+
+import pytest
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.state import Charge, MemoryStore, RequestRecord, StoreUnavailable, make_store
+from controlplane.state.redis import RedisStore, decode_spec, encode_spec, safe_url
+from controlplane.workers import IDLE, Load, Role, WorkerSpec
+from tests.conftest import wait_until
+from tests.redis_fixtures import RedisServer, redis_persistent, redis_server  # noqa: F401 - fixtures
+
+_prefixes = itertools.count(1)
+
+
+def _prefix() -> str:
+    return f"t{next(_prefixes)}-{random.getrandbits(32):08x}:"
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request, redis_server):
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    s = RedisStore(redis_server.url, key_prefix=_prefix())
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def _rec(rid: str, session: str = "s1", **kw) -> RequestRecord:
+    kw.setdefault("created_at", 1000.25)
+    return RequestRecord(request_id=rid, model="m", prompt_tokens=100, max_tokens=20, session=session, **kw)
+
+
+def _norm(record: RequestRecord | None):
+    """Times go through wall-clock conversion in Redis: equal to within a microsecond."""
+    if record is None:
+        return None
+    return dataclasses.replace(record, created_at=round(record.created_at, 5), placed_at=round(record.placed_at, 5),
+                               orphaned_at=round(record.orphaned_at, 5))
+
+
+# ---------------------------------------------------------------------------- behaviour (both stores)
+
+async def test_reserve_charges_every_worker_and_keeps_the_record(store):
+    rec = await store.reserve(_rec("r1"), (Charge("p", "prefill", 100, 60), Charge("d", "decode", 120)))
+    assert [c.worker_id for c in rec.charges] == ["p", "d"]
+    assert _norm(await store.get("r1")) == _norm(rec)
+    loads = await store.loads(["p", "d", "other"])
+    assert loads == {"p": Load(1, 100, 60, 1), "d": Load(1, 120, 0, 0), "other": IDLE}
+    assert list(await store.loads(["d"])) == ["d"]   # only what was asked
+    assert await store.loads([]) == {}
+
+
+async def test_a_later_leg_adds_charges_and_replaces_notes(store):
+    await store.reserve(_rec("r1", work_ahead_tokens=5), (Charge("p", "prefill", 100, 60),))
+    rec = await store.reserve(_rec("r1", work_ahead_tokens=999), (Charge("d", "decode", 120),),
+                              decode_batch=3, predicted_ttft_s=0.125)
+    assert [c.leg for c in rec.charges] == ["prefill", "decode"]
+    assert (rec.work_ahead_tokens, rec.decode_batch, rec.predicted_ttft_s) == (5, 3, 0.125)
+    assert rec.created_at == pytest.approx(1000.25, abs=1e-6)
+    assert (await store.loads(["d"]))["d"] == Load(1, 120, 0, 0)
+
+
+async def test_release_by_leg_or_worker_keeps_the_record(store):
+    await store.reserve(_rec("r1"), (Charge("p", "prefill", 100, 60), Charge("d", "decode", 120)))
+    rec = await store.release("r1", leg="prefill")
+    assert [c.leg for c in rec.charges] == ["decode"]
+    assert (await store.loads(["p"]))["p"] == IDLE
+    assert (await store.release("r1", leg="prefill")).charges == rec.charges   # nothing left to match
+    rec = await store.release("r1", worker_id="\0")                            # matches nothing
+    assert len(rec.charges) == 1
+    rec = await store.release("r1", worker_id="d")
+    assert rec.charges == () and await store.get("r1") is not None
+    assert await store.loads(["p", "d"]) == {"p": IDLE, "d": IDLE}
+    assert await store.release("unknown") is None
+
+
+async def test_end_releases_everything_once(store):
+    await store.reserve(_rec("r1"), (Charge("w", "aggregated", 120, 100),))
+    await store.reserve(_rec("r2"), (Charge("w", "aggregated", 50, 10),))
+    ended = await store.end("r1")
+    assert ended.request_id == "r1" and len(ended.charges) == 1
+    assert (await store.loads(["w"]))["w"] == Load(1, 50, 10, 1)
+    assert await store.end("r1") is None                       # a duplicate end changes nothing
+    assert (await store.loads(["w"]))["w"] == Load(1, 50, 10, 1)
+    assert await store.get("r1") is None
+    assert [r.request_id for r in await store.records()] == ["r2"]
+
+
+async def test_settle_prefill_clears_only_work_ahead(store):
+    await store.reserve(_rec("r1"), (Charge("w", "aggregated", 120, 100),))
+    rec = await store.settle_prefill("r1")
+    assert rec.charges[0].prefill_tokens == 0
+    assert (await store.loads(["w"]))["w"] == Load(1, 120, 0, 0)
+    assert (await store.settle_prefill("r1")) == rec           # idempotent
+    assert (await store.loads(["w"]))["w"] == Load(1, 120, 0, 0)
+    await store.end("r1")
+    assert (await store.loads(["w"]))["w"] == IDLE
+    assert await store.settle_prefill("unknown") is None
+
+
+async def test_forget_worker_and_loads_never_go_negative(store):
+    await store.reserve(_rec("old"), (Charge("w", "aggregated", 100, 80),))
+    assert await store.forget_worker("w") == Load(1, 100, 80, 1)
+    assert await store.forget_worker("w") == IDLE
+    await store.end("old")                                     # nothing recreated for a removed worker
+    assert (await store.loads(["w"]))["w"] == IDLE
+    # re-added: a fresh count; a stale release of more than is there clamps at zero
+    await store.reserve(_rec("a"), (Charge("w", "aggregated", 10, 5),))
+    await store.reserve(_rec("stale"), (Charge("x", "aggregated", 10, 5),))
+    await store.forget_worker("x")
+    await store.reserve(_rec("b"), (Charge("x", "aggregated", 1, 0),))
+    await store.end("stale")
+    assert (await store.loads(["x"]))["x"] == Load(0, 0, 0, 0)
+    assert (await store.loads(["w"]))["w"] == Load(1, 10, 5, 1)
+
+
+async def test_orphan_claim_and_orphans(store):
+    for rid in ("a", "b"):
+        await store.reserve(_rec(rid, session="s1"), (Charge("w", "aggregated", 10),))
+    await store.reserve(_rec("c", session="s2"), (Charge("w", "aggregated", 10),))
+    assert await store.orphan("s1", 500.0) == 2
+    assert await store.orphan("s1", 501.0) == 0
+    rec = await store.get("a")
+    assert rec.session == "" and rec.orphaned_at == pytest.approx(500.0, abs=1e-6)
+    assert sorted(await store.orphans(500.0)) == ["a", "b"]     # at or before the cutoff
+    assert await store.orphans(499.0) == []
+    # a live session's request and unknown ids are not claimed
+    assert await store.claim("s3", ["a", "c", "nope"]) == 1
+    rec = await store.get("a")
+    assert (rec.session, rec.orphaned_at) == ("s3", 0.0)
+    assert await store.orphans(1e9) == ["b"]
+    assert await store.claim("s3", ["a"]) == 0                   # already owned
+    assert await store.claim("s3", []) == 0
+    # the claimed request belongs to s3 now: orphaning s3 orphans it again
+    assert await store.orphan("s3", 600.0) == 1
+    assert sorted(await store.orphans(1e9)) == ["a", "b"]
+    await store.end("a")
+    assert await store.orphans(1e9) == ["b"]
+    assert (await store.loads(["w"]))["w"].requests == 2
+
+
+async def test_specs_round_trip(store):
+    a = WorkerSpec("a", "http://10.0.0.1:8000", Role.PREFILL, model="m", weight=2.5, labels={"zone": "x"},
+                   kv_events="tcp://10.0.0.1:5557", dp_size=2, bootstrap_port=8998, source="registry",
+                   heartbeat_ttl_s=10.0)
+    b = WorkerSpec("b", "http://10.0.0.2:8000", Role.DECODE)
+    await store.put_spec(a)
+    await store.put_spec(b)
+    await store.put_spec(dataclasses.replace(b, draining=True))
+    specs = {s.id: s for s in await store.specs()}
+    assert specs == {"a": a, "b": dataclasses.replace(b, draining=True)}
+    assert specs["a"].labels["zone"] == "x" and type(specs["a"].labels).__name__ == "mappingproxy"
+    assert await store.remove_spec("a") == a
+    assert await store.remove_spec("a") is None
+    assert [s.id for s in await store.specs()] == ["b"]
+
+
+async def test_same_results_as_memory_for_random_operations(redis_server):
+    """A seeded random mix of every ledger call: RedisStore answers exactly as MemoryStore."""
+    rng = random.Random(7)
+    mem, red = MemoryStore(), RedisStore(redis_server.url, key_prefix=_prefix())
+    workers, sessions = [f"w{i}" for i in range(4)], ["s1", "s2", "s3"]
+    try:
+        for step in range(400):
+            rid = f"r{rng.randrange(25)}"
+            op = rng.choice(["reserve", "reserve", "release", "end", "settle", "orphan", "claim", "orphans",
+                             "forget", "get"])
+            if op == "reserve":
+                charges = tuple(Charge(rng.choice(workers), rng.choice(["prefill", "decode", "aggregated"]),
+                                       rng.randrange(1, 500), rng.choice([0, 0, rng.randrange(1, 300)]))
+                                for _ in range(rng.randrange(1, 3)))
+                notes = {"decode_batch": rng.randrange(9)} if rng.random() < 0.5 else {}
+                call = ("reserve", _rec(rid, session=rng.choice(sessions), created_at=float(step)), charges)
+                results = [await s.reserve(call[1], charges, **notes) for s in (mem, red)]
+            elif op == "release":
+                kw = rng.choice([{"leg": "prefill"}, {"worker_id": rng.choice(workers)}, {}])
+                results = [await s.release(rid, **kw) for s in (mem, red)]
+            elif op == "end":
+                results = [await s.end(rid) for s in (mem, red)]
+            elif op == "settle":
+                results = [await s.settle_prefill(rid) for s in (mem, red)]
+            elif op == "orphan":
+                sess = rng.choice(sessions)
+                results = [await s.orphan(sess, float(step)) for s in (mem, red)]
+            elif op == "claim":
+                sess, ids = rng.choice(sessions), [f"r{rng.randrange(25)}" for _ in range(3)]
+                results = [await s.claim(sess, ids) for s in (mem, red)]
+            elif op == "orphans":
+                cutoff = float(rng.randrange(step + 1))
+                results = [sorted(await s.orphans(cutoff)) for s in (mem, red)]
+            elif op == "forget":
+                wid = rng.choice(workers)
+                results = [await s.forget_worker(wid) for s in (mem, red)]
+            else:
+                results = [await s.get(rid) for s in (mem, red)]
+            if isinstance(results[0], RequestRecord) or results[0] is None:
+                results = [_norm(r) for r in results]
+            assert results[0] == results[1], f"step {step}: {op} {rid}"
+            assert await mem.loads(workers) == await red.loads(workers), f"step {step}: loads after {op}"
+        assert sorted(map(_norm, await mem.records()), key=lambda r: r.request_id) == \
+            sorted(map(_norm, await red.records()), key=lambda r: r.request_id)
+    finally:
+        await red.close()
+
+
+# ---------------------------------------------------------------------------- atomicity
+
+async def _traffic(stores: list, n: int, workers: list[str], seed: int) -> None:
+    rng = random.Random(seed)
+
+    async def one(i: int) -> None:
+        s = stores[i % len(stores)]
+        rid = f"req-{seed}-{i}"
+        first = Charge(rng.choice(workers), "prefill", rng.randrange(1, 1000), rng.randrange(0, 500))
+        await s.reserve(_rec(rid, session=f"sess{i % 5}"), (first,))
+        await asyncio.sleep(0)
+        await s.reserve(_rec(rid), (Charge(rng.choice(workers), "decode", rng.randrange(1, 1000)),), decode_batch=2)
+        await s.settle_prefill(rid)
+        await s.release(rid, leg="prefill")
+        await s.end(rid)
+        await s.end(rid)   # duplicate end report
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_concurrent_reserves_and_ends_leave_exactly_zero(store):
+    workers = [f"w{i}" for i in range(6)]
+    await _traffic([store], 300, workers, seed=1)
+    assert all(load == Load(0, 0, 0, 0) for load in (await store.loads(workers)).values())
+    assert await store.records() == []
+
+
+async def test_two_replicas_share_one_ledger(redis_server):
+    """Two stores on one prefix are two control-plane replicas: every charge is seen by both."""
+    prefix, workers = _prefix(), [f"w{i}" for i in range(6)]
+    a, b = RedisStore(redis_server.url, key_prefix=prefix), RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        # reserves from both replicas interleaved; the sum is exact
+        await asyncio.gather(*(
+            (a if i % 2 else b).reserve(_rec(f"r{i}"), (Charge(workers[i % 6], "aggregated", 10, 4),))
+            for i in range(240)))
+        expected = {w: Load(40, 400, 160, 40) for w in workers}
+        assert await a.loads(workers) == expected == await b.loads(workers)
+        # ended by the other replica, and twice
+        await asyncio.gather(*((b if i % 2 else a).end(f"r{i}") for i in range(240)),
+                             *((a if i % 2 else b).end(f"r{i}") for i in range(240)))
+        assert all(load == Load(0, 0, 0, 0) for load in (await a.loads(workers)).values())
+        # full placement traffic through both at once
+        await _traffic([a, b], 300, workers, seed=2)
+        assert all(load == Load(0, 0, 0, 0) for load in (await b.loads(workers)).values())
+        assert await a.records() == []
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
+    """A pooled connection that the server closed is reconnected transparently."""
+    s = RedisStore(redis_server.url, key_prefix=_prefix())
+    try:
+        await s.reserve(_rec("r1"), (Charge("w", "aggregated", 10),))
+        await s.redis.client_kill_filter(_type="normal", skipme=False)   # every client, ours too
+        await s.reserve(_rec("r2"), (Charge("w", "aggregated", 10),))
+        assert (await s.loads(["w"]))["w"] == Load(2, 20, 0, 0)
+        # the same operation delivered twice (a retry after a lost reply) is applied once
+        args = [s.prefix, "r3", s.replica_id, s.replica_ttl_ms, "op-x", 0, 0, 1, "w", "aggregated", 5, 0]
+        await s._reserve(args=args)
+        await s._reserve(args=args)
+        assert (await s.loads(["w"]))["w"] == Load(3, 25, 0, 0)
+    finally:
+        await s.close()
+
+
+# ---------------------------------------------------------------------------- replicas expire
+
+async def test_a_dead_replicas_reservations_are_swept(redis_server):
+    prefix = _prefix()
+    dead = RedisStore(redis_server.url, key_prefix=prefix, replica_id="dead", replica_ttl_s=0.3)
+    live = RedisStore(redis_server.url, key_prefix=prefix, replica_id="live", replica_ttl_s=30)
+    try:
+        await dead.heartbeat()
+        await live.heartbeat()
+        await dead.reserve(_rec("d1", session="sd"), (Charge("w", "aggregated", 10, 5),))
+        await dead.reserve(_rec("d2", session="sd"), (Charge("w", "prefill", 20, 20),))
+        await live.reserve(_rec("l1", session="sl"), (Charge("w", "aggregated", 7),))
+        assert await live.sweep() == []                      # both alive
+        assert (await live.loads(["w"]))["w"].requests == 3
+
+        async def expired() -> bool:
+            return not await live.redis.exists(prefix + "alive:dead")
+        await wait_until(expired, timeout=5, what="the dead replica's heartbeat to expire")
+        assert sorted(await live.sweep()) == ["d1", "d2"]
+        assert (await live.loads(["w"]))["w"] == Load(1, 7, 0, 0)
+        assert [r.request_id for r in await live.records()] == ["l1"]
+        assert await live.sweep() == []
+        assert await live.orphan("sd", 1.0) == 0             # its session index is gone too
+    finally:
+        await dead.close()
+        await live.close()
+
+
+async def test_a_dead_replicas_requests_can_be_orphaned_for_failover(redis_server):
+    """``sweep(orphan_at=...)``: a data plane that moves to another replica claims them back."""
+    prefix = _prefix()
+    dead = RedisStore(redis_server.url, key_prefix=prefix, replica_id="dead", replica_ttl_s=0.3)
+    live = RedisStore(redis_server.url, key_prefix=prefix, replica_id="live", replica_ttl_s=30)
+    try:
+        await live.heartbeat()
+        await dead.reserve(_rec("d1", session="sd"), (Charge("w", "aggregated", 10),))   # reserve heartbeats
+        await dead.reserve(_rec("d2", session="sd"), (Charge("w", "aggregated", 10),))
+
+        async def expired() -> bool:
+            return not await live.redis.exists(prefix + "alive:dead")
+        await wait_until(expired, timeout=5, what="the dead replica's heartbeat to expire")
+        now = time.monotonic()
+        assert sorted(await live.sweep(orphan_at=now)) == ["d1", "d2"]
+        assert (await live.loads(["w"]))["w"].requests == 2          # kept for the grace period
+        assert sorted(await live.orphans(now)) == ["d1", "d2"]
+        assert await live.claim("s-new", ["d1"]) == 1                 # the data plane came back here
+        assert await live.orphans(now) == ["d2"]
+        await live.end("d2")                                          # what release_orphans does
+        assert (await live.loads(["w"]))["w"].requests == 1
+        # d1 is the live replica's now: a sweep of "dead" cannot touch it any more
+        await live.redis.delete(prefix + "alive:live")
+        other = RedisStore(redis_server.url, key_prefix=prefix, replica_id="other")
+        try:
+            assert await other.sweep() == ["d1"]
+        finally:
+            await other.close()
+    finally:
+        await dead.close()
+        await live.close()
+
+
+async def test_maintain_heartbeats_and_sweeps(redis_server):
+    prefix = _prefix()
+    dead = RedisStore(redis_server.url, key_prefix=prefix, replica_id="dead", replica_ttl_s=0.2)
+    live = RedisStore(redis_server.url, key_prefix=prefix, replica_id="live", replica_ttl_s=0.3)
+    task = asyncio.create_task(live.maintain(0.05, orphan=False))
+    try:
+        await dead.reserve(_rec("d1"), (Charge("w", "aggregated", 10),))
+
+        async def swept() -> bool:
+            return (await live.loads(["w"]))["w"].requests == 0
+        await wait_until(swept, timeout=5, what="maintain() to sweep the dead replica")
+        assert await live.redis.exists(prefix + "alive:live")   # and kept itself alive meanwhile
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await dead.close()
+        await live.close()
+
+
+# ---------------------------------------------------------------------------- Redis lost
+
+async def test_redis_restart_raises_store_unavailable_then_recovers(redis_persistent):
+    s = RedisStore(redis_persistent.url, key_prefix=_prefix(), socket_timeout_s=0.5)
+    spec = WorkerSpec("w", "http://10.0.0.1:8000", Role.BOTH, labels={"a": "1"})
+    try:
+        await s.put_spec(spec)
+        await s.reserve(_rec("r1"), (Charge("w", "aggregated", 10, 4),))
+        redis_persistent.stop()
+        for call in (s.loads(["w"]), s.reserve(_rec("r2"), (Charge("w", "aggregated", 1),)), s.end("r1"),
+                     s.specs(), s.put_spec(spec), s.heartbeat(), s.sweep(), s.records(), s.ping()):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="unavailable"):
+                await call
+            assert time.monotonic() - started < 2.0     # fails fast: placement must not wait on it
+        redis_persistent.start()
+        # persisted (appendonly): the spec, the record and the load came back
+        assert await s.specs() == [spec]
+        assert (await s.loads(["w"]))["w"] == Load(1, 10, 4, 1)
+        assert (await s.end("r1")).request_id == "r1"
+        assert (await s.loads(["w"]))["w"] == Load(0, 0, 0, 0)
+    finally:
+        await s.close()
+
+
+async def test_redis_without_persistence_comes_back_empty_and_usable():
+    server = RedisServer().start()
+    s = RedisStore(server.url, key_prefix=_prefix(), socket_timeout_s=0.5)
+    try:
+        await s.reserve(_rec("r1"), (Charge("w", "aggregated", 10),))
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            await s.get("r1")
+        server.start()
+        assert await s.get("r1") is None and await s.end("r1") is None   # state was lost with it
+        await s.reserve(_rec("r2"), (Charge("w", "aggregated", 3),))
+        assert (await s.loads(["w"]))["w"] == Load(1, 3, 0, 0)
+    finally:
+        await s.close()
+        server.close()
+
+
+async def test_spec_changes_are_published_to_every_replica(redis_server):
+    prefix = _prefix()
+    a, b = RedisStore(redis_server.url, key_prefix=prefix), RedisStore(redis_server.url, key_prefix=prefix)
+    seen: list = []
+
+    async def watch() -> None:
+        async for change in b.watch_specs():
+            seen.append(change)
+
+    task = asyncio.create_task(watch())
+    try:
+        v0 = await b.spec_version()
+
+        async def ready() -> bool:   # the subscription is in place once a put is seen
+            await a.put_spec(WorkerSpec("probe", "http://x", Role.BOTH))
+            return bool(seen)
+        await wait_until(ready, timeout=5, what="the spec subscription")
+        seen.clear()
+        await a.put_spec(WorkerSpec("w1", "http://10.0.0.1:1", Role.BOTH))
+        await a.remove_spec("w1")
+        await a.remove_spec("w1")   # nothing removed: nothing published
+
+        def about_w1() -> list:   # (a probe published late may still arrive)
+            return [(c.kind, c.worker_id) for c in seen if c.worker_id == "w1"]
+
+        async def two() -> bool:
+            return len(about_w1()) >= 2
+        await wait_until(two, timeout=5, what="two spec changes")
+        assert about_w1() == [("put", "w1"), ("del", "w1")]
+        ver, specs = await b.specs_versioned()
+        assert ver == seen[-1].version > v0 and [s.id for s in specs] == ["probe"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await a.close()
+        await b.close()
+
+
+# ---------------------------------------------------------------------------- config and wiring
+
+def test_state_config_and_make_store():
+    cfg = ControlPlaneConfig.from_dict({"state": {"backend": "redis", "redis_url": "unix:///tmp/r.sock",
+                                                  "key_prefix": "{prod}:", "replica_ttl_s": 5}})
+    store = make_store(cfg)
+    assert isinstance(store, RedisStore) and store.prefix == "{prod}:" and store.replica_ttl_ms == 5000
+    assert isinstance(make_store(ControlPlaneConfig()), MemoryStore)
+
+
+@pytest.mark.parametrize("state, words", [
+    ({"backend": "mongo"}, ["state.backend", "memory, redis"]),
+    ({"redis_url": "http://h:1"}, ["state.redis_url", "redis://"]),
+    ({"redis_url": "redis://:hunter2@h:99999"}, ["state.redis_url", "port"]),
+    ({"redis_url": "redis://h/abc"}, ["state.redis_url", "db"]),
+    ({"redis_url": ""}, ["state.redis_url"]),
+    ({"key_prefix": ""}, ["state.key_prefix"]),
+    ({"key_prefix": "a b"}, ["state.key_prefix"]),
+    ({"replica_ttl_s": 0}, ["state.replica_ttl_s"]),
+    ({"redis": "x"}, ["unknown state key", "backend, redis_url"]),
+])
+def test_bad_state_config_is_one_clear_line(state, words):
+    with pytest.raises(ValueError) as err:
+        ControlPlaneConfig.from_dict({"state": state})
+    msg = str(err.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert "hunter2" not in msg
+
+
+def test_state_key_at_top_level_points_to_its_section():
+    with pytest.raises(ValueError, match=r"belongs in \[state\]"):
+        ControlPlaneConfig.from_dict({"redis_url": "redis://h"})
+
+
+def test_spec_codec_and_safe_url():
+    spec = WorkerSpec("w", "http://h", Role.DECODE, labels={"k": "v"})
+    assert decode_spec(encode_spec(spec)) == spec
+    newer = encode_spec(spec)[:-1] + b',"from_the_future":1}'
+    assert decode_spec(newer) == spec
+    assert safe_url("redis://user:secret@h:6379/0") == "redis://user:***@h:6379/0"
+    assert safe_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
+
+
+async def test_control_plane_places_and_releases_through_redis(sim_both, redis_server):
+    """``[state] backend = "redis"``: a real control plane in process, a data-plane client over
+    gRPC, one simulator; the charge is in Redis (seen by a second replica's store) and goes."""
+    from controlplane.config import StateConfig, WorkerSpec as WorkerConfig
+    from controlplane.server import ControlPlane
+    from dataplane.placement_client import PlacementClient
+    from protos import omni_proxy_pb2 as pb
+
+    prefix = _prefix()
+    config = ControlPlaneConfig(listen="127.0.0.1:0",
+                                workers=[WorkerConfig(url=sim_both.url, role=Role.BOTH, id="w")],
+                                state=StateConfig(backend="redis", redis_url=redis_server.url, key_prefix=prefix))
+    plane = ControlPlane(config)
+    other = RedisStore(redis_server.url, key_prefix=prefix)   # what another replica sees
+    assert isinstance(plane.store, RedisStore)
+    client = None
+    await plane.start()
+    try:
+        assert [s.id for s in await other.specs()] == ["w"]
+        client = PlacementClient(f"127.0.0.1:{plane.grpc_port}", "dp-redis", timeout_s=5.0)
+        await client.start()
+        assert await client.wait_connected(10)
+
+        async def placed() -> bool:
+            answer = await client.place(pb.PlaceRequest(request_id="r1", model="", leg=pb.LEG_ENTRY,
+                                                        prompt_tokens=10, max_tokens=5))
+            return not answer.error
+        await wait_until(placed, timeout=15, what="a placement on the simulator")
+        assert (await other.loads(["w"]))["w"] == Load(1, 15, 10, 1)
+        assert (await other.get("r1")).charges == (Charge("w", "aggregated", 15, 10),)
+        client.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED, worker_id="w"))
+
+        async def released() -> bool:
+            return (await other.loads(["w"]))["w"] == Load(0, 0, 0, 0) and await other.get("r1") is None
+        await wait_until(released, timeout=10, what="the release in Redis")
+    finally:
+        if client is not None:
+            await client.close()
+        await plane.stop()
+        await plane.store.close()
+        await other.close()
