@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -236,19 +237,70 @@ def test_encode_batch_and_encode_agree(toks: dict[str, Tokenizer]) -> None:
                 assert tok.encode_prompt(text, add) == tok.backend.encode(text, add_special_tokens=add).ids
 
 
-def test_event_loop_not_blocked_by_executor_encoding(toks: dict[str, Tokenizer]) -> None:
-    """The executor path must release the GIL (encode_batch*), or the loop would stall anyway."""
-    tok = toks["tiny_llama"]
-    text = "Lorem ipsum dolor sit amet, 12345 你好. " * 2000
+def _loop_gap_while_encoding(tok: Tokenizer, text: str) -> tuple[float, float]:
+    """Run ``tok.encode_async(text)`` (the executor path) while the event loop spins.
 
-    async def main() -> int:
-        ticks = 0
+    Returns (seconds the tokenizer's batch call took in the worker thread, the longest the
+    loop went without a tick during that call). The call's span is taken in the worker itself,
+    around the C call, so the executor's start-up and hand-back are not part of it."""
+    span: dict[str, float] = {}
+    inner = tok._encode_batch
+
+    def timed(texts, **kw):  # type: ignore[no-untyped-def]
+        span["t0"] = time.perf_counter()
+        try:
+            return inner(texts, **kw)
+        finally:
+            span["t1"] = time.perf_counter()
+
+    async def main() -> list[float]:
+        ticks: list[float] = []
         task = asyncio.ensure_future(tok.encode_async(text))
         while not task.done():
-            ticks += 1
+            ticks.append(time.perf_counter())
             await asyncio.sleep(0)
-        await task
+        assert await task == tok.backend.encode(text).ids
         return ticks
 
-    # No timing assertion: only that the loop kept running while the executor worked.
-    assert asyncio.run(main()) > 1
+    pool = ThreadPoolExecutor(1)
+    tok._encode_batch, tok.executor = timed, pool  # type: ignore[method-assign]
+    try:
+        ticks = asyncio.run(main())
+    finally:
+        tok._encode_batch = inner  # type: ignore[method-assign]
+        tok.executor = None
+        pool.shutdown()
+    t0, t1 = span["t0"], span["t1"]
+    inside = [t0, *(t for t in ticks if t0 < t < t1), t1]
+    return t1 - t0, max(b - a for a, b in zip(inside, inside[1:]))
+
+
+def test_event_loop_not_blocked_by_executor_encoding(toks: dict[str, Tokenizer]) -> None:
+    """The executor path must release the GIL (encode_batch*), or the loop would stall anyway.
+
+    The loop must keep ticking *while* the worker is inside the tokenizer: its longest pause
+    during the call is well under the call's length. The same measurement with a GIL-holding
+    encode (``backend.encode``) in its place shows the loop frozen for the whole call, so the
+    check can fail."""
+    tok = toks["tiny_llama"]
+    text = "Lorem ipsum dolor sit amet, 12345 你好. " * 2000
+    while True:   # long enough that a frozen loop stands out from scheduling noise
+        took = min(_loop_gap_while_encoding(tok, text)[0] for _ in range(2))
+        if took >= 0.15 or len(text) > 5_000_000:
+            break
+        text *= 2
+
+    # the best of three: a loop thread that the OS did not schedule for a while is not a GIL stall
+    took, gap = min((_loop_gap_while_encoding(tok, text) for _ in range(3)), key=lambda tg: tg[1] / tg[0])
+    assert gap < took / 2, f"the loop stalled {gap * 1e3:.0f} ms of a {took * 1e3:.0f} ms encode"
+
+    # the failure this test exists for: an encode that holds the GIL freezes the loop
+    holds_gil = lambda texts, add_special_tokens=True: [  # noqa: E731
+        tok.backend.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    real = tok._encode_batch
+    tok._encode_batch = holds_gil  # type: ignore[method-assign]
+    try:
+        took, gap = _loop_gap_while_encoding(tok, text)
+    finally:
+        tok._encode_batch = real  # type: ignore[method-assign]
+    assert gap >= took / 2, f"a GIL-holding encode let the loop run ({gap * 1e3:.0f} of {took * 1e3:.0f} ms)"
