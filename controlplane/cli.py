@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", default=[], metavar="URL[,...]", help="a decode engine")
     p.add_argument("--health-interval", type=float, help="seconds between health checks")
     p.add_argument("--metrics-interval", type=float, help="seconds between engine /metrics polls")
+    p.add_argument("--engine-api-key", help="Bearer token for every call to an engine "
+                                             "(default: $OMNI_ENGINE_API_KEY)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
@@ -34,7 +36,8 @@ def config_from_args(args: argparse.Namespace):
     for attr, key in (("listen", "listen"), ("http_host", "http_host"), ("http_port", "http_port"),
                       ("policy", "policy"), ("pd_flow", "pd_flow"),
                       ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host"),
-                      ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s")):
+                      ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s"),
+                      ("engine_api_key", "engine_api_key")):
         value = getattr(args, attr, None)
         if value is not None:
             cfg.set(key, value, "--" + attr.replace("_", "-"))

@@ -36,6 +36,8 @@ Example (TOML)::
 
 from __future__ import annotations
 
+import os
+
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,6 +88,7 @@ TOP_LEVEL: dict[str, Check] = {
     "heartbeat_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
     "max_request_age_s": lambda x, f: v.positive_seconds(x, f),
     "session_grace_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=3600),
+    "engine_api_key": lambda x, f: v.text(x, f, max_len=4096),
 }
 HEALTH: dict[str, Check] = {
     "interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
@@ -320,6 +323,9 @@ class ControlPlaneConfig:
     heartbeat_ttl_s: float = 10.0
     max_request_age_s: float = 3600.0
     session_grace_s: float = 30.0         # a data plane's requests outlive its session this long
+    # Sent as "Authorization: Bearer" on every call the control plane makes to an engine
+    # (health, model discovery, /metrics, the metaserver's prefill leg). Never logged.
+    engine_api_key: str = field(default_factory=lambda: os.environ.get("OMNI_ENGINE_API_KEY", ""), repr=False)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     state: StateConfig = field(default_factory=StateConfig)
 

@@ -55,15 +55,18 @@ def parse_engine_metrics(text: str) -> tuple[int, int, float, float, float]:
 class HealthChecker:
     """Checks every worker this replica knows; results go to the fleet view as new values."""
 
-    def __init__(self, fleet: Fleet, registry: WorkerRegistry, config: HealthConfig) -> None:
+    def __init__(self, fleet: Fleet, registry: WorkerRegistry, config: HealthConfig, *,
+                 engine_api_key: str = "") -> None:
         self.fleet = fleet
+        self._headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None
         self.registry = registry
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
+                                              headers=self._headers)
         await self.check_all()  # workers from config are usable as soon as we are up
         self._tasks.append(asyncio.create_task(self._loop(self.check_all, self.config.interval_s)))
         if self.config.poll_metrics:

@@ -47,12 +47,12 @@ class ControlPlane:
         self.lifecycle = Lifecycle(self.store, self.fleet, stats, max_request_age_s=config.max_request_age_s,
                                    session_grace_s=config.session_grace_s,
                                    predictor=self.predictor, queue=self.placer.queue)
-        self.health = HealthChecker(self.fleet, self.registry, config.health)
+        self.health = HealthChecker(self.fleet, self.registry, config.health, engine_api_key=config.engine_api_key)
         self.kv = KVCache(config.kv_cache)
         self.placer.kv = self.kv
         self.registry.on_removed = self._worker_removed
         self.metaserver = Metaserver(self.placer, self.lifecycle, prefill_retries=config.prefill_retries,
-                                     timeout_s=config.layerwise_timeout_s)
+                                     timeout_s=config.layerwise_timeout_s, engine_api_key=config.engine_api_key)
         self.registry.on_added = self._worker_added
         self.grpc_port = 0
         self.http_port = 0

@@ -38,8 +38,9 @@ CHAT_PATH = "/v1/chat/completions"
 
 class Metaserver:
     def __init__(self, placer: Placer, lifecycle: Lifecycle, *, prefill_retries: int = 1, timeout_s: float = 120.0,
-                 connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0) -> None:
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0, engine_api_key: str = "") -> None:
         self.placer = placer
+        self._headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None
         self.lifecycle = lifecycle
         self.table = PendingTable()
         self.prefill_retries = prefill_retries
@@ -61,7 +62,7 @@ class Metaserver:
         return f"http://{host}:{port}/v1/metaserver"
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeouts)
+        self._session = aiohttp.ClientSession(timeout=self._timeouts, headers=self._headers)
         self._reaper = asyncio.create_task(self._reap())
 
     async def stop(self) -> None:

@@ -17,7 +17,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="data-plane listen address")
     p.add_argument("--port", type=int, default=8000, help="data-plane port")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
-    p.add_argument("--engine-api-key", default="")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         await cp.start()
         dp = DataPlane(DataPlaneConfig(host=args.host, port=args.port, controlplane=f"127.0.0.1:{cp.grpc_port}",
                                        max_body_bytes=args.max_body_bytes,
-                                       upstream=UpstreamConfig(engine_api_key=args.engine_api_key)))
+                                       upstream=UpstreamConfig(engine_api_key=cfg.engine_api_key)))
         runner, port = await start_http_site(dp.build_app(), args.host, args.port)
         await dp.placements.wait_connected(10)
         write_ready_file(args.ready_file, port=port, grpc_port=cp.grpc_port, http_port=cp.http_port)

@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="both = aggregated; prefill = kv_producer; decode = kv_consumer (default both)")
     g.add_argument("--engine-id", default=None, help="engine id put in kv_transfer_params (default: random uuid)")
     g.add_argument("--seed", type=int, default=0, help="seed of the generated text (default 0)")
+    g.add_argument("--api-key", default="", help="as vLLM's: /v1/* requests need this Bearer token")
     c = parser.add_argument_group("cost model")
     c.add_argument("--prefill-ms-per-token", type=float, default=0.05, help="default 0.05")
     c.add_argument("--decode-ms-per-step", type=float, default=4.0,
@@ -110,7 +111,7 @@ def config_from_args(args: argparse.Namespace):
     from simulator.config import SimConfig
 
     kwargs = dict(
-        host=args.host, port=args.port, model=args.model, role=args.role, seed=args.seed,
+        host=args.host, port=args.port, model=args.model, role=args.role, seed=args.seed, api_key=args.api_key,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_step=args.decode_ms_per_step,
         decode_ms_per_seq=args.decode_ms_per_seq, kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

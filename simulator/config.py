@@ -46,6 +46,8 @@ class SimConfig:
     # Layerwise PD (D first): how long a decode node waits for the metaserver's answer.
     metaserver_timeout_s: float = 60.0
     seed: int = 0
+    # vLLM's --api-key: requests to /v1/* must carry "Authorization: Bearer <key>".
+    api_key: str = ""
     # Automatic prefix caching, named like vLLM's flags. ``python_hash_seed`` is what vLLM reads
     # from PYTHONHASHSEED (None = unset: vLLM's fixed fallback for sha256*, random for xxhash*).
     enable_prefix_caching: bool = True

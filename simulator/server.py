@@ -27,7 +27,8 @@ _STARTED = int(time.time())
 def build_app(cfg: SimConfig) -> web.Application:
     """An app that owns one engine; the engine loop runs while the app is started."""
     ctx = SimContext.create(cfg)
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024,
+                          middlewares=[_require_api_key(cfg.api_key)] if cfg.api_key else [])
     app[SIM] = ctx
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat_completions)
@@ -50,6 +51,19 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)
     return app
+
+
+def _require_api_key(key: str):
+    """vLLM's --api-key: /v1/* needs the Bearer token; /health, /metrics and the rest do not."""
+    expected = f"Bearer {key}"
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1/") and request.headers.get("Authorization", "") != expected:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
 
 
 async def _on_startup(app: web.Application) -> None:
