@@ -184,17 +184,24 @@ async def test_concurrent_burst_is_balanced_and_fully_released(idle: Cluster, ht
 
 async def test_client_disconnect_cancels_upstream_and_frees_load(idle: Cluster, http):
     body = {"model": MODEL, "prompt": "long one", "max_tokens": 3000, "stream": True}
+
+    async def aborts() -> int:
+        return sum([(await idle.sim_get(n, "/sim/state"))["finished"].get("abort", 0) for n in idle.sims])
+
+    aborts0 = await aborts()
     async with http.post(idle.url + "/v1/completions", json=body) as r:
         assert r.status == 200
         await r.content.readany()       # the stream is flowing
         workers = await idle.workers()
         assert sum(w.load.inflight_requests for w in workers.values()) == 1
+        assert not r.content.at_eof()
     # Leaving the block closed the connection mid-stream.
 
-    async def engines_idle():
-        return all([await idle.engine_idle(n) for n in idle.sims])
+    async def engines_aborted():
+        return all([await idle.engine_idle(n) for n in idle.sims]) and await aborts() == aborts0 + 1
 
-    await wait_until(engines_idle, what="engines to abort the cancelled request")
+    # aborted, not finished on its own: the disconnect reached the engine
+    await wait_until(engines_aborted, what="engines to abort the cancelled request")
     await wait_until(idle.all_idle, what="control plane to release the cancelled request")
 
 

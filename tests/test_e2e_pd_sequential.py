@@ -98,15 +98,26 @@ async def test_decode_error_after_prefill_releases_both(pd: Cluster, http):
 
 async def test_client_disconnect_during_decode_aborts_and_frees_everything(pd: Cluster, http):
     body = {"model": MODEL, "prompt": "long decode", "max_tokens": 3000, "stream": True}
+    aborts = (await pd.sim_get("decode-0", "/sim/state"))["finished"].get("abort", 0)
     async with http.post(pd.url + "/v1/completions", json=body) as r:
         assert r.status == 200
         await r.content.readany()
-        w = await pd.workers()
-        # P was released at D's first chunk; D holds the request.
-        assert w["prefill-0"].load.inflight_requests == 0
-        assert w["decode-0"].load.inflight_requests == 1
 
-    await wait_until(lambda: pd.engine_idle("decode-0"), what="decode engine to abort")
+        # P is released at D's first chunk; D holds the request. Both reach the control plane
+        # as lifecycle reports after the chunk reached us: wait for them, do not race them.
+        async def p_released_d_holds() -> bool:
+            w = await pd.workers()
+            return w["prefill-0"].load.inflight_requests == 0 and w["decode-0"].load.inflight_requests == 1
+
+        await wait_until(p_released_d_holds, what="P released and D holding the request while D streams")
+        assert not r.content.at_eof(), "the stream ended before the disconnect: the test checked nothing"
+
+    async def decode_aborted() -> bool:
+        state = await pd.sim_get("decode-0", "/sim/state")
+        return state["running"] == 0 and state["finished"].get("abort", 0) == aborts + 1
+
+    # aborted, not finished on its own: the disconnect reached the engine
+    await wait_until(decode_aborted, what="decode engine to abort the request")
     await wait_until(pd.all_idle, what="control plane to release the request")
 
 
