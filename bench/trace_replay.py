@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,40 +29,10 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.tracedata import (TraceMissing, free_port, load_rows, prompt_for,  # noqa: E402
+                             resolve_trace, sim_counters)
 from omni_proxy.launcher import ProcessGroup  # noqa: E402
 from omni_proxy.loadgen import send  # noqa: E402
-
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-TRACE_BLOCK = 512
-VOCAB = 30000
-
-
-def block_tokens(hash_id: int) -> list[int]:
-    base = (hash_id * 2654435761) % VOCAB
-    return [(base + 7 * j) % VOCAB + 1 for j in range(TRACE_BLOCK)]
-
-
-def prompt_for(row: dict) -> list[int]:
-    tokens: list[int] = []
-    for h in row["hash_ids"]:
-        tokens.extend(block_tokens(h))
-    return tokens[:row["input_length"]] or [1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def sim_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[int, int]:
-    hits = queries = 0
-    for url in urls:
-        async with session.get(url + "/sim/state") as r:
-            st = await r.json()
-        hits += st.get("prefix_cache_hits_tokens", 0)
-        queries += st.get("prefix_cache_queries_tokens", 0)
-    return hits, queries
 
 
 async def replay(dp_url: str, rows: list[dict], speedup: float, max_seconds: float, max_output: int) -> dict:
@@ -131,7 +99,8 @@ def run_policy(policy: str, rows: list[dict], args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="the Mooncake trace (default: shared/traces/ in or next to the repository root)")
     p.add_argument("--start", type=int, default=3600, help="first trace row (reuse grows along the trace)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--speedup", type=float, default=40.0, help="trace time / replay time")
@@ -143,9 +112,13 @@ def main() -> int:
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens per request")
     p.add_argument("--max-seconds", type=float, default=300.0, help="per policy")
     args = p.parse_args()
-    with args.trace.open() as f:
-        lines = [line for i, line in enumerate(f) if args.start <= i < args.start + args.requests]
-    rows = [json.loads(line) for line in lines]
+    try:
+        trace = resolve_trace(args.trace)
+    except TraceMissing as exc:
+        p.error(str(exc))
+    rows = load_rows(trace, args.start, args.requests)
+    if not rows:
+        p.error(f"no rows in {trace} from row {args.start}")
     table = {}
     for policy in args.policies.split(","):
         table[policy] = run_policy(policy, rows, args)

@@ -1,0 +1,103 @@
+"""Shared helpers for the trace benchmarks: find and window the Mooncake trace, turn rows
+into token-id prompts, pick free ports, read the simulators' prefix-cache counters.
+
+Each trace row has an arrival time (ms), an input length, an output length and
+``hash_ids``: one id per 512-token block, equal ids meaning equal content. Every id becomes
+a run of deterministic token ids, so requests that share ids share prefixes exactly as the
+trace intends, and the simulators' prefix caches (vLLM block hashes) see the same reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE_NAME = Path("shared") / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE_BLOCK = 512          # tokens per hash_id in the Mooncake trace
+VOCAB = 30000
+
+
+class TraceMissing(FileNotFoundError):
+    pass
+
+
+def default_trace() -> Path | None:
+    """The trace in ``shared/`` inside the repository root, or next to it (a checkout whose
+    ``shared/`` directory sits beside the clone)."""
+    for base in (ROOT, ROOT.parent):
+        candidate = base / TRACE_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def resolve_trace(path: Path | None) -> Path:
+    """``path`` if given, else the default; a clear error when neither exists."""
+    if path is not None:
+        if not path.is_file():
+            raise TraceMissing(f"trace file not found: {path}")
+        return path
+    found = default_trace()
+    if found is None:
+        raise TraceMissing(
+            f"trace not found: looked for {ROOT / TRACE_NAME} and {ROOT.parent / TRACE_NAME}; "
+            "pass --trace PATH")
+    return found
+
+
+def load_rows(trace: Path, start: int, count: int) -> list[dict]:
+    """Rows ``start .. start+count-1`` (fewer when the trace ends first)."""
+    rows = []
+    with trace.open() as f:
+        for i, line in enumerate(f):
+            if i >= start + count:
+                break
+            if i >= start and line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def block_tokens(hash_id: int, length: int = TRACE_BLOCK) -> list[int]:
+    base = (hash_id * 2654435761) % VOCAB
+    return [(base + 7 * j) % VOCAB + 1 for j in range(length)]
+
+
+def prompt_for(row: dict, token_scale: int = 1, max_len: int | None = None) -> list[int]:
+    """The row's prompt as token ids. ``token_scale`` > 1 shrinks it: every trace block
+    becomes 512/token_scale tokens and the prompt ceil(input_length/token_scale) tokens,
+    so shared prefixes stay shared, block for block."""
+    per_block = max(1, TRACE_BLOCK // token_scale)
+    length = -(-row["input_length"] // token_scale)
+    if max_len is not None:
+        length = min(length, max_len)
+    tokens: list[int] = []
+    for h in row["hash_ids"]:
+        if len(tokens) >= length:
+            break
+        tokens.extend(block_tokens(h, per_block))
+    return tokens[:length] or [1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def sim_state(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(url + "/sim/state") as r:
+        return await r.json()
+
+
+async def sim_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[int, int]:
+    """Summed prefix-cache (hit tokens, query tokens) of the simulators at ``urls``."""
+    hits = queries = 0
+    for url in urls:
+        st = await sim_state(session, url)
+        hits += st.get("prefix_cache_hits_tokens", 0)
+        queries += st.get("prefix_cache_queries_tokens", 0)
+    return hits, queries
