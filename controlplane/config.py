@@ -96,6 +96,9 @@ HEALTH: dict[str, Check] = {
     "unhealthy_after": lambda x, f: v.int_range(x, f, 1, 1000),
     "metrics_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
     "poll_metrics": v.boolean,
+    "eject_after": lambda x, f: v.int_range(x, f, 1, 1000),
+    "eject_base_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
+    "eject_max_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
 }
 KV_CACHE: dict[str, Check] = {
     "block_size": lambda x, f: v.int_range(x, f, 1, 4096),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -118,6 +119,7 @@ class Fleet:
         self._engine: dict[str, EngineMetrics] = {}
         self._heartbeat: dict[str, float] = {}
         self._index: dict[tuple[str, Role], tuple[str, ...]] | None = None
+        self._returns_at = 0.0        # when the first ejected worker comes back (0: none is out)
         self._groups: dict[tuple[str, tuple[Role, ...]], Group] = {}
         self._ordered: set[Group] = set()              # groups whose least-loaded heap exists
         self._work: dict[str, int] = {}                # ledger work per worker (see note_load)
@@ -175,7 +177,7 @@ class Fleet:
             return
         old = self._state.get(worker_id, UNCHECKED)
         self._state[worker_id] = state
-        if old.health is not state.health:
+        if old.health is not state.health or old.ejected_until != state.ejected_until:
             self._invalidate()
 
     def engine(self, worker_id: str) -> EngineMetrics:
@@ -247,16 +249,23 @@ class Fleet:
         """Ids of healthy, undrained, positively weighted workers of ``role`` serving ``model``
         (any model when ``model`` is empty)."""
         index = self._index
-        if index is None:
+        if index is None or (self._returns_at and time.monotonic() >= self._returns_at):
+            self._invalidate()
             index = self._index = self._build_index()
         return index.get((model, role), ())
 
     def _build_index(self) -> dict[tuple[str, Role], tuple[str, ...]]:
         groups: dict[tuple[str, Role], list[str]] = {}
+        now, returns = time.monotonic(), 0.0
         for wid, spec in self._specs.items():
-            if not spec.placeable or self.state(wid).health is not Health.HEALTHY:
+            state = self.state(wid)
+            if not spec.placeable or state.health is not Health.HEALTHY:
+                continue
+            if state.ejected(now):   # the circuit breaker: back in rotation at ejected_until
+                returns = state.ejected_until if not returns else min(returns, state.ejected_until)
                 continue
             groups.setdefault((spec.model, spec.role), []).append(wid)
             if spec.model:
                 groups.setdefault((_ALL_MODELS, spec.role), []).append(wid)
+        self._returns_at = returns
         return {key: tuple(sorted(ids)) for key, ids in groups.items()}

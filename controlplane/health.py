@@ -28,6 +28,10 @@ class HealthConfig:
     unhealthy_after: int = 2       # consecutive failures before a healthy worker is dropped
     metrics_interval_s: float = 1.0
     poll_metrics: bool = True
+    # The circuit breaker on real requests (controlplane.lifecycle.BreakerConfig).
+    eject_after: int = 5
+    eject_base_s: float = 10.0
+    eject_max_s: float = 300.0
 
 
 def parse_engine_metrics(text: str) -> tuple[int, int, float, float, float]:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from controlplane.fleet import Fleet
 from controlplane.placement import PlacementStats
@@ -26,11 +27,28 @@ log = logging.getLogger(__name__)
 _ENDINGS = frozenset({pb.EVENT_FINISHED, pb.EVENT_FAILED, pb.EVENT_CANCELLED})
 
 
+@dataclass(frozen=True)
+class BreakerConfig:
+    """When real requests eject a worker that still passes health checks."""
+
+    failures: int = 5          # failed requests in a row
+    base_s: float = 10.0       # first ejection; doubles with each one in a row
+    max_s: float = 300.0
+
+
+def _counts_for_breaker(status: int) -> bool:
+    """Engine errors (5xx), overload (429), timeouts and unreachable engines (0) count;
+    the client's own 4xx do not."""
+    return status == 0 or status >= 500 or status == 429
+
+
 class Lifecycle:
     def __init__(self, store: StateStore, fleet: Fleet, stats: PlacementStats, *,
                  session_grace_s: float = 30.0, max_request_age_s: float = 3600.0,
-                 predictor: Predictor | None = None, queue: PlacementQueue | None = None) -> None:
+                 predictor: Predictor | None = None, queue: PlacementQueue | None = None,
+                 breaker: BreakerConfig | None = None) -> None:
         self.store = store
+        self.breaker = breaker or BreakerConfig()
         self.predictor = predictor or Predictor()
         self.queue = queue
         self.fleet = fleet
@@ -49,6 +67,7 @@ class Lifecycle:
             record = await store.get(event.request_id)
             if record is not None:
                 self._learn_ttft(record, event)
+                self._note_success(record)
                 await store.settle_prefill(event.request_id)
         elif kind == pb.EVENT_PREFILL_DONE:
             await store.release(event.request_id, leg="prefill")
@@ -97,13 +116,34 @@ class Lifecycle:
         if wid not in self.fleet:
             return
         state = self.fleet.state(wid)
-        changes = dict(failures_total=state.failures_total + 1, last_error=event.message[:300])
-        if event.upstream_status == 0 and state.health is not Health.UNHEALTHY:
+        now = time.monotonic()
+        status = event.upstream_status
+        streak = state.failure_streak + 1 if _counts_for_breaker(status) else state.failure_streak
+        changes = dict(failures_total=state.failures_total + 1, last_error=event.message[:300],
+                       failure_streak=streak)
+        if status == 0 and state.health is not Health.UNHEALTHY:
             # The data plane could not reach the engine at all: stop routing there now
             # instead of waiting for the next health check to notice.
             changes["health"] = Health.UNHEALTHY
             log.warning("worker %s unreachable from data plane (%s): marked unhealthy", wid, event.message[:200])
+        elif status and _counts_for_breaker(status) and streak >= self.breaker.failures and not state.ejected(now):
+            # It answers health checks but fails real requests: eject it for a while
+            # (doubling with each ejection in a row); one more failure after it returns
+            # ejects it again.
+            b = self.breaker
+            period = min(b.base_s * (2 ** state.ejections), b.max_s)
+            changes.update(ejected_until=now + period, ejections=state.ejections + 1, failure_streak=b.failures - 1)
+            log.warning("worker %s ejected for %.0fs after %d failed requests in a row (last: %s %s)",
+                        wid, period, streak, status, event.message[:200])
         self.fleet.set_state(wid, dataclasses.replace(state, **changes))
+
+    def _note_success(self, record: RequestRecord) -> None:
+        """A request got its first token: its workers' circuit breakers close."""
+        fleet = self.fleet
+        for charge in record.charges:
+            state = fleet.state(charge.worker_id)
+            if state.failure_streak or state.ejections:
+                fleet.set_state(charge.worker_id, dataclasses.replace(state, failure_streak=0, ejections=0))
 
     # ------------------------------------------------------------------ sessions
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -25,12 +26,16 @@ class _Snapshot:
         reqs = GaugeMetricFamily("omni_worker_inflight_requests", "Requests placed and not finished", labels=labels)
         toks = GaugeMetricFamily("omni_worker_inflight_tokens", "Tokens charged by in-flight requests", labels=labels)
         healthy = GaugeMetricFamily("omni_worker_healthy", "1 if the worker passes health checks", labels=labels)
+        ejected = GaugeMetricFamily("omni_worker_ejected", "1 while the request circuit breaker keeps the worker "
+                                    "out of rotation", labels=labels)
+        now = time.monotonic()
         draining = GaugeMetricFamily("omni_worker_draining", "1 if the worker is draining", labels=labels)
         for w in self.workers:
             lv = [w.id, w.role.value, w.model]
             reqs.add_metric(lv, w.inflight_requests)
             toks.add_metric(lv, w.inflight_tokens)
             healthy.add_metric(lv, 1 if w.health is Health.HEALTHY else 0)
+            ejected.add_metric(lv, 1 if w.state.ejected(now) else 0)
             draining.add_metric(lv, 1 if w.draining else 0)
         placed = CounterMetricFamily("omni_placements", "Placements issued", labels=["worker", "leg"])
         for (worker_id, leg), n in self.stats.placed.items():
@@ -42,7 +47,7 @@ class _Snapshot:
                                        "requests they orphaned, claimed back or let go", labels=["event"])
         for event, n in self.stats.sessions.items():
             sessions.add_metric([event], n)
-        yield from (reqs, toks, healthy, draining, placed, errors, sessions)
+        yield from (reqs, toks, healthy, ejected, draining, placed, errors, sessions)
         yield from self._cache_metrics()
 
     def _cache_metrics(self):

@@ -14,7 +14,7 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.health import HealthChecker
 from controlplane.kvcache.manager import KVCache
 from controlplane.fleet import Fleet
-from controlplane.lifecycle import Lifecycle
+from controlplane.lifecycle import BreakerConfig, Lifecycle
 from controlplane.placement import PlacementStats, Placer
 from controlplane.prediction import Predictor
 from controlplane.registry import WorkerRegistry
@@ -46,7 +46,9 @@ class ControlPlane:
                              metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
         self.lifecycle = Lifecycle(self.store, self.fleet, stats, max_request_age_s=config.max_request_age_s,
                                    session_grace_s=config.session_grace_s,
-                                   predictor=self.predictor, queue=self.placer.queue)
+                                   predictor=self.predictor, queue=self.placer.queue,
+                                   breaker=BreakerConfig(config.health.eject_after, config.health.eject_base_s,
+                                                         config.health.eject_max_s))
         self.health = HealthChecker(self.fleet, self.registry, config.health, engine_api_key=config.engine_api_key)
         self.kv = KVCache(config.kv_cache)
         self.placer.kv = self.kv

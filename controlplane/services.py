@@ -33,6 +33,7 @@ def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int 
         id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role], model=spec.model, weight=spec.weight,
         status=_HEALTH_TO_PB[state.health], draining=spec.draining, source=spec.source,
         placements_total=placements_total, failures_total=state.failures_total, last_error=state.last_error,
+        circuit=state.circuit(now), ejected_for_s=max(state.ejected_until - now, 0.0),
         labels=dict(spec.labels), bootstrap_port=spec.bootstrap_port,
         load=pb.WorkerLoad(
             inflight_requests=view.load.requests, inflight_tokens=view.load.tokens,

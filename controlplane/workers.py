@@ -70,12 +70,30 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True)
 class HealthState:
-    """Derived from health checks and data-plane failure reports."""
+    """Derived from health checks and data-plane failure reports.
+
+    ``health`` is what the health checks say. Ejection is the circuit breaker (Envoy's
+    outlier detection): engines that keep failing real requests (5xx, 429, timeouts) while
+    passing health checks are taken out of rotation until ``ejected_until``, for a time
+    that doubles with every ejection in a row; one more failure after the return ejects
+    again, a success closes the breaker.
+    """
 
     health: Health = Health.UNKNOWN
-    consecutive_failures: int = 0
-    failures_total: int = 0
+    consecutive_failures: int = 0     # of health checks
+    failures_total: int = 0           # of requests, as the data planes report them
     last_error: str = ""
+    failure_streak: int = 0           # requests failed in a row on this worker
+    ejections: int = 0                # ejections in a row (no success in between)
+    ejected_until: float = 0.0        # time.monotonic(); 0: not ejected
+
+    def ejected(self, now: float) -> bool:
+        return self.ejected_until > now
+
+    def circuit(self, now: float) -> str:
+        if self.ejected(now):
+            return "open"
+        return "half_open" if self.ejections else "closed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,10 @@ def _print_workers(resp, as_json: bool) -> None:
         status = pb.WorkerStatus.Name(w.status).removeprefix("STATUS_").lower()
         if w.draining:
             status += " (draining)"
+        if w.circuit == "open":
+            status += f" (ejected {w.ejected_for_s:.0f}s)"
+        elif w.circuit == "half_open":
+            status += " (half open)"
         eng = f"{w.load.engine_running}/{w.load.engine_waiting}" if w.load.engine_running >= 0 else "-"
         table.add_row(w.id, pb.Role.Name(w.role).removeprefix("ROLE_").lower(), w.model, status,
                       f"{w.weight:g}", str(w.load.inflight_requests), str(w.load.inflight_tokens), eng,

@@ -114,7 +114,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., engine_running: _Optional[int] = ..., engine_waiting: _Optional[int] = ..., engine_kv_usage: _Optional[float] = ..., metrics_age_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks")
+    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks", "circuit", "ejected_for_s")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class WorkerInfo(_message.Message):
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CIRCUIT_FIELD_NUMBER: _ClassVar[int]
+    EJECTED_FOR_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     url: str
     role: Role
@@ -154,7 +156,9 @@ class WorkerInfo(_message.Message):
     bootstrap_port: int
     kv_events: str
     cached_blocks: int
-    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    circuit: str
+    ejected_for_s: float
+    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., circuit: _Optional[str] = ..., ejected_for_s: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms")

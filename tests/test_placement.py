@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from collections import Counter
 
 import pytest
@@ -249,3 +251,55 @@ async def test_reserve_is_all_or_nothing_per_call_and_release_is_per_leg():
     assert ended is not None and [c.leg for c in ended.charges] == ["decode"]
     assert await store.loads(["p", "d"]) == {"p": Load(0, 0), "d": Load(0, 0)}
     assert await store.end("r") is None
+
+
+async def _fail(plane: Plane, wid: str, status: int, n: int = 1) -> None:
+    for i in range(n):
+        rid = f"f-{wid}-{status}-{i}-{id(plane)}"
+        await plane.report(rid, pb.EVENT_LEG_FAILED, worker_id=wid, upstream_status=status, message="boom")
+
+
+async def test_breaker_ejects_a_worker_that_keeps_failing_requests_and_lets_it_back():
+    from controlplane.lifecycle import BreakerConfig
+
+    plane = await make(workers=[w("a"), w("b")])
+    plane.lifecycle.breaker = BreakerConfig(failures=3, base_s=0.2, max_s=1.0)
+    await _fail(plane, "a", 500, 2)
+    assert not plane.fleet.state("a").ejected(time.monotonic())        # two is not three
+    await _fail(plane, "a", 503)
+    state = plane.fleet.state("a")
+    assert state.ejected(time.monotonic()) and state.circuit(time.monotonic()) == "open"
+    assert state.health is Health.HEALTHY                               # health checks are a separate matter
+    for i in range(6):
+        assert (await plane.place(entry(f"r{i}"))).decode.worker_id == "b"
+    explained = await plane.place(entry("x"), dry_run=True)
+    assert "-a dropped by ejected" in explained.explanation
+    await wait_for(lambda: not plane.fleet.state("a").ejected(time.monotonic()), 2.0)
+    seen = {(await plane.place(entry(f"s{i}"))).decode.worker_id for i in range(6)}
+    assert "a" in seen                                                  # back in rotation (half open)
+    assert plane.fleet.state("a").circuit(time.monotonic()) == "half_open"
+    await _fail(plane, "a", 500)                                        # one failure re-ejects, for longer
+    again = plane.fleet.state("a")
+    assert again.ejections == 2 and again.ejected_until - time.monotonic() > 0.25
+
+
+async def test_a_success_closes_the_breaker_and_client_errors_never_open_it():
+    from controlplane.lifecycle import BreakerConfig
+
+    plane = await make(workers=[w("a")])
+    plane.lifecycle.breaker = BreakerConfig(failures=2, base_s=60)
+    await _fail(plane, "a", 400, 5)
+    await _fail(plane, "a", 404, 5)
+    assert not plane.fleet.state("a").ejected(time.monotonic())
+    await _fail(plane, "a", 504)                                        # a timeout counts
+    p = await plane.place(entry("ok"))
+    await plane.report("ok", pb.EVENT_FIRST_TOKEN, ttft_ms=5)
+    assert plane.fleet.state("a").failure_streak == 0
+    assert (await plane.place(entry("ok2"))).decode.worker_id == p.decode.worker_id == "a"
+
+
+async def wait_for(cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
@@ -30,6 +31,15 @@ class HealthyFilter:
 
     def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         return worker.health is Health.HEALTHY
+
+
+class EjectedFilter:
+    """The circuit breaker: a worker failing real requests sits out until it is let back."""
+
+    name = "ejected"
+
+    def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
+        return not worker.state.ejected(ctx.now or time.monotonic())
 
 
 class DrainFilter:
@@ -77,7 +87,7 @@ class OverloadFilter:
 
 
 # Always applied, in this order: they encode correctness, not preference.
-BASE_FILTERS = (ModelFilter(), RoleFilter(), HealthyFilter(), DrainFilter(), ExcludeFilter(),
+BASE_FILTERS = (ModelFilter(), RoleFilter(), HealthyFilter(), EjectedFilter(), DrainFilter(), ExcludeFilter(),
                 ZeroWeightFilter())
 
 FILTERS = {"overload": OverloadFilter, "slo": SLOFilter}
