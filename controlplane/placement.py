@@ -246,7 +246,7 @@ class Placer:
             decision = self.profile.place(ctx, await self._candidates(ids, ctx, chain))
             if decision.worker is not None:
                 return decision
-            ctx.sampled = (0, 0)
+            ctx.sampled, ctx.matched = (0, 0), False
             ctx.match_blocks, ctx.cached_blocks, ctx.predicted = {}, {}, {}
         return self.profile.place(ctx, await self._candidates(group.ids, ctx, chain))
 
@@ -259,7 +259,8 @@ class Placer:
                 fleet.note_load(wid, load)
         views = fleet.views(ids, loads)
         if chain:
-            ctx.match_blocks = self.kv.match(chain, views)
+            if not ctx.matched:
+                ctx.match_blocks = self.kv.match(chain, views)
             if self.profile.uses_tree_sizes:
                 ctx.cached_blocks = self.kv.cached_blocks([v.spec.id for v in views])
         return views

@@ -90,6 +90,15 @@ class SlotBlocks:
                 self.extra = set()
             self.extra.add(h)
 
+    def extend(self, hs: list[int]) -> None:
+        try:
+            self.hashes.extend(hs)
+        except OverflowError:       # array.extend stops at the bad one: redo one by one
+            done = set(self.hashes[len(self.hashes) - len(hs):]) if hs else set()
+            for h in hs:
+                if h not in done:
+                    self.add(h)
+
     def raw(self) -> Iterator[int]:
         yield from self.hashes
         if self.extra:
@@ -141,8 +150,10 @@ class PrefixIndex:
         self._all = 0                                        # mask of registered slots
         self._refs = 0
         self._stored = self._removed = self._cleared = self._evicted = 0
-        # Bumped whenever slots come or go: masks cached by callers are valid for one generation.
+        # Masks cached by callers stay valid while ``generation`` holds (it moves when a slot is
+        # freed) if they add the slots created since: ``added[pos:]`` lists them as (slot, worker id).
         self.generation = 0
+        self.added: list[tuple[int, str]] = []
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -160,7 +171,7 @@ class PrefixIndex:
             self._slot_of[key] = slot
             self._by_worker.setdefault(key[0], []).append(slot)
             self._all |= 1 << slot
-            self.generation += 1
+            self.added.append((slot, key[0]))
         return slot
 
     def workers(self) -> list[WorkerKey]:
@@ -181,13 +192,16 @@ class PrefixIndex:
     def mask_of(self, worker_ids: Iterable[str]) -> int:
         """The slots of these workers (all their DP ranks) as one mask; unknown ids add nothing."""
         by_worker = self._by_worker
-        mask = 0
-        for wid in worker_ids:
-            slots = by_worker.get(wid)
-            if slots:
-                for s in slots:
-                    mask |= 1 << s
-        return mask
+        found = [s for wid in worker_ids for s in by_worker.get(wid, ())]
+        if len(found) <= 64:
+            mask = 0
+            for s in found:
+                mask |= 1 << s
+            return mask
+        bits = bytearray((len(self._key_of) + 7) // 8)   # O(n), not O(n^2/64) big-integer ORs
+        for s in found:
+            bits[s >> 3] |= 1 << (s & 7)
+        return int.from_bytes(bits, "little")
 
     def drop_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Forget a worker (every DP rank when ``dp_rank`` is None) and free its slot(s)."""
@@ -204,6 +218,7 @@ class PrefixIndex:
             if not slots:
                 del self._by_worker[worker_id]
             self.generation += 1
+            self.added = []
 
     def reset_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Drop what a worker holds but keep it registered (seq gap / engine restart)."""
@@ -237,8 +252,8 @@ class PrefixIndex:
             for h in hashes:
                 parents[h] = prev
                 prev = h
-        pop, add = holders.pop, mine.add
-        added = 0
+        pop = holders.pop
+        new: list[int] = []
         for h in reversed(hashes):          # deepest first = least recent (see module docstring)
             m = pop(h, None)
             if m is None:
@@ -248,14 +263,15 @@ class PrefixIndex:
                 continue
             else:
                 holders[h] = m | bit
-            add(h)
-            added += 1
+            new.append(h)
         if parent is not None:
             m = pop(parent, None)
             if m is not None:
                 holders[parent] = m
-        mine.live += added
-        self._refs += added
+        if new:
+            mine.extend(new)
+            mine.live += len(new)
+            self._refs += len(new)
         self._stored += len(hashes)
         if len(mine.hashes) > 2 * mine.live + 64:
             mine.compact()
@@ -381,18 +397,36 @@ class PrefixIndex:
                 m ^= low
         return out
 
-    def deepest(self, chain: Sequence[int], alive: int, k: int, rng: random.Random) -> dict[str, int]:
-        """Up to ``k`` worker ids among the slots in ``alive`` holding the deepest matches of
-        ``chain``, with their depths. Cost: the chain walk plus O(k) big-integer steps, whatever
-        the number of slots; where a level holds more than the budget left, a random subset of it
-        is taken (rotating the mask, so low slot numbers are not favoured)."""
+    def levels(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
+        """The walk of ``chain`` over the slots in ``alive``, kept for :meth:`top` and
+        :meth:`depths_in`: one walk answers both which slots match deepest and any subset's depths."""
+        return self._walk(chain, alive) if alive and chain else []
+
+    def depths_in(self, levels: list[tuple[int, int]], alive: int) -> dict[str, int]:
+        """Per worker id (best DP rank), the depth of each slot in ``alive`` by ``levels``; one
+        big-integer AND per level plus one step per matching slot."""
         out: dict[str, int] = {}
-        if not alive or not chain or k <= 0:
+        key_of = self._key_of
+        for depth, m in levels:                 # shallowest first: a deeper rank overwrites
+            m &= alive
+            while m:
+                low = m & -m
+                out[key_of[low.bit_length() - 1][0]] = depth
+                m ^= low
+        return out
+
+    def top(self, levels: list[tuple[int, int]], k: int, rng: random.Random) -> dict[str, int]:
+        """Up to ``k`` worker ids holding the deepest matches by ``levels``, with their depths, in
+        O(k) big-integer steps whatever the number of slots; where a level holds more than the
+        budget left, a random subset of it is taken (rotating the mask, so low slot numbers are
+        not favoured)."""
+        out: dict[str, int] = {}
+        if k <= 0:
             return out
         key_of = self._key_of
         width = len(key_of)
         full = (1 << width) - 1
-        for depth, m in reversed(self._walk(chain, alive)):
+        for depth, m in reversed(levels):
             if m.bit_count() > k - len(out):
                 r = rng.randrange(width)
                 m = ((m >> r) | (m << (width - r))) & full    # rotate right by r
@@ -408,6 +442,11 @@ class PrefixIndex:
             if len(out) >= k:
                 break
         return out
+
+    def deepest(self, chain: Sequence[int], alive: int, k: int, rng: random.Random) -> dict[str, int]:
+        """Up to ``k`` worker ids among the slots in ``alive`` holding the deepest matches of
+        ``chain``, with their depths: the chain walk plus O(k), whatever the number of slots."""
+        return self.top(self.levels(chain, alive), k, rng)
 
     def touch(self, chain: Sequence[int]) -> None:
         """Mark a matched prefix recently used (deepest least recent, root most recent)."""
@@ -461,20 +500,23 @@ class RoutedIndex(PrefixIndex):
         holders, mine = self._holders, self._blocks_of[slot]
         sbit, keep = mine.bit, ~_STAMP
         stamp &= _STAMP
-        pop, add = holders.pop, mine.add
-        added = 0
+        pop = holders.pop
+        fresh = sbit | stamp                # one int object shared by the blocks new to the index
+        new: list[int] = []
         for h in reversed(chain):           # deepest least recent, as for BlockStored
             m = pop(h, None)
             if m is None:
-                holders[h] = sbit | stamp
+                holders[h] = fresh
+                new.append(h)
+            elif m & sbit:
+                holders[h] = (m & keep) | stamp
             else:
-                holders[h] = (m & keep) | sbit | stamp
-                if m & sbit:
-                    continue
-            add(h)
-            added += 1
-        mine.live += added
-        self._refs += added
+                holders[h] = (m & keep) | fresh
+                new.append(h)
+        if new:
+            mine.extend(new)
+            mine.live += len(new)
+            self._refs += len(new)
         self._stored += len(chain)
         if len(mine.hashes) > 2 * mine.live + 64:
             mine.compact()

@@ -69,7 +69,7 @@ class KVCache:
         self._approx_expiry: deque[tuple[float, int, array]] = deque()
         self._approx_stamp = 0
         # Masks of the slots of a routable group, per index generation (see deepest()).
-        self._masks: dict[int, tuple[tuple[str, ...], int, int, int, int, int]] = {}
+        self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted
         self._subscribers: dict[str, list[KVEventSubscriber]] = {}
         # Workers with kv_events whose events are not used (why, for logs and explain): they are
@@ -222,36 +222,50 @@ class KVCache:
         return out
 
     def _group_masks(self, ids: tuple[str, ...]) -> tuple[int, int]:
-        """(exact, approximate) slot masks of the workers ``ids``, cached for as long as neither
-        index gains or loses a slot and no worker's tracking changes: O(group) once, then O(1)."""
-        gens = (self.exact.generation, self.approx.generation, self._tracking)
+        """(exact, approximate) slot masks of the workers ``ids``: built in O(group) once per
+        tuple (the fleet keeps one per routable group until it changes), then kept current by
+        adding the slots the indexes created since (first events or placements of a worker),
+        so a placement pays O(1) plus O(new slots)."""
+        exact, approx = self.exact, self.approx
         got = self._masks.get(id(ids))
-        if got is not None and got[0] is ids and got[1:4] == gens:
-            return got[4], got[5]
-        exact_mask = self.exact.mask_of(ids)
-        held_exactly = self.exact._by_worker
-        approx_mask = self.approx.mask_of(i for i in ids if i not in held_exactly)
-        if len(self._masks) >= 64:
-            self._masks.clear()
-        self._masks[id(ids)] = (ids, *gens, exact_mask, approx_mask)
+        if got is None or got[0] is not ids or got[2] != exact.generation or got[4] != approx.generation \
+                or got[6] != self._tracking:
+            members = frozenset(ids)
+            held_exactly = exact._by_worker
+            exact_mask = exact.mask_of(ids)
+            approx_mask = approx.mask_of([i for i in ids if i not in held_exactly])
+            if len(self._masks) >= 64:
+                self._masks.clear()
+            self._masks[id(ids)] = [ids, members, exact.generation, len(exact.added), approx.generation,
+                                    len(approx.added), self._tracking, exact_mask, approx_mask]
+            return exact_mask, approx_mask
+        members, exact_mask, approx_mask = got[1], got[7], got[8]
+        if got[3] != len(exact.added):
+            for slot, wid in exact.added[got[3]:]:
+                if wid in members:
+                    exact_mask |= 1 << slot
+                    approx_mask &= ~approx.mask_of((wid,))   # its events now count, not its routing
+            got[3], got[7], got[8] = len(exact.added), exact_mask, approx_mask
+        if got[5] != len(approx.added):
+            held_exactly = exact._by_worker
+            for slot, wid in approx.added[got[5]:]:
+                if wid in members and wid not in held_exactly:
+                    approx_mask |= 1 << slot
+            got[5], got[8] = len(approx.added), approx_mask
         return exact_mask, approx_mask
 
-    def deepest(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> dict[str, int]:
-        """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain`` (a hint for
-        choosing candidates; :meth:`match` gives the depths placement uses). Costs one chain walk
-        per index and O(k), whatever the size of ``ids`` (its masks are cached per tuple)."""
-        if not chain or k <= 0:
-            return {}
+    def group_match(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> "GroupMatch":
+        """Walk ``chain`` once per index over the whole group ``ids`` (its masks are cached per
+        tuple): ``.top`` names up to ``k`` workers holding the deepest matches, ``.depths(some)``
+        gives any members' depths from the same walk. O(chain + k), whatever the group size."""
         self._expire()
         exact_mask, approx_mask = self._group_masks(ids)
-        out = self.exact.deepest(chain, exact_mask, k, rng) if exact_mask else {}
-        if approx_mask:
-            for worker_id, depth in self.approx.deepest(chain, approx_mask, k, rng).items():
-                if depth > out.get(worker_id, 0):
-                    out[worker_id] = depth
-            if len(out) > k:
-                out = dict(sorted(out.items(), key=lambda kv: -kv[1])[:k])
-        return out
+        return GroupMatch(self, self.exact.levels(chain, exact_mask), self.approx.levels(chain, approx_mask),
+                          exact_mask, approx_mask, k, rng)
+
+    def deepest(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> dict[str, int]:
+        """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain``."""
+        return self.group_match(chain, ids, k, rng).top if chain and k > 0 else {}
 
     def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int) -> None:
         """For workers without events, remember the routed prefix; for the others, keep the
@@ -281,4 +295,35 @@ class KVCache:
         out = self.exact.blocks_by_worker(worker_ids)
         for worker_id, n in self.approx.blocks_by_worker(worker_ids).items():
             out[worker_id] = out.get(worker_id, 0) + n
+        return out
+
+
+class GroupMatch:
+    """One walk of a prompt's chain over a whole routable group (see ``KVCache.group_match``)."""
+
+    __slots__ = ("top", "_kv", "_exact", "_approx", "_exact_mask", "_approx_mask")
+
+    def __init__(self, kv: KVCache, exact: list[tuple[int, int]], approx: list[tuple[int, int]],
+                 exact_mask: int, approx_mask: int, k: int, rng: random.Random) -> None:
+        self._kv, self._exact, self._approx = kv, exact, approx
+        self._exact_mask, self._approx_mask = exact_mask, approx_mask
+        top = kv.exact.top(exact, k, rng) if exact else {}
+        if approx:
+            for worker_id, depth in kv.approx.top(approx, k, rng).items():
+                if depth > top.get(worker_id, 0):
+                    top[worker_id] = depth
+            if len(top) > k:
+                top = dict(sorted(top.items(), key=lambda kv_: -kv_[1])[:k])
+        self.top = top
+
+    def depths(self, worker_ids: Sequence[str]) -> dict[str, int]:
+        """Leading blocks held, per member of the group among ``worker_ids`` (0 omitted)."""
+        kv = self._kv
+        out = kv.exact.depths_in(self._exact, kv.exact.mask_of(worker_ids) & self._exact_mask) \
+            if self._exact else {}
+        if self._approx:
+            got = kv.approx.depths_in(self._approx, kv.approx.mask_of(worker_ids) & self._approx_mask)
+            for worker_id, depth in got.items():
+                if depth > out.get(worker_id, 0):
+                    out[worker_id] = depth
         return out

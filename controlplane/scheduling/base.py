@@ -37,6 +37,7 @@ class PlacementContext:
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
     # (candidates considered, routable workers) when the candidate stage sampled; (0, 0) if not.
     sampled: tuple[int, int] = (0, 0)
+    matched: bool = False          # match_blocks already filled for the candidates (by the candidate stage)
 
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to compute (its cached prefix is free)."""

@@ -88,8 +88,10 @@ class SampleStage:
         if mode == "pair":
             return self._uniform(ids, 2, exclude)
         out: dict[str, None] = {}
-        if self.deepest and chain and kv is not None and getattr(self, "_uses_prefix", False):
-            for wid in kv.deepest(chain, ids, self.deepest + len(exclude), rng):
+        matched = None
+        if chain and kv is not None and getattr(self, "_uses_prefix", False):
+            matched = kv.group_match(chain, ids, self.deepest + len(exclude), rng)
+            for wid in matched.top:
                 if wid not in exclude:
                     out[wid] = None
         if self.least_loaded:
@@ -98,7 +100,12 @@ class SampleStage:
         if self.random:
             for wid in self._uniform(ids, self.random, exclude):
                 out[wid] = None
-        return list(out)
+        chosen = list(out)
+        if matched is not None:
+            # The same walk gives every candidate's depth: placement need not look them up again.
+            ctx.match_blocks = matched.depths(chosen)
+            ctx.matched = True
+        return chosen
 
     def _uniform(self, ids: tuple[str, ...], k: int, exclude: frozenset[str]) -> list[str]:
         got = self.rng.sample(ids, min(len(ids), k + len(exclude)))
