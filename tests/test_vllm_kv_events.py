@@ -27,7 +27,7 @@ from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from tests.vllm_harness.vllm_server import (BLOCK_SIZE, SERVED_MODEL, VllmServer, cpu_slots, find_install,
-                                            free_port, parse_metrics, start_server, vllm_test_marks, wait_healthy)
+                                            parse_metrics, start_server, vllm_test_marks, wait_healthy)
 
 INSTALL = find_install()
 pytestmark = vllm_test_marks()
@@ -52,14 +52,13 @@ def fleet(tmp_path_factory):
     python, model = INSTALL
     workdir = tmp_path_factory.mktemp("vllm-kv")
     engines: dict[str, VllmServer] = {}
-    events: dict[str, int] = {}
+    events: dict[str, str] = {}   # name -> ipc:// endpoint: nothing to choose, nothing to lose to a race
     group: ProcessGroup | None = None
     try:
         for name, cpu in zip(("e0", "e1"), cpu_slots(2)):
-            port = free_port()
-            events[name] = port
+            events[name] = f"ipc://{workdir}/kv-{name}.sock"
             config = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
-                      f'"endpoint": "tcp://*:{port}", "topic": "kv-events"}}')
+                      f'"endpoint": "{events[name]}", "topic": "kv-events"}}')
             engines[name] = start_server(name, python=python, model=model, workdir=workdir, cpu=cpu,
                                          extra_args=("--enable-prefix-caching", "--kv-events-config", config,
                                                      "--prefix-caching-hash-algo", "sha256",
@@ -73,7 +72,7 @@ def fleet(tmp_path_factory):
         args = ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0", "--http-port", "0",
                 "--health-interval", "0.5"]
         for name, server in engines.items():
-            args += ["--worker", f"{server.url},id={name},kv_events=tcp://127.0.0.1:{events[name]}"]
+            args += ["--worker", f"{server.url},id={name},kv_events={events[name]}"]
         cp = group.start("controlplane", args)
         dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address,
                                        "--tokenizer", str(model), "--read-timeout", "120",

@@ -2,8 +2,22 @@
 
 The interpreter and model come from ``scripts/install_vllm.sh``, which ``scripts/test.sh``
 sources: it exports OMNI_VLLM_PYTHON (the vLLM venv's python) and OMNI_VLLM_MODEL (a tiny
-random-weight Llama). Each server is one process group on 127.0.0.1 with free ports,
-logging into a scratch directory; failures carry the log tail.
+random-weight Llama). Each server is one process group on 127.0.0.1, logging into a
+scratch directory; failures carry the log tail.
+
+Ports. vLLM binds its HTTP port itself (``--port 0``) and ``vllm_entry.py`` reports the port
+it got through a port file, so no port is chosen here and then lost to someone else before
+vLLM binds it. The NIXL side channel is different: vLLM must be told a number
+(``VLLM_NIXL_SIDE_CHANNEL_PORT``; P hands it to D inside ``kv_transfer_params``) and binds
+it only minutes later, from a worker thread that then dies without taking the server down.
+For that one (and for any other "Address already in use" in a starting server, such as
+vLLM's own internal ports) ``wait_healthy`` retries: it restarts the server on fresh ports,
+up to ``PORT_RETRIES`` times. KV events use ``ipc://`` sockets (see
+``tests/test_vllm_kv_events.py``), which need no port at all.
+
+Lifetime. Every server dies with the test process, even on SIGKILL: it runs in its own
+session and holds the read end of the launcher's lifeline pipe (``omni_proxy.launcher``);
+``vllm_entry.py`` terminates its process group at EOF. ``stop`` signals the whole group.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import random
 import signal
 import socket
 import subprocess
-import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +43,8 @@ MAX_MODEL_LEN = 2048
 
 # On two busy cores one server needs about a minute to answer /health, two at once longer.
 START_TIMEOUT = float(os.environ.get("OMNI_VLLM_START_TIMEOUT", "300"))
+# Restarts of one server whose start failed on a port that was taken meanwhile.
+PORT_RETRIES = 3
 
 
 class VllmError(RuntimeError):
@@ -76,7 +92,9 @@ def _ephemeral_ports() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A free port on 127.0.0.1 outside the kernel's ephemeral range.
+    """A free port on 127.0.0.1 outside the kernel's ephemeral range, for a port vLLM must be
+    told as a number (the NIXL side channel). Still a bind-and-release: ``wait_healthy``
+    restarts a server that lost the race.
 
     vLLM binds its ports up to minutes after we choose them. A port from the ephemeral range
     (what binding port 0 gives) may meanwhile become the source port of some outgoing
@@ -119,43 +137,74 @@ def nixl_config(role: str) -> str:
 @dataclass
 class VllmServer:
     name: str
-    port: int
+    port: int | None                                    # None until vLLM reported the port it bound
     proc: subprocess.Popen
     log_path: Path
     cmd: list[str]
     env: dict[str, str] = field(default_factory=dict)   # what this server got on top of os.environ
     started: float = field(default_factory=time.monotonic)
     ready_after: float | None = None                    # seconds from start to a healthy /health
+    port_file: Path | None = None
+    workdir: Path | None = None
+    full_env: dict[str, str] = field(default_factory=dict, repr=False)
+    port_vars: tuple[str, ...] = ()                     # env vars holding ports chosen here
+    restarts: int = 0                                   # restarts after a port collision
+    log_offset: int = 0                                 # where this attempt's log starts
+
+    def bound_port(self) -> int | None:
+        """The HTTP port vLLM bound, once its port file exists."""
+        if self.port is None and self.port_file is not None:
+            try:
+                self.port = int(json.loads(self.port_file.read_text())["port"])
+            except (OSError, ValueError, KeyError):
+                return None
+        return self.port
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        port = self.bound_port()
+        if port is None:
+            raise VllmError(f"vLLM {self.name} has not bound its HTTP port yet")
+        return f"http://127.0.0.1:{port}"
+
+    def _log_text(self) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            return f.read().decode(errors="replace")
 
     def log_tail(self, lines: int = 60) -> str:
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self._log_text()
         except OSError as e:
             return f"<no log: {e}>"
         return "\n".join(text.splitlines()[-lines:])
 
     def describe(self, lines: int = 60) -> str:
         state = "running" if self.proc.poll() is None else f"exited with {self.proc.returncode}"
-        return (f"--- vLLM {self.name} on {self.url} ({state}), log {self.log_path}, last {lines} lines:\n"
+        where = f"127.0.0.1:{self.bound_port()}" if self.bound_port() else "no port bound yet"
+        retried = f", restarted {self.restarts}x after port collisions" if self.restarts else ""
+        return (f"--- vLLM {self.name} on {where} ({state}{retried}), log {self.log_path}, last {lines} lines:\n"
                 f"{self.log_tail(lines)}")
 
     def fatal_in_log(self) -> str | None:
         """A startup error after which vLLM keeps running but never serves: a thread died on a
         port that was taken (the NIXL side-channel listener does that)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self._log_text()
         except OSError:
             return None
-        for marker in ("Address already in use",):
+        for marker in PORT_IN_USE:
             if marker in text:
                 return marker
         return None
 
+    def port_collision(self) -> bool:
+        """This attempt failed (or will hang) because a port was taken meanwhile."""
+        return self.fatal_in_log() in PORT_IN_USE
+
     def healthy(self) -> bool:
+        if self.bound_port() is None:
+            return False
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return r.status == 200
@@ -175,16 +224,40 @@ class VllmServer:
         if self.proc.poll() is None:
             self.proc.wait()
 
+    def respawn(self) -> None:
+        """Stop this attempt and start again with fresh numbers for the ports chosen here."""
+        self.stop()
+        for var in self.port_vars:
+            self.env[var] = self.full_env[var] = str(free_port())
+        self.restarts += 1
+        self.port = None
+        self.ready_after = None
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.proc = _spawn(self.cmd, self.full_env, self.log_path, self.workdir, self.port_file,
+                           note=f"# restart {self.restarts} after a port collision, env: {self.env}")
+        self.started = time.monotonic()
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it if the test process dies without cleaning up
-    (the API server then takes its engine and worker processes down)."""
-    try:
-        import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+PORT_IN_USE = ("Address already in use",)
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, workdir: Path, port_file: Path,
+           *, note: str) -> subprocess.Popen:
+    """Popen one attempt: own session, the launcher's lifeline, a fresh port file."""
+    from omni_proxy.launcher import lifeline_fd
+
+    port_file.unlink(missing_ok=True)
+    fd = lifeline_fd()
+    env = {**env, "OMNI_VLLM_PORT_FILE": str(port_file), "OMNI_VLLM_LIFELINE_FD": str(fd)}
+    if threading.current_thread() is threading.main_thread():
+        env["OMNI_VLLM_PDEATHSIG_PPID"] = str(os.getpid())
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n{note}\n".encode())
+        log.flush()
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=workdir, start_new_session=True, pass_fds=(fd,))
+
+
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -197,8 +270,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 def start_server(name: str, *, python: Path, model: Path, workdir: Path, cpu: str,
                  kv_role: str | None = None, extra_args: tuple[str, ...] = (),
                  extra_env: dict[str, str] | None = None) -> VllmServer:
-    """Spawn ``vllm serve`` without waiting; ``wait_healthy`` waits."""
-    port = free_port()
+    """Spawn ``vllm serve`` without waiting; ``wait_healthy`` waits (and learns the port)."""
     env_add = {
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -209,46 +281,54 @@ def start_server(name: str, *, python: Path, model: Path, workdir: Path, cpu: st
     }
     args = [
         "serve", str(model), "--served-model-name", SERVED_MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", "0",       # vLLM binds a free port; vllm_entry.py reports it
         "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
         "--enforce-eager",                          # no torch.compile: starts 2-3x faster, same speed
     ]
+    port_vars: tuple[str, ...] = ()
     if kv_role:
         env_add["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env_add["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        port_vars = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)
         args += ["--kv-transfer-config", nixl_config(kv_role)]
     env_add.update(extra_env or {})
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(env_add)
     cmd = [str(python), str(ENTRY), *args, *extra_args]
     log_path = workdir / f"vllm-{name}.log"
-    with open(log_path, "wb") as log:
-        log.write(f"$ {' '.join(cmd)}\n# env: {env_add}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=workdir, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-    return VllmServer(name=name, port=port, proc=proc, log_path=log_path, cmd=cmd, env=env_add)
+    log_path.unlink(missing_ok=True)
+    port_file = workdir / f"vllm-{name}.port"
+    proc = _spawn(cmd, env, log_path, workdir, port_file, note=f"# env: {env_add}")
+    return VllmServer(name=name, port=None, proc=proc, log_path=log_path, cmd=cmd, env=env_add,
+                      port_file=port_file, workdir=workdir, full_env=env, port_vars=port_vars)
 
 
 def wait_healthy(servers: list[VllmServer], timeout: float = START_TIMEOUT) -> None:
-    """Wait until every server answers /health with 200; raise with all logs otherwise."""
-    deadline = time.monotonic() + timeout
+    """Wait until every server answers /health with 200; raise with all logs otherwise.
+
+    A server whose start failed on a port that was taken meanwhile (it exited, or it logged
+    "Address already in use" and would hang) is restarted on fresh ports, ``PORT_RETRIES``
+    times at most, each attempt with the full ``timeout``."""
     pending = list(servers)
     while pending:
         for server in list(pending):
-            if server.proc.poll() is not None:
+            exited = server.proc.poll() is not None
+            fatal = server.fatal_in_log()
+            if (exited or fatal) and server.port_collision() and server.restarts < PORT_RETRIES:
+                server.respawn()
+                continue
+            if exited:
                 raise VllmError(f"vLLM {server.name} exited with {server.proc.returncode} before it was "
                                 f"healthy\n" + "\n".join(s.describe() for s in servers))
-            if server.fatal_in_log():
+            if fatal:
                 raise VllmError(f"vLLM {server.name} failed while starting (and would hang): "
-                                f"{server.fatal_in_log()}\n" + "\n".join(s.describe() for s in servers))
+                                f"{fatal}\n" + "\n".join(s.describe() for s in servers))
             if server.healthy():
                 server.ready_after = time.monotonic() - server.started
                 pending.remove(server)
-        if pending and time.monotonic() > deadline:
-            raise VllmError(f"vLLM {', '.join(s.name for s in pending)} not healthy after {timeout:.0f}s\n"
-                            + "\n".join(s.describe() for s in servers))
+            elif time.monotonic() - server.started > timeout:
+                raise VllmError(f"vLLM {server.name} not healthy after {timeout:.0f}s\n"
+                                + "\n".join(s.describe() for s in servers))
         if pending:
             time.sleep(0.5)
 
