@@ -35,6 +35,8 @@ class Cluster:
     cp: Child
     dp: Child
     worker_ids: dict[str, str] = field(default_factory=dict)   # sim name -> worker id
+    # worker id -> (weight, draining) when restore() first ran: what it restores
+    baseline: dict[str, tuple[float, bool]] | None = None
 
     @property
     def url(self) -> str:
@@ -70,11 +72,37 @@ class Cluster:
         return state["running"] == 0 and state["waiting"] == 0
 
     async def fresh(self) -> None:
-        """A clean slate for one test: no load, no recorded requests, no armed faults."""
+        """A clean slate for one test: no load, no recorded requests, no armed faults, the
+        admin state of :meth:`restore`."""
+        await self.restore()
         await wait_until(self.all_idle, what="idle before the test")
         await self.clear_sim_requests()
+
+    async def restore(self) -> None:
+        """Undo what a test may have changed, whether it passed or failed (call it from a
+        fixture's teardown): no armed faults; every worker back at the weight and drain state
+        it had at the first call; workers added since (registry, AddWorker) removed."""
         for name in self.sims:
             await self.sim_post(name, "/sim/faults", {"clear": True})
+        async with grpc.aio.insecure_channel(self.cp.address) as ch:
+            admin = pb_grpc.AdminStub(ch)
+            workers = (await admin.ListWorkers(pb.ListWorkersRequest(), timeout=5)).workers
+            if self.baseline is None:
+                self.baseline = {w.id: (w.weight, w.draining) for w in workers}
+            for w in workers:
+                ref = pb.WorkerRef(worker_id=w.id)
+                if w.id not in self.baseline:
+                    try:
+                        await admin.RemoveWorker(ref, timeout=5)
+                    except grpc.aio.AioRpcError as exc:   # gone meanwhile (a heartbeat TTL)
+                        if exc.code() != grpc.StatusCode.NOT_FOUND:
+                            raise
+                    continue
+                weight, draining = self.baseline[w.id]
+                if w.draining != draining:
+                    await (admin.Drain if draining else admin.Undrain)(ref, timeout=5)
+                if w.weight != weight:
+                    await admin.SetWeight(pb.SetWeightRequest(worker_id=w.id, weight=weight), timeout=5)
 
     async def clear_sim_requests(self) -> None:
         async with aiohttp.ClientSession() as s:

@@ -33,9 +33,14 @@ def cluster():
 
 @pytest.fixture
 async def idle(cluster: Cluster):
-    """Every test starts and ends with no load left on any worker."""
+    """Every test starts and ends with no load left on any worker, and leaves no fault, drain,
+    weight or added worker behind, even when it fails."""
+    await cluster.restore()     # the first call records what later calls restore
     await wait_until(cluster.all_idle, what="all workers idle before the test")
-    yield cluster
+    try:
+        yield cluster
+    finally:
+        await cluster.restore()
     await wait_until(cluster.all_idle, what="all workers idle after the test (load leaked)")
 
 
