@@ -261,6 +261,17 @@ end
 return claimed
 """
 
+# KEYS: the load hashes; one command for any number of candidates (a pipeline of HMGETs
+# costs the client a command each).
+_LOADS = r"""
+local out = {}
+for i, k in ipairs(KEYS) do
+  local v = redis.call('HMGET', k, 'requests', 'tokens', 'prefill_tokens', 'prefills')
+  out[4 * i - 3], out[4 * i - 2], out[4 * i - 1], out[4 * i] = v[1], v[2], v[3], v[4]
+end
+return out
+"""
+
 # ARGV: P, worker id
 _FORGET = r"""
 local k = ARGV[1] .. 'load:' .. ARGV[2]
@@ -415,6 +426,7 @@ class RedisStore:
         self._orphan = r.register_script(_ORPHAN)
         self._claim = r.register_script(_CLAIM)
         self._forget = r.register_script(_FORGET)
+        self._loads = r.register_script(_LOADS)
         self._put_spec = r.register_script(_PUT_SPEC)
         self._remove_spec = r.register_script(_REMOVE_SPEC)
         self._sweep = r.register_script(_SWEEP)
@@ -584,11 +596,8 @@ class RedisStore:
         prefix = self._k_load
         if len(ids) == 1:
             return {ids[0]: _load(await self.redis.hmget(prefix + ids[0], _LOAD_FIELDS))}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for wid in ids:
-                pipe.hmget(prefix + wid, _LOAD_FIELDS)
-            rows = await pipe.execute()
-        return {wid: _load(row) for wid, row in zip(ids, rows)}
+        flat = await self._loads(keys=[prefix + wid for wid in ids])
+        return {wid: _load(flat[4 * i:4 * i + 4]) for i, wid in enumerate(ids)}
 
     @_unavailable
     async def forget_worker(self, worker_id: str) -> Load:
