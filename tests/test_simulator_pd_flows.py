@@ -8,6 +8,7 @@ vllm-ascend's layerwise flow (D first) with a small metaserver run inside the te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import uuid
 from typing import Any
@@ -16,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from omni_proxy.launcher import Child, ProcessGroup
+from omni_proxy.launcher import Child, LaunchError, ProcessGroup
 from omni_runtime import start_http_site
 from simulator.config import SimConfig
 from simulator.context import SIM
@@ -29,10 +30,30 @@ PROMPT_TOKENS = count_text_tokens(PROMPT)
 assert PROMPT_TOKENS == 100
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def refused_port():
+    """A port where connections are refused for as long as the block runs: bound, so nobody
+    else can take it meanwhile (a bind-and-release port could be someone's server by the time
+    it is used), and not listening."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+def start_with_own_bootstrap_port(group: ProcessGroup, name: str, args: list[str], tries: int = 5) -> Child:
+    """Start a sim on a separate ``--bootstrap-port``. The sim must be given that port as a
+    number (port 0 means "the HTTP port"), so the port is picked here and may be taken before
+    the sim binds it: then the sim exits with "in use" and we try another one."""
+    for attempt in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            return group.start(name, [*args, "--bootstrap-port", str(port)])
+        except LaunchError as exc:
+            if "in use" not in str(exc) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +62,8 @@ def sims():
     with ProcessGroup() as group:
         yield {
             "p": group.start("sim-p", ["sim", "--role", "prefill", "--port", "0"]),
-            "p_short": group.start("sim-p-short", ["sim", "--role", "prefill", "--port", "0",
-                                                   "--bootstrap-timeout-s", "0.5",
-                                                   "--bootstrap-port", str(_free_port())]),
+            "p_short": start_with_own_bootstrap_port(group, "sim-p-short", [
+                "sim", "--role", "prefill", "--port", "0", "--bootstrap-timeout-s", "0.5"]),
             "d": group.start("sim-d", ["sim", "--role", "decode", "--port", "0"]),
         }
 
@@ -194,8 +214,8 @@ async def test_sglang_decode_fails_when_prefill_never_offers(sims, http):
     assert d1["bootstrap_fetches_failed"] == d0["bootstrap_fetches_failed"] + 1
     assert (await state(http, p))["bootstrap_pull_timeouts"] >= 1
     # Nobody listening at the bootstrap address: an error too.
-    status, err = await post(http, d.url + "/v1/completions",
-                             {**sglang_body(p, 556), "bootstrap_port": _free_port()})
+    with refused_port() as nobody:
+        status, err = await post(http, d.url + "/v1/completions", {**sglang_body(p, 556), "bootstrap_port": nobody})
     assert status == 500 and "failed" in err["error"]["message"]
     assert await idle(http, d)
 
@@ -374,9 +394,10 @@ async def test_layerwise_metaserver_failure_is_an_error(sims, http, metaserver):
     metaserver.mode = "ok"
     status, err = await post(http, d.url + "/v1/completions", body)
     assert status == 500 and "HTTP 404" in err["error"]["message"]
-    dead = {**body, "kv_transfer_params": {**body["kv_transfer_params"],
-                                           "metaserver": f"http://127.0.0.1:{_free_port()}/v1/metaserver"}}
-    status, err = await post(http, d.url + "/v1/completions", dead)
+    with refused_port() as nobody:
+        dead = {**body, "kv_transfer_params": {**body["kv_transfer_params"],
+                                               "metaserver": f"http://127.0.0.1:{nobody}/v1/metaserver"}}
+        status, err = await post(http, d.url + "/v1/completions", dead)
     assert status == 500 and "unreachable after 3 tries" in err["error"]["message"]
     d1 = await state(http, d)
     assert d1["metaserver_calls_failed"] == d0["metaserver_calls_failed"] + 4
