@@ -80,15 +80,13 @@ class DataPlane:
 
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
+        self.tracing = _tracing(config) if config.otel_endpoint else None
         self.metrics = DataPlaneMetrics()
         self.upstream = Upstream(config.upstream)
         self.prefix = PrefixHasher()
         self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s)
-        self.tracing = None
-        if config.otel_endpoint:
-            self.tracing = _tracing(config)
         if config.access_log:
             # Access lines are INFO whatever --log-level says about the other loggers.
             logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
@@ -161,7 +159,7 @@ class DataPlane:
         if self.tracing is not None:
             tracker.tracing = self.tracing
             self.tracing.start_request(tracker, route)
-        self.metrics.inflight.inc()
+        self.metrics.inflight_requests += 1
         code = 500
         try:
             response = await self._generate(http, tracker)
@@ -174,7 +172,7 @@ class DataPlane:
             code = 499
             raise
         finally:
-            self.metrics.inflight.dec()
+            self.metrics.inflight_requests -= 1
             self.observer.complete(tracker, route, code, "" if tracker.req is not None else
                                    sanitize_client_id(http.headers.get("X-Request-Id")))
 

@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
     from omni_runtime import bind_error, run_main, start_http_site, wait_for_stop_signal, write_ready_file
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dataplane.observe import configure_logging
+
+    configure_logging(args.log_level)
     cfg = config_from_args(args)
 
     async def main() -> None:

@@ -24,7 +24,7 @@ from protos import omni_proxy_pb2 as pb
 _now = time.perf_counter
 
 # Leg kinds (tracker.leg): what the leg stands for in the request's stages.
-LEG_PREFILL = "prefill"    # P: sets dispatched (first attempt)
+LEG_PREFILL = "prefill"    # P: sets dispatched (first attempt; a later one is a retry)
 LEG_DECODE = "decode"      # D: sets decode_dispatched
 LEG_WHOLE = "whole"        # aggregated, or layerwise D (P is the control plane's): both
 
@@ -85,8 +85,11 @@ class RequestTracker:
                 self.retries += 1
             self.prefill_worker = worker_id
         else:
-            if kind == LEG_WHOLE and not self.dispatched:
-                self.dispatched = now
+            if kind == LEG_WHOLE:
+                if not self.dispatched:
+                    self.dispatched = now
+                else:
+                    self.retries += 1
             self.decode_dispatched = now
             self.decode_worker = worker_id
         if self.tracing is not None:
@@ -154,7 +157,9 @@ class RequestTracker:
         self._event(pb.EVENT_LEG_FAILED, worker_id=worker_id, message=message[:500],
                     upstream_status=upstream_status)
         if self.legs:
-            self.tracing.end_leg(self, LEG_PREFILL, message)
+            kind = LEG_PREFILL if worker_id == self.prefill_worker else (
+                LEG_WHOLE if LEG_WHOLE in self.legs else LEG_DECODE)
+            self.tracing.end_leg(self, kind, message)
 
     def continue_as(self, req: ClientRequest, completion_tokens: int) -> None:
         """A recompute: close the old placement's books and follow the new one.
