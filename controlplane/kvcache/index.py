@@ -150,6 +150,10 @@ class PrefixIndex:
         self._all = 0                                        # mask of registered slots
         self._refs = 0
         self._stored = self._removed = self._cleared = self._evicted = 0
+        # LRU clock: blocks stored or touched so far; per deepest block of a touched prefix, the
+        # clock at its last touch (see touch()).
+        self._clock = 0
+        self._touched: dict[int, int] = {}
         # Masks cached by callers stay valid while ``generation`` holds (it moves when a slot is
         # freed) if they add the slots created since: ``added[pos:]`` lists them as (slot, worker id).
         self.generation = 0
@@ -273,6 +277,7 @@ class PrefixIndex:
             mine.live += len(new)
             self._refs += len(new)
         self._stored += len(hashes)
+        self._clock += len(hashes)
         if len(mine.hashes) > 2 * mine.live + 64:
             mine.compact()
         if len(holders) > self.config.max_blocks:
@@ -449,13 +454,27 @@ class PrefixIndex:
         return self.top(self.levels(chain, alive), k, rng)
 
     def touch(self, chain: Sequence[int]) -> None:
-        """Mark a matched prefix recently used (deepest least recent, root most recent)."""
+        """Mark a matched prefix recently used (deepest least recent, root most recent).
+
+        A prefix touched since fewer than max_blocks / 4 blocks were stored or touched is still
+        far from eviction, so touching it again is skipped: a hot prefix costs O(1), not O(depth).
+        """
+        if not chain:
+            return
+        last = chain[-1]
+        seen = self._touched.get(last)
+        if seen is not None and self._clock - seen < self.config.max_blocks >> 2:
+            return
         holders = self._holders
         pop = holders.pop
         for h in reversed(chain):
             m = pop(h, None)
             if m is not None:
                 holders[h] = m
+        self._clock += len(chain)
+        if len(self._touched) >= 4096:
+            self._touched.clear()
+        self._touched[last] = self._clock
 
     def parent_of(self, h: int) -> int | None:
         return self._parent.get(h) if self._parent is not None else None
@@ -492,27 +511,37 @@ class RoutedIndex(PrefixIndex):
 
     _shift = _STAMP_BITS
 
-    def route(self, key: WorkerKey, chain: Sequence[int], stamp: int) -> None:
-        """``chain`` was routed to ``key`` now; ``stamp`` (32 bits) names this routing."""
+    def route(self, key: WorkerKey, chain: Sequence[int], stamp: int) -> list[int]:
+        """``chain`` was routed to ``key`` now; ``stamp`` (32 bits) names the time bucket. Returns
+        the blocks whose stamp changed (the caller queues them for that bucket's expiry); blocks
+        this worker already holds with this stamp are left as they are, so a hot prefix routed
+        again within its bucket costs one probe a block."""
         if not chain:
-            return
+            return []
         slot = self._slot(key)
         holders, mine = self._holders, self._blocks_of[slot]
         sbit, keep = mine.bit, ~_STAMP
         stamp &= _STAMP
-        pop = holders.pop
-        fresh = sbit | stamp                # one int object shared by the blocks new to the index
+        get, pop = holders.get, holders.pop
+        current = sbit | stamp
+        fresh = current                     # one int object shared by the blocks new to the index
+        changed: list[int] = []
         new: list[int] = []
         for h in reversed(chain):           # deepest least recent, as for BlockStored
-            m = pop(h, None)
+            m = get(h)
             if m is None:
                 holders[h] = fresh
                 new.append(h)
-            elif m & sbit:
-                holders[h] = (m & keep) | stamp
+            elif m & current == current and m & _STAMP == stamp:
+                continue                    # held here, routed in this bucket already
             else:
-                holders[h] = (m & keep) | fresh
-                new.append(h)
+                del holders[h]              # re-insert: most recent for the LRU cap
+                holders[h] = (m & keep) | current
+                if not m & sbit:
+                    new.append(h)
+                if m & _STAMP == stamp:
+                    continue
+            changed.append(h)
         if new:
             mine.extend(new)
             mine.live += len(new)
@@ -522,6 +551,7 @@ class RoutedIndex(PrefixIndex):
             mine.compact()
         if len(holders) > self.config.max_blocks:
             self._evict(len(holders) - self.config.max_blocks)
+        return changed
 
     def expire(self, chain: Iterable[int], stamp: int) -> int:
         """Forget the blocks of the routing ``stamp`` that no later routing refreshed."""

@@ -63,11 +63,12 @@ class KVCache:
         # Parent links are not kept: lookup does not need them and they cost ~50 bytes a block.
         self.exact = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
         self.approx = RoutedIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
-        # (when it stops counting, routing stamp, the routed chain); a block shared by a newer
-        # routed prompt (the next turn of a conversation) outlives the older prompt's expiry
-        # (RoutedIndex keeps the stamp of each block's last routing).
-        self._approx_expiry: deque[tuple[float, int, array]] = deque()
-        self._approx_stamp = 0
+        # Approximate expiry in time buckets of approx_ttl_s / 16: per bucket, the blocks whose
+        # routing stamp moved to it. RoutedIndex stamps each block with the bucket of its last
+        # routing, so a block routed again (the next turn of a conversation, a shared system
+        # prompt) outlives its earlier bucket; a block routed many times within one bucket costs
+        # one entry. Blocks count for approx_ttl_s after their last routing, less at most a bucket.
+        self._approx_expiry: deque[tuple[int, array | list]] = deque()
         # Masks of the slots of a routable group, per index generation (see deepest()).
         self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted
@@ -267,17 +268,24 @@ class KVCache:
         """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain``."""
         return self.group_match(chain, ids, k, rng).top if chain and k > 0 else {}
 
+    def _bucket_s(self) -> float:
+        return max(self.config.approx_ttl_s / 16, 1e-3)
+
     def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int) -> None:
         """For workers without events, remember the routed prefix; for the others, keep the
         matched prefix recent in the index."""
         if chain and not self.tracked_exactly(worker):
-            self._approx_stamp = stamp = (self._approx_stamp + 1) & 0xFFFFFFFF
-            self.approx.route((worker.id, 0), chain, stamp)
-            try:
-                routed = array("Q", chain)
-            except OverflowError:
-                routed = list(chain)
-            self._approx_expiry.append((time.monotonic() + self.config.approx_ttl_s, stamp, routed))
+            bucket = int(time.monotonic() / self._bucket_s())
+            changed = self.approx.route((worker.id, 0), chain, bucket)
+            if changed:
+                q = self._approx_expiry
+                if not q or q[-1][0] != bucket:
+                    q.append((bucket, array("Q")))
+                blocks = q[-1][1]
+                try:
+                    blocks.extend(changed)
+                except OverflowError:      # a hash outside 64 unsigned bits: keep this bucket a list
+                    q[-1] = (bucket, list(blocks) + [h for h in changed if h not in set(blocks)])
         elif chain and predicted_depth:
             self.exact.touch(chain[:predicted_depth])
 
@@ -285,10 +293,12 @@ class KVCache:
         q = self._approx_expiry
         if not q:
             return
+        g = self._bucket_s()
+        ttl = self.config.approx_ttl_s
         now = time.monotonic()
-        while q and q[0][0] <= now:
-            _, stamp, chain = q.popleft()
-            self.approx.expire(chain, stamp)
+        while q and q[0][0] * g + ttl <= now:
+            bucket, blocks = q.popleft()
+            self.approx.expire(blocks, bucket)
 
     def cached_blocks(self, worker_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Blocks each worker holds, by events or by routing (only ``worker_ids``, if given)."""

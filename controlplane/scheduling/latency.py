@@ -21,15 +21,26 @@ from controlplane.workers import Role, WorkerView
 
 def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
     """(predicted TTFT, predicted TPOT) in seconds for ``w``; 0 for a leg it does not run."""
-    got = ctx.predicted.get(w.id)
+    spec = w.spec
+    wid = spec.id
+    got = ctx.predicted.get(wid)
     if got is not None:
         return got
-    model = ctx.predictor.model(w.id)
-    role = w.spec.role
-    ttft = model.ttft(w.load.prefill_tokens + ctx.uncached_tokens(w.id)) \
-        if ctx.leg != "decode" and role is not Role.DECODE else 0.0
-    tpot = model.tpot(w.load.requests + 1) if role is not Role.PREFILL else 0.0
-    got = ctx.predicted[w.id] = (ttft, tpot)
+    model = ctx.predictor.model(wid)
+    role = spec.role
+    # The models' lines evaluated inline (a + b * x): this runs per candidate per placement.
+    if ctx.leg != "decode" and role is not Role.DECODE:
+        uncached = ctx.prompt_tokens - ctx.match_blocks.get(wid, 0) * ctx.block_size
+        line = model.ttft
+        ttft = line.a + line.b * (w.load.prefill_tokens + (uncached if uncached > 0 else 0))
+    else:
+        ttft = 0.0
+    if role is not Role.PREFILL:
+        line = model.tpot
+        tpot = line.a + line.b * (w.load.requests + 1)
+    else:
+        tpot = 0.0
+    got = ctx.predicted[wid] = (ttft, tpot)
     return got
 
 
@@ -52,7 +63,8 @@ class PredictedLatencyScorer:
         costs = []
         for w in workers:
             ttft, tpot = predict(ctx, w)
-            costs.append((ttft / ttft_t + tpot / tpot_t) / max(w.spec.weight, 1e-9))
+            weight = w.spec.weight
+            costs.append((ttft / ttft_t + tpot / tpot_t) / (weight if weight > 1e-9 else 1e-9))
         best = min(costs, default=0.0)
         return [best / c if c > 0 else 1.0 for c in costs]
 

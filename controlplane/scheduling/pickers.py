@@ -96,7 +96,10 @@ class CacheAwarePicker:
     def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
         from controlplane.scheduling.scorers import effective_requests
 
-        loads = [effective_requests(c.worker, ctx) for c in candidates]
+        loads = []
+        for c in candidates:      # effective_requests(), with its common case (no engine metrics) inline
+            w = c.worker
+            loads.append(w.load.requests if w.engine.running < 0 else effective_requests(w, ctx))
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
             best = min(loads)

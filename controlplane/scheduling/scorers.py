@@ -52,7 +52,8 @@ class LeastLoadScorer:
                     now = ctx.now or time.monotonic()
                 if eng.fresh(ctx.metrics_max_age_s, now):
                     count = max(count, eng.running + max(eng.waiting, 0))
-            loads.append((load.tokens + per_request * count) / max(w.spec.weight, 1e-9))
+            weight = w.spec.weight
+            loads.append((load.tokens + per_request * count) / (weight if weight > 1e-9 else 1e-9))
         top = max(loads, default=0.0)
         if top <= 0:
             return [1.0] * len(workers)
