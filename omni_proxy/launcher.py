@@ -8,10 +8,12 @@ process group), and stopping it signals the whole group, so anything it started 
 too. A child also holds the read end of a *lifeline* pipe whose only write end stays in
 the launcher process: when the launcher dies in any way, SIGKILL included, the kernel
 closes that end, the child reads EOF and terminates its process group (SIGTERM, then
-SIGKILL after a grace period). This is what ``PR_SET_PDEATHSIG`` would give, without its
-trap: PDEATHSIG fires when the *thread* that forked the child exits, and children are
-started from worker threads (``asyncio.to_thread``, thread pools in the benchmarks), which
-would kill healthy servers as soon as that thread ended.
+SIGKILL after a grace period). This works from any thread. On Linux a child started from
+the main thread also sets ``PR_SET_PDEATHSIG`` (SIGTERM), which the kernel delivers even
+when the child's Python code is stuck. Not from other threads: PDEATHSIG fires when the
+*thread* that forked the child exits, and children are started from worker threads
+(``asyncio.to_thread``, thread pools in the benchmarks), so it would kill healthy servers
+as soon as that thread ended.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LIFELINE_ENV = "OMNI_PROXY_LIFELINE_FD"
+PDEATHSIG_ENV = "OMNI_PROXY_PDEATHSIG_PPID"   # set when the parent thread is the main thread
 # After the launcher dies: how long the child's process group gets to exit on SIGTERM.
 LIFELINE_GRACE_S = 5.0
 
@@ -82,8 +85,31 @@ def lifeline_fd() -> int:
 
 
 def lifeline_env(fd: int) -> dict[str, str]:
-    """Environment that tells a child (run through :func:`child_main`) which fd to watch."""
-    return {LIFELINE_ENV: str(fd)}
+    """Environment that tells a child (run through :func:`child_main`) which fd to watch and,
+    when this is the main thread, to set PDEATHSIG (with this pid, to detect a parent that
+    died before the child could set it)."""
+    env = {LIFELINE_ENV: str(fd)}
+    if threading.current_thread() is threading.main_thread():
+        env[PDEATHSIG_ENV] = str(os.getpid())
+    return env
+
+
+def set_pdeathsig(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` in this process (Linux); end now when ``parent_pid`` is
+    already gone (it died before the call). False where prctl is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(sig), 0, 0, 0) != 0:   # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def _terminate_own_group(grace: float) -> None:
@@ -126,6 +152,12 @@ def watch_lifeline(fd: int, *, grace: float = LIFELINE_GRACE_S) -> threading.Thr
 
 def child_main(argv: list[str] | None = None) -> None:
     """Entry point of a launched child: watch the lifeline, then run ``omni-proxy ARGV``."""
+    ppid = os.environ.pop(PDEATHSIG_ENV, None)
+    if ppid is not None:
+        try:
+            set_pdeathsig(int(ppid))
+        except ValueError:
+            pass
     fd = os.environ.pop(LIFELINE_ENV, None)
     if fd is not None:
         try:

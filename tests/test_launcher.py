@@ -53,11 +53,15 @@ HELPER = textwrap.dedent("""
     from omni_proxy.launcher import ProcessGroup
 
     group = ProcessGroup()
-    # start the child from a worker thread that then ends: PR_SET_PDEATHSIG would kill the child
-    # when that thread exits, the lifeline must not
     box = {}
-    t = threading.Thread(target=lambda: box.update(child=group.start("sim", ["sim", "--port", "0"])))
-    t.start(); t.join()
+    start = lambda: box.update(child=group.start("sim", ["sim", "--port", "0"]))
+    if sys.argv[2] == "thread":
+        # a worker thread that then ends: PR_SET_PDEATHSIG would kill the child when that
+        # thread exits; the child must live on until the process dies
+        t = threading.Thread(target=start)
+        t.start(); t.join()
+    else:
+        start()
     open(sys.argv[1] + ".tmp", "w").write(str(box["child"].proc.pid))
     import os; os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     time.sleep(600)
@@ -65,9 +69,10 @@ HELPER = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipes and process groups as on Linux")
-def test_children_die_when_the_launcher_is_sigkilled(tmp_path):
+@pytest.mark.parametrize("started_from", ["main", "thread"])
+def test_children_die_when_the_launcher_is_sigkilled(tmp_path, started_from):
     pid_file = tmp_path / "child.pid"
-    helper = subprocess.Popen([sys.executable, "-c", HELPER, str(pid_file)], cwd=ROOT,
+    helper = subprocess.Popen([sys.executable, "-c", HELPER, str(pid_file), started_from], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     child_pid = None
     try:
