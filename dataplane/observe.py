@@ -180,6 +180,7 @@ class Observer:
             "completion_tokens": n,
             "cached_tokens": t.cached_tokens if t.cached_tokens >= 0 else None,
             "retries": t.retries,
+            "recomputes": t.recomputes,
             "e2e_ms": int((done - t0) * 1e6) / 1000,
             "queued_ms": t.queued_ms,
             "ttft_ms": int((first - t0) * 1e6) / 1000 if streamed else None,

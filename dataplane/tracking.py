@@ -36,7 +36,7 @@ class RequestTracker:
                  "received", "tokenized", "matched", "placed_at", "queued_ms", "dispatched",
                  "prefill_answered", "decode_dispatched", "last_token", "done",
                  "outcome", "completion_tokens", "cached_tokens", "flow", "prefill_worker", "decode_worker",
-                 "error", "upstream_status", "retries", "stream", "trace", "tracing", "span", "legs")
+                 "error", "upstream_status", "retries", "recomputes", "stream", "trace", "tracing", "span", "legs")
 
     def __init__(self, client, req: ClientRequest | None = None, *, received: float = 0.0) -> None:
         self.client = client
@@ -58,6 +58,7 @@ class RequestTracker:
         self.error = ""
         self.upstream_status = 0
         self.retries = 0
+        self.recomputes = 0
         self.stream = False
         self.trace = None              # {"traceparent": .., "tracestate": ..} forwarded as is, or None
         self.tracing = None            # dataplane.otel.Tracing when spans are on
@@ -76,21 +77,26 @@ class RequestTracker:
         self.stream = req.stream
 
     def leg(self, kind: str, worker_id: str) -> dict[str, str] | None:
-        """A leg is about to be sent: stamp it; the trace headers it must carry (or None)."""
+        """A leg is about to be sent: stamp it; the trace headers it must carry (or None).
+
+        A leg sent again before its answer is a retry; legs of a recompute (after the first
+        token) keep the first attempt's stamps, so the stages stay in order.
+        """
         now = _now()
         if kind == LEG_PREFILL:
             if not self.dispatched:
                 self.dispatched = now
-            else:
+            elif not self.prefill_answered and not self.first_token_at:
                 self.retries += 1
             self.prefill_worker = worker_id
         else:
             if kind == LEG_WHOLE:
                 if not self.dispatched:
                     self.dispatched = now
-                else:
+                elif not self.first_token_at:
                     self.retries += 1
-            self.decode_dispatched = now
+            if not self.first_token_at:
+                self.decode_dispatched = now
             self.decode_worker = worker_id
         if self.tracing is not None:
             return self.tracing.leg(self, kind, worker_id)
@@ -98,7 +104,8 @@ class RequestTracker:
 
     def prefill_answer(self) -> None:
         """Sequential: P answered with the KV parameters D needs."""
-        self.prefill_answered = _now()
+        if not self.first_token_at:
+            self.prefill_answered = _now()
         if self.legs:
             self.tracing.end_leg(self, LEG_PREFILL, "")
 
@@ -170,6 +177,7 @@ class RequestTracker:
                     completion_tokens=completion_tokens, message="recomputed")
         self.req = req
         self.prefill_released = False
+        self.recomputes += 1
 
     def cancelled(self) -> None:
         if not self.ended:

@@ -369,3 +369,20 @@ def test_a_retried_whole_leg_counts_a_retry():
     t.leg_failed("w0", "boom", 503)
     t.leg(LEG_WHOLE, "w1")
     assert t.retries == 1 and t.dispatched == first and t.decode_worker == "w1" and t.decode_dispatched >= first
+
+
+def test_a_recompute_keeps_the_first_attempts_stamps():
+    t = RequestTracker(Reports())
+    t.req = _req()
+    _run(t, flow="sequential", pd=True)
+    t.ended = False                                  # the relay saw "recomputed", not an end
+    before = (t.dispatched, t.prefill_answered, t.decode_dispatched, t.first_token_at)
+    t.continue_as(_req(), 5)
+    t.leg(LEG_PREFILL, "p1")
+    t.prefill_answer()
+    t.leg(LEG_DECODE, "d1")
+    t.finished(7)
+    assert (t.dispatched, t.prefill_answered, t.decode_dispatched, t.first_token_at) == before
+    assert (t.retries, t.recomputes, t.prefill_worker, t.decode_worker) == (0, 1, "p1", "d1")
+    line = orjson.loads(Observer(DataPlaneMetrics()).access_line(t, "/v1/completions", 200))
+    assert line["recomputes"] == 1
