@@ -63,13 +63,29 @@ async def test_sglang_parallel_sends_the_same_body_with_one_room_to_both(sglang:
 
 async def test_parallel_prefill_failure_cancels_decode(sglang: Cluster, http):
     await sglang.fresh()
-    await sglang.sim_post("prefill-0", "/sim/faults", {"status": 500, "message": "prefill broke", "count": 1})
-    async with http.post(sglang.url + "/v1/completions",
-                         json={"model": MODEL, "prompt": "x", "max_tokens": 4}) as r:
-        assert r.status == 502
-        assert "prefill broke" in (await r.json())["error"]["message"]
+    # P fails slowly, so that D surely has the request and waits for P's KV when P fails (an
+    # instant failure can cancel D's leg before it is sent: then there is nothing to check).
+    await sglang.sim_post("prefill-0", "/sim/faults",
+                          {"status": 500, "message": "prefill broke", "delay_s": 1.0, "count": 1})
+    before = await sglang.sim_get("decode-0", "/sim/state")
+    request = asyncio.create_task(http.post(sglang.url + "/v1/completions",
+                                            json={"model": MODEL, "prompt": "x", "max_tokens": 4}))
+    try:
+        async def decode_waits_for_kv() -> bool:
+            return (await sglang.sim_get("decode-0", "/sim/state"))["waiting_for_remote_kv"] == 1
 
-    await wait_until(lambda: sglang.engine_idle("decode-0"), what="decode abandoned its wait for KV")
+        await wait_until(decode_waits_for_kv, what="D to wait for P's KV")
+        async with await request as r:
+            assert r.status == 502
+            assert "prefill broke" in (await r.json())["error"]["message"]
+    finally:
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+
+    # Well before D's own bootstrap timeout (30 s): D's wait was abandoned, it did not time out.
+    await wait_until(lambda: sglang.engine_idle("decode-0"), timeout=10, what="decode abandoned its wait for KV")
+    after = await sglang.sim_get("decode-0", "/sim/state")
+    assert after["bootstrap_fetches_failed"] == before["bootstrap_fetches_failed"]
     await wait_until(sglang.all_idle, what="load released")
 
 
