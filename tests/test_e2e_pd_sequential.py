@@ -22,6 +22,7 @@ def cluster():
 async def pd(cluster: Cluster):
     await cluster.fresh()
     yield cluster
+    await cluster.restore()      # faults armed "until cleared" must not outlive a failed test
     await wait_until(cluster.all_idle, what="idle after the test (load leaked)")
 
 

@@ -91,6 +91,17 @@ async def http():
         yield session
 
 
+@pytest.fixture(autouse=True)
+async def no_fault_outlives_its_test(request):
+    """A test that armed a fault and failed before using it must not hand it to the next."""
+    yield
+    if "sims" in request.fixturenames:
+        async with aiohttp.ClientSession() as session:
+            for child in request.getfixturevalue("sims").values():
+                async with session.post(child.url + "/sim/faults", json={"clear": True}) as resp:
+                    assert resp.status == 200
+
+
 # ---- OpenAI wire formats -------------------------------------------------------------
 
 async def test_completion_non_streaming(sims, http):
