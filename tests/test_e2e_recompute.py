@@ -76,8 +76,9 @@ class RecomputingDecode:
 async def system():
     fake = RecomputingDecode()
     runner, port = await start_http_site(fake.app(), "127.0.0.1", 0)
-    with ProcessGroup() as group:
-        # Start in a thread: the in-test engine must keep answering health checks meanwhile.
+    group = ProcessGroup()
+    try:
+        # Start and stop in a thread: the in-test engine must keep answering health checks meanwhile.
         p = await asyncio.to_thread(group.start, "prefill", ["sim", "--role", "prefill", "--port", "0"])
         cp = await asyncio.to_thread(group.start, "controlplane", [
             "controlplane", "--listen", "127.0.0.1:0", "--health-interval", "0.2",
@@ -92,7 +93,9 @@ async def system():
 
         await wait_until(both_healthy, what="prefill and decode healthy")
         yield fake, dp
-    await runner.cleanup()
+    finally:
+        await asyncio.to_thread(group.close)
+        await runner.cleanup()
 
 
 async def test_streamed_recompute_continues_without_a_break(system, http):
