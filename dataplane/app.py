@@ -173,8 +173,11 @@ class DataPlane:
             raise
         finally:
             self.metrics.inflight_requests -= 1
-            self.observer.complete(tracker, route, code, "" if tracker.req is not None else
-                                   sanitize_client_id(http.headers.get("X-Request-Id")))
+            try:
+                self.observer.complete(tracker, route, code, "" if tracker.req is not None else
+                                       sanitize_client_id(http.headers.get("X-Request-Id")))
+            except Exception:   # bookkeeping never changes how a request ends
+                log.exception("recording a request's metrics and access log failed")
 
     async def _generate(self, http: web.Request, tracker: RequestTracker) -> web.StreamResponse:
         raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
