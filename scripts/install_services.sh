@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Install the OS services the tests start themselves (redis-server; add more to SERVICES).
+# Install the OS services the tests start themselves (redis-server, nginx; add more to SERVICES).
 # Only what is missing is installed, with apt-get, quietly and without questions; when
 # everything is present this returns at once. Run it directly, or source it (scripts/test.sh
 # does). Without root, it uses `sudo -n` when that works, else it says what to install.
 
 _omni_install_services() {
     # command to look for -> Debian/Ubuntu package that provides it
-    local SERVICES="redis-server:redis-server"
+    local SERVICES="redis-server:redis-server nginx:nginx"
     local missing="" entry cmd pkg
     for entry in $SERVICES; do
         cmd="${entry%%:*}"; pkg="${entry#*:}"
