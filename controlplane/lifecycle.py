@@ -135,6 +135,11 @@ class Lifecycle:
             changes.update(ejected_until=now + period, ejections=state.ejections + 1, failure_streak=b.failures - 1)
             log.warning("worker %s ejected for %.0fs after %d failed requests in a row (last: %s %s)",
                         wid, period, streak, status, event.message[:200])
+        if event.retry_after_s > 0:
+            # The engine said when to come back: no request goes there before then.
+            until = now + min(event.retry_after_s, self.breaker.max_s)
+            if until > max(state.ejected_until, changes.get("ejected_until", 0.0)):
+                changes["ejected_until"] = until
         self.fleet.set_state(wid, dataclasses.replace(state, **changes))
 
     def _note_success(self, record: RequestRecord) -> None:

@@ -287,10 +287,15 @@ class Placer:
                  dropped: dict[str, str], explanation: str) -> pb.Placement:
         if not self.fleet.serves_model(req.model):
             return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here", explanation)
-        why = Counter(self.profile.dropped_from(ctx, self._everyone(), dict(dropped)).values())
+        reasons_by_id = self.profile.dropped_from(ctx, self._everyone(), dict(dropped))
+        why = Counter(reasons_by_id.values())
         reasons = ", ".join(f"{n} {r}" for r, n in why.most_common()) or "no candidates"
-        return self._error(req, pb.NO_HEALTHY_WORKER,
-                           f"no available {leg} worker for model {req.model!r} ({reasons})", explanation)
+        refusal = self._error(req, pb.NO_HEALTHY_WORKER,
+                              f"no available {leg} worker for model {req.model!r} ({reasons})", explanation)
+        ejected = [self.fleet.state(wid).ejected_until for wid, r in reasons_by_id.items() if r == "ejected"]
+        if ejected:   # the circuit breaker holds them back: say when the first one returns
+            refusal.retry_after_s = max(min(ejected) - time.monotonic(), 0.001)
+        return refusal
 
     def internal_error(self, req: pb.PlaceRequest, exc: BaseException) -> pb.Placement:
         return self._error(req, pb.INTERNAL, f"placement failed in the control plane: {type(exc).__name__}")

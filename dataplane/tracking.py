@@ -159,10 +159,10 @@ class RequestTracker:
             self._event(pb.EVENT_FAILED, worker_id=worker_id, message=self.error,
                         upstream_status=upstream_status)
 
-    def leg_failed(self, worker_id: str, message: str, upstream_status: int) -> None:
+    def leg_failed(self, worker_id: str, message: str, upstream_status: int, retry_after_s: float = 0.0) -> None:
         """One leg failed and is being retried elsewhere: release just that worker."""
         self._event(pb.EVENT_LEG_FAILED, worker_id=worker_id, message=message[:500],
-                    upstream_status=upstream_status)
+                    upstream_status=upstream_status, retry_after_s=retry_after_s)
         if self.legs:
             kind = LEG_PREFILL if worker_id == self.prefill_worker else (
                 LEG_WHOLE if LEG_WHOLE in self.legs else LEG_DECODE)

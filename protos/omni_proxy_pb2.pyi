@@ -221,7 +221,7 @@ class Placement(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., flow: _Optional[_Union[Flow, str]] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., explanation: _Optional[str] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., metaserver_url: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., queued_ms: _Optional[float] = ...) -> None: ...
 
 class LifecycleEvent(_message.Message):
-    __slots__ = ("request_id", "kind", "worker_id", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "message", "upstream_status", "streamed")
+    __slots__ = ("request_id", "kind", "worker_id", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "message", "upstream_status", "streamed", "retry_after_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class LifecycleEvent(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_STATUS_FIELD_NUMBER: _ClassVar[int]
     STREAMED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: EventKind
     worker_id: str
@@ -242,7 +243,8 @@ class LifecycleEvent(_message.Message):
     message: str
     upstream_status: int
     streamed: bool
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ..., streamed: _Optional[bool] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("node_id", "live_requests")

@@ -93,9 +93,9 @@ async def test_mooncake_parallel_sets_its_own_kv_params(mooncake: Cluster, http)
 
 async def test_layerwise_sets_its_own_metaserver(layerwise: Cluster, http):
     p, d = await _steered(layerwise, http)
-    assert d["kv_transfer_params"] == {
-        "do_remote_decode": False, "do_remote_prefill": True,
-        "metaserver": f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver"}
+    kv = dict(d["kv_transfer_params"])
+    assert kv.pop("metaserver").startswith(f"http://127.0.0.1:{layerwise.cp.info['http_port']}/v1/metaserver?token=")
+    assert kv == {"do_remote_decode": False, "do_remote_prefill": True}
     assert not any(k.startswith("bootstrap_") for k in (*p, *d))
 
 

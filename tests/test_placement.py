@@ -303,3 +303,14 @@ async def wait_for(cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+async def test_an_engines_retry_after_keeps_it_out_of_rotation_that_long():
+    plane = await make(workers=[w("a"), w("b")])
+    await plane.report("x", pb.EVENT_LEG_FAILED, worker_id="a", upstream_status=429, message="busy",
+                       retry_after_s=0.3)
+    state = plane.fleet.state("a")
+    assert state.ejected(time.monotonic()) and state.ejections == 0     # not an escalation
+    assert {(await plane.place(entry(f"r{i}"))).decode.worker_id for i in range(4)} == {"b"}
+    await wait_for(lambda: not plane.fleet.state("a").ejected(time.monotonic()), 2.0)
+    assert "a" in {(await plane.place(entry(f"s{i}"))).decode.worker_id for i in range(4)}

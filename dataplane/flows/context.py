@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import PlacementClient
 from dataplane.requests import ClientRequest
+from dataplane.retry import RetryPolicy
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream
 
@@ -22,6 +23,7 @@ class FlowContext:
     tracker: RequestTracker
     metrics: DataPlaneMetrics
     prefill_retries: int = 1      # other prefill workers to try when P fails (sequential)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)   # aggregated legs and D legs
     # Why the flow closed a leg itself (e.g. parallel P failed): shown to the client.
     abort_reason: str = ""
     # Recompute support (PD flows): watch for D giving the request back; the client's

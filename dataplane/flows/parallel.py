@@ -21,11 +21,11 @@ import aiohttp
 from aiohttp import web
 
 from dataplane.body import with_fields
-from engine_api.bodies import prefill_body
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, read_body
+from engine_api.bodies import prefill_body
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ chunk arrives, because P holds the blocks until D has read them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,13 +16,14 @@ import orjson
 from aiohttp import web
 
 from dataplane.body import with_fields
-from engine_api.bodies import PULL_PREFILL_KV_PARAMS, prefill_body
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.placing import place
+from dataplane.retry import retry_after_s
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, read_body
+from engine_api.bodies import PULL_PREFILL_KV_PARAMS, prefill_body
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
             if len(tried) > ctx.prefill_retries:
                 raise
             log.warning("prefill on %s failed (%s); trying another prefill worker", prefill.worker_id, exc.message)
-            ctx.tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0)
+            ctx.tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0, retry_after_s(exc))
             ctx.metrics.upstream_errors.labels(prefill.worker_id, str(exc.upstream_status)).inc()
             try:
                 prefill = (await place(ctx.placements, req, pb.LEG_PREFILL, exclude=tried)).prefill
@@ -66,7 +68,25 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
                 raise exc from None  # no other prefill worker: the client hears the real failure
 
     decode = (await place(ctx.placements, req, pb.LEG_DECODE)).decode
-    resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
-                                   with_fields(req, {"kv_transfer_params": kv_params}), req.request_id,
-                                   trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id))
+    body = with_fields(req, {"kv_transfer_params": kv_params})
+    tried_d: list[str] = []
+    while True:
+        try:
+            resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path, body, req.request_id,
+                                           trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id))
+            break
+        except UpstreamError as exc:
+            # P still holds the KV until a D reads it: another D can pull it as well.
+            tried_d.append(decode.worker_id)
+            if not ctx.retry.retryable(exc, len(tried_d) - 1):
+                raise
+            log.warning("decode on %s failed before the first byte (%s); trying another decode worker",
+                        decode.worker_id, exc.message)
+            ctx.tracker.leg_failed(decode.worker_id, exc.message, exc.upstream_status or 0, retry_after_s(exc))
+            ctx.metrics.upstream_errors.labels(decode.worker_id, str(exc.upstream_status)).inc()
+            try:
+                decode = (await place(ctx.placements, req, pb.LEG_DECODE, exclude=tried_d)).decode
+            except APIError:
+                raise exc from None
+            await asyncio.sleep(ctx.retry.delay(len(tried_d)))
     return await relay(ctx, resp, decode.worker_id, on_first_chunk=ctx.tracker.prefill_done)
