@@ -38,9 +38,20 @@ ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECOD
 
 
 def _endpoint(worker: WorkerView) -> pb.Endpoint:
+    """The worker's endpoint message, built once per spec (specs are immutable; callers copy it)."""
     spec = worker.spec
-    return pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
-                       bootstrap_port=spec.bootstrap_port)
+    got = _ENDPOINTS.get(spec.id)
+    if got is None or got[0] is not spec:
+        if len(_ENDPOINTS) >= 65536:
+            _ENDPOINTS.clear()
+        got = _ENDPOINTS[spec.id] = (spec, pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
+                                                        bootstrap_port=spec.bootstrap_port))
+    return got[1]
+
+
+# Per worker id: (the spec it was built from, its endpoint). A cache of immutable values keyed
+# by spec identity, so sharing it between placers is harmless.
+_ENDPOINTS: dict[str, tuple[object, pb.Endpoint]] = {}
 
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
@@ -143,7 +154,8 @@ class Placer:
         else:
             roles = _LEG_ROLES[leg]
         explain = req.explain or dry_run
-        chain = list(req.block_hashes) if self.kv is not None and self.profile.uses_prefix_cache else []
+        # (a slice copies upb's repeated field faster than list())
+        chain = req.block_hashes[:] if self.kv is not None and self.profile.uses_prefix_cache else []
         ctx = self._context(req, leg, roles, chain)
         decision = await self._decide(req.model, roles, ctx, chain)
         explanation = self._explain(decision, ctx, roles) if explain else ""
@@ -262,7 +274,9 @@ class Placer:
             if not ctx.matched:
                 ctx.match_blocks = self.kv.match(chain, views)
             if self.profile.uses_tree_sizes:
-                ctx.cached_blocks = self.kv.cached_blocks([v.spec.id for v in views])
+                # Only the cache-aware picker's "no match anywhere" case reads them: on demand.
+                kv = self.kv
+                ctx.tree_sizes = lambda: kv.cached_blocks([v.spec.id for v in views])
         return views
 
     def _context(self, req: pb.PlaceRequest, leg: str, roles: tuple[Role, ...], chain: list[int]) -> PlacementContext:

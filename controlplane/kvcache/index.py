@@ -47,6 +47,7 @@ from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockSto
 WorkerKey = tuple[str, int]   # (worker_id, dp_rank)
 _STAMP_BITS = 32
 _STAMP = (1 << _STAMP_BITS) - 1
+_INTERN_MAX = 1 << 16      # distinct masks remembered for sharing; beyond, the table starts over
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ class PrefixIndex:
         # clock at its last touch (see touch()).
         self._clock = 0
         self._touched: dict[int, int] = {}
+        # Equal holder masks share one int object: less memory per entry, and a chain walk
+        # skips the AND for a block whose holders are the very object of the block before.
+        self._intern: dict[int, int] = {}
         # Masks cached by callers stay valid while ``generation`` holds (it moves when a slot is
         # freed) if they add the slots created since: ``added[pos:]`` lists them as (slot, worker id).
         self.generation = 0
@@ -248,7 +252,8 @@ class PrefixIndex:
         if not hashes:
             return
         slot = self._slot(key)
-        bit = 1 << slot
+        intern = self._intern.setdefault
+        bit = intern(1 << slot, 1 << slot)
         holders, mine = self._holders, self._blocks_of[slot]
         parents = self._parent
         if parents is not None:
@@ -266,7 +271,8 @@ class PrefixIndex:
                 holders[h] = m
                 continue
             else:
-                holders[h] = m | bit
+                m |= bit
+                holders[h] = intern(m, m)
             new.append(h)
         if parent is not None:
             m = pop(parent, None)
@@ -282,6 +288,8 @@ class PrefixIndex:
             mine.compact()
         if len(holders) > self.config.max_blocks:
             self._evict(len(holders) - self.config.max_blocks)
+        if len(self._intern) > _INTERN_MAX:
+            self._intern.clear()
 
     def remove(self, key: WorkerKey, hashes: Iterable[int]) -> None:
         slot = self._slot_of.get(key)
@@ -302,7 +310,7 @@ class PrefixIndex:
         m &= ~bit
         self._refs -= 1
         if m >> self._shift:
-            self._holders[h] = m
+            self._holders[h] = self._intern.setdefault(m, m)
         else:
             del self._holders[h]
             if self._parent is not None:
@@ -346,15 +354,41 @@ class PrefixIndex:
         get, shift = self._holders.get, self._shift
         levels: list[tuple[int, int]] = []
         depth = 0
-        for h in chain:
-            m = (get(h, 0) >> shift if shift else get(h, 0)) & alive
-            if m != alive:
-                if depth:
-                    levels.append((depth, alive & ~m))
-                alive = m
-                if not alive:
-                    break
-            depth += 1
+        if shift:
+            # Compare in the values' own (shifted) position: the stamp bits fall out of the AND.
+            alive <<= shift
+            prev = None
+            for h in chain:
+                v = get(h, 0)
+                if v is prev:               # same holders as the block before: still all alive
+                    depth += 1
+                    continue
+                prev = v
+                m = v & alive
+                if m != alive:
+                    if depth:
+                        levels.append((depth, (alive & ~m) >> shift))
+                    alive = m
+                    if not alive:
+                        break
+                depth += 1
+            alive >>= shift
+        else:
+            prev = None
+            for h in chain:
+                v = get(h, 0)
+                if v is prev:               # same holders as the block before: still all alive
+                    depth += 1
+                    continue
+                prev = v
+                m = v & alive
+                if m != alive:
+                    if depth:
+                        levels.append((depth, alive & ~m))
+                    alive = m
+                    if not alive:
+                        break
+                depth += 1
         if alive:
             levels.append((depth, alive))
         return levels
@@ -457,14 +491,18 @@ class PrefixIndex:
         """Mark a matched prefix recently used (deepest least recent, root most recent).
 
         A prefix touched since fewer than max_blocks / 4 blocks were stored or touched is still
-        far from eviction, so touching it again is skipped: a hot prefix costs O(1), not O(depth).
+        far from eviction, so touching it again is skipped; prefixes are remembered in steps of
+        16 blocks, so a hot prefix costs at most 16 block touches, not O(depth).
         """
-        if not chain:
+        n = len(chain)
+        if not n:
             return
-        last = chain[-1]
-        seen = self._touched.get(last)
-        if seen is not None and self._clock - seen < self.config.max_blocks >> 2:
-            return
+        cut = n & ~15                 # the prefix up to a multiple of 16 blocks is remembered
+        if cut:
+            seen = self._touched.get(chain[cut - 1])
+            if seen is not None and self._clock - seen < self.config.max_blocks >> 2:
+                chain = chain[cut:]   # fresh enough: only the last few blocks need touching
+                cut = 0
         holders = self._holders
         pop = holders.pop
         for h in reversed(chain):
@@ -472,9 +510,10 @@ class PrefixIndex:
             if m is not None:
                 holders[h] = m
         self._clock += len(chain)
-        if len(self._touched) >= 4096:
-            self._touched.clear()
-        self._touched[last] = self._clock
+        if cut:
+            if len(self._touched) >= 4096:
+                self._touched.clear()
+            self._touched[chain[cut - 1]] = self._clock
 
     def parent_of(self, h: int) -> int | None:
         return self._parent.get(h) if self._parent is not None else None
@@ -523,7 +562,8 @@ class RoutedIndex(PrefixIndex):
         sbit, keep = mine.bit, ~_STAMP
         stamp &= _STAMP
         get, pop = holders.get, holders.pop
-        current = sbit | stamp
+        intern = self._intern.setdefault
+        current = intern(sbit | stamp, sbit | stamp)
         fresh = current                     # one int object shared by the blocks new to the index
         changed: list[int] = []
         new: list[int] = []
@@ -536,7 +576,8 @@ class RoutedIndex(PrefixIndex):
                 continue                    # held here, routed in this bucket already
             else:
                 del holders[h]              # re-insert: most recent for the LRU cap
-                holders[h] = (m & keep) | current
+                m2 = (m & keep) | current
+                holders[h] = intern(m2, m2)
                 if not m & sbit:
                     new.append(h)
                 if m & _STAMP == stamp:
@@ -551,6 +592,8 @@ class RoutedIndex(PrefixIndex):
             mine.compact()
         if len(holders) > self.config.max_blocks:
             self._evict(len(holders) - self.config.max_blocks)
+        if len(self._intern) > _INTERN_MAX:
+            self._intern.clear()
         return changed
 
     def expire(self, chain: Iterable[int], stamp: int) -> int:

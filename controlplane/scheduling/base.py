@@ -28,6 +28,7 @@ class PlacementContext:
     chain_blocks: int = 0
     match_blocks: dict[str, int] = field(default_factory=dict)
     cached_blocks: dict[str, int] = field(default_factory=dict)   # per worker: blocks it holds
+    tree_sizes: Any = None         # or a function returning them, called only if a plugin needs them
     block_size: int = 16
     # Latency prediction (controlplane.prediction): the per-engine models, the request's
     # own targets (0: none given), and per worker what was predicted, for explain.
@@ -38,6 +39,13 @@ class PlacementContext:
     # (candidates considered, routable workers) when the candidate stage sampled; (0, 0) if not.
     sampled: tuple[int, int] = (0, 0)
     matched: bool = False          # match_blocks already filled for the candidates (by the candidate stage)
+
+    def blocks_held(self) -> dict[str, int]:
+        """``cached_blocks``, computed on first use when placement left a function for it."""
+        if not self.cached_blocks and self.tree_sizes is not None:
+            self.cached_blocks = self.tree_sizes()
+            self.tree_sizes = None
+        return self.cached_blocks
 
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to compute (its cached prefix is free)."""

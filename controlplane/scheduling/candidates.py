@@ -41,9 +41,9 @@ if TYPE_CHECKING:
 @dataclass
 class SampleStage:
     max_candidates: int = 32     # K: more routable workers than this and only a sample is considered
-    deepest: int = 8             # workers with the deepest prefix matches (prefix-cache policies)
-    least_loaded: int = 4        # workers with the least work by the ledger
-    random: int = 4              # uniform samples, for spread
+    deepest: int = 6             # workers with the deepest prefix matches (prefix-cache policies)
+    least_loaded: int = 3        # workers with the least work by the ledger
+    random: int = 3              # uniform samples, for spread
     rng: Random = field(default_factory=Random)
     name: str = "sample"
     mode: str = field(default="sample", init=False)     # set by bind(): see the module docstring

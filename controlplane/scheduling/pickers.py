@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from controlplane.scheduling.base import Candidate, PlacementContext
+from controlplane.scheduling.scorers import effective_requests
 
 
 @dataclass
@@ -16,7 +17,7 @@ class MaxScorePicker:
     name: str = "max_score"
 
     def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
-        best = max(c.score for c in candidates)
+        best = max([c.score for c in candidates])
         top = [c for c in candidates if c.score >= best - 1e-12]
         return top[0] if len(top) == 1 else self.rng.choice(top)
 
@@ -94,8 +95,6 @@ class CacheAwarePicker:
     uses_tree_sizes: bool = True
 
     def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
-        from controlplane.scheduling.scorers import effective_requests
-
         loads = []
         for c in candidates:      # effective_requests(), with its common case (no engine metrics) inline
             w = c.worker
@@ -104,13 +103,14 @@ class CacheAwarePicker:
         if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
             best = min(loads)
             top = [c for c, load in zip(candidates, loads) if load == best]
-        elif ctx.cached_blocks and max(c.scores.get("prefix_cache", 0.0) for c in candidates) <= self.cache_threshold:
-            smallest = min(ctx.cached_blocks.get(c.worker.id, 0) for c in candidates)
-            small = [c for c in candidates if ctx.cached_blocks.get(c.worker.id, 0) == smallest]
+        elif max([c.scores.get("prefix_cache", 0.0) for c in candidates]) <= self.cache_threshold and \
+                (held := ctx.blocks_held()):
+            smallest = min(held.get(c.worker.id, 0) for c in candidates)
+            small = [c for c in candidates if held.get(c.worker.id, 0) == smallest]
             best_score = max(c.score for c in small)
             top = [c for c in small if c.score >= best_score - 1e-12]
         else:
-            best_score = max(c.score for c in candidates)
+            best_score = max([c.score for c in candidates])
             top = [c for c in candidates if c.score >= best_score - 1e-12]
         return top[0] if len(top) == 1 else self.rng.choice(top)
 

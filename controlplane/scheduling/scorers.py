@@ -74,7 +74,8 @@ class PrefixCacheScorer:
     def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
         if not ctx.chain_blocks:
             return [0.0] * len(workers)
-        return [ctx.match_blocks.get(w.id, 0) / ctx.chain_blocks for w in workers]
+        get, n = ctx.match_blocks.get, ctx.chain_blocks
+        return [get(w.spec.id, 0) / n for w in workers]
 
 
 SCORERS = {"least_load": LeastLoadScorer, "prefix_cache": PrefixCacheScorer,
