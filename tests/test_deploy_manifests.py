@@ -13,7 +13,10 @@ Nothing here needs a cluster, Docker or the network:
 * the Docker build context that .dockerignore leaves is enough to build the wheel;
 * nginx.conf passes the real ``nginx -t`` and, run by the real nginx in front of three streaming
   upstreams, streams, spreads by least connections, keeps upstream connections alive and skips
-  a dead upstream.
+  a dead upstream;
+* docker-compose.yaml runs without Docker: every service as a local process on its own loopback
+  address (real redis-server, control planes, data planes, simulators and nginx), started in
+  dependency order with its own healthcheck, then OpenAI requests through nginx.
 """
 
 from __future__ import annotations
@@ -826,3 +829,171 @@ def test_install_services_installs_nginx() -> None:
     """CI gets nginx from the OS packages, so the nginx tests above run there instead of skipping."""
     text = (ROOT / "scripts" / "install_services.sh").read_text()
     assert re.search(r'SERVICES="[^"]*\bnginx:nginx\b', text), "scripts/install_services.sh must install nginx"
+
+
+# --------------------------------------------------------------------------------------------
+# docker-compose.yaml, run without Docker
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+@needs_nginx
+@pytest.mark.skipif(not os.path.exists(REDIS_SERVER), reason="redis-server is not installed "
+                    "(scripts/install_services.sh installs it)")
+@pytest.mark.timeout(240)
+async def test_compose_demo_runs_as_processes(tmp_path: Path) -> None:
+    """docker-compose.yaml's services as local processes: each service gets its own loopback
+    address (127.x.y.n, so every service keeps its compose ports), its command line, environment,
+    mounted config and healthcheck as written, with only the service names and wildcard binds
+    replaced by those addresses. Redis, both control planes, the three data planes, the
+    simulators and nginx must come up healthy in compose's dependency order, and OpenAI requests
+    through nginx must succeed on every data plane."""
+    import random
+
+    doc = compose()
+    services = doc["services"]
+    net = f"127.{random.randint(100, 250)}.{random.randint(0, 250)}"
+    ip = {name: f"{net}.{i + 1}" for i, name in enumerate(sorted(services))}
+
+    def hosts(text: str, own: str) -> str:
+        text = text.replace("0.0.0.0", own).replace("tcp://*:", f"tcp://{own}:").replace("127.0.0.1", own)
+        return re.sub(r"(?<=//)([\w-]+)(?=:)", lambda m: ip.get(m[1], m[1]), text)
+
+    def argv_of(name: str) -> list[str]:
+        out = []
+        for a in compose_argv(services[name]):
+            m = re.fullmatch(r"([\w-]+):(\d+)", a)
+            if a in ip:
+                a = ip[a]
+            elif m and m[1] in ip:
+                a = f"{ip[m[1]]}:{m[2]}"
+            out.append(hosts(a, ip[name]))
+        return out
+
+    def env_of_service(name: str) -> dict[str, str]:
+        env = {k: re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m[1], m[2]), str(v))
+               for k, v in (services[name].get("environment") or {}).items()}
+        if "SIM_HOST" in env:
+            env["SIM_HOST"] = ip[env["SIM_HOST"]]
+        return {**os.environ, **env}
+
+    procs: dict[str, subprocess.Popen] = {}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with open(logs / f"{name}.log", "wb") as log:
+            procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True, cwd=tmp_path)
+
+    def healthcheck(name: str) -> list[str]:
+        test = services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        if test[1] == "redis-cli":
+            return [shutil.which("redis-cli") or "/usr/bin/redis-cli", "-h", ip[name], *test[2:]]
+        assert test[1] == "python"
+        return [sys.executable, *[hosts(a, ip[name]) for a in test[2:]]]
+
+    async def healthy(name: str, timeout: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        argv = healthcheck(name) if "healthcheck" in services[name] else None
+        while True:
+            if procs[name].poll() is not None:
+                pytest.fail(f"{name} exited with {procs[name].returncode}:\n{(logs / f'{name}.log').read_text()[-3000:]}")
+            if argv is None:
+                return
+            check = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                         env=env_of_service(name))
+            if await check.wait() == 0:
+                return
+            if loop.time() > deadline:
+                pytest.fail(f"{name} not healthy after {timeout}s:\n{(logs / f'{name}.log').read_text()[-3000:]}")
+            await asyncio.sleep(0.3)
+
+    async def up(name: str) -> None:
+        for dep, how in (services[name].get("depends_on") or {}).items():
+            assert how["condition"] == "service_healthy"
+            await healthy(dep)
+        svc = services[name]
+        if name == "redis":
+            data = tmp_path / "redis"
+            data.mkdir()
+            argv = [REDIS_SERVER, *svc["command"][1:], "--bind", ip[name], "--port", "6379", "--dir", str(data),
+                    "--protected-mode", "no", "--daemonize", "no"]
+            start(name, argv)
+        elif name == "nginx":
+            text = NGINX_CONF.read_text()
+            text = re.sub(r"(?<=server )([\w-]+)(?=:)", lambda m: ip[m[1]], text)
+            text = text.replace("listen 8080;", f"listen {ip[name]}:8080;")
+            temp = "".join(f"    {d}_temp_path {tmp_path / d};\n" for d in ("client_body", "proxy", "fastcgi",
+                                                                                 "uwsgi", "scgi"))
+            conf = tmp_path / "nginx.conf"
+            conf.write_text(text.replace("http {\n", "http {\n" + temp, 1))
+            start(name, nginx_argv(tmp_path, conf, "-g", "daemon off;"))
+        else:
+            argv = argv_of(name)
+            if argv[0] == "controlplane":
+                # the mounted config, with the service names replaced
+                config = argv[argv.index("--config") + 1]
+                mount = next(v for v in svc["volumes"] if v.split(":")[1] == config)
+                local = tmp_path / f"{name}.toml"
+                local.write_text(hosts((ROOT / mount.split(":")[0]).read_text(), ip[name]))
+                argv[argv.index("--config") + 1] = str(local)
+            start(name, [sys.executable, "-m", "omni_proxy", *argv], env_of_service(name))
+
+    order = ["redis", *sorted(n for n in services if n.startswith("sim-")),
+             *sorted(n for n in services if n.startswith("controlplane-")),
+             *sorted(n for n in services if n.startswith("dataplane-")), "nginx"]
+    assert sorted(order) == sorted(services)
+    try:
+        for name in order:
+            await up(name)
+        for name in order:
+            await healthy(name)
+        url = f"http://{ip['nginx']}:8080"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/v1/models") as r:
+                assert r.status == 200, await r.text()
+                assert [m["id"] for m in (await r.json())["data"]] == ["sim-model"]
+
+            async def one(i: int) -> None:
+                stream = i % 3 == 1
+                if i % 2:
+                    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": f"hi {i}"}]}
+                else:
+                    path, body = "/v1/completions", {"prompt": f"request {i} " + "tokens " * (i * 7)}
+                body.update(model="sim-model", max_tokens=8, stream=stream)
+                async with http.post(url + path, json=body) as r:
+                    text = await r.text()
+                    assert r.status == 200, text
+                    assert ("data: [DONE]" in text) if stream else json.loads(text)["choices"]
+
+            await asyncio.gather(*(one(i) for i in range(30)))
+            used = {}
+            for name in (n for n in services if n.startswith("sim-")):
+                async with http.get(f"http://{ip[name]}:8000/sim/requests") as r:
+                    used[name] = len((await r.json())["requests"])
+            assert sum(used.values()) >= 30 and sum(1 for n in used.values() if n) >= 2, used
+            for name in (n for n in services if n.startswith("controlplane-")):
+                async with http.get(f"http://{ip[name]}:8080/metrics") as r:
+                    metrics = await r.text()
+                for worker in used:
+                    assert f'"{worker}"' in metrics, f"{name} does not know {worker}"
+        access = (logs / "nginx.log").read_text()
+        for name in (n for n in services if n.startswith("dataplane-")):
+            assert f"upstream={ip[name]}:8000" in access, f"nginx sent nothing to {name}"
+    finally:
+        for name in reversed(order):
+            proc = procs.get(name)
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for name in reversed(order):
+            proc = procs.get(name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
