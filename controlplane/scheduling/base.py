@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from controlplane.workers import Role, WorkerView
 
 
-@dataclass
+@dataclass(slots=True)
 class PlacementContext:
     """What a placement knows about the request it is placing."""
 
