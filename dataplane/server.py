@@ -83,9 +83,12 @@ class GuardedRequestHandler(RequestHandler):
         self._head_started = False      # some bytes of the awaited head have arrived
 
     def _awaiting_head(self) -> bool:
-        """Idle between requests, with no complete request head parsed yet."""
-        waiter = self._waiter
-        return waiter is not None and not waiter.done() and not self._messages
+        """No request is being handled and no complete request head is parsed yet.
+
+        (Not judged by the handler loop's waiter: the first bytes of a connection can
+        arrive before that loop has started and set it.)
+        """
+        return not self._messages and not self._request_in_progress
 
     def _arm_head_deadline(self) -> None:
         if self._head_deadline is None and self._header_timeout_s > 0:
