@@ -25,7 +25,8 @@ from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
 from dataplane.prompt import PromptProcessor
 from dataplane.tokenizer import Tokenizer
-from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request
+from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request, slo_header
+from dataplane.retry import RetryPolicy
 from dataplane.server import ClientLimits, guard
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
@@ -46,6 +47,7 @@ class DataPlaneConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     placement_timeout_s: float = 5.0
     prefill_retries: int = 1
+    retries: int = 2               # aggregated / decode legs: other workers after a failure before the first byte
     tokenizer: str = ""            # model directory with tokenizer.json: tokenize in the data plane
     chat_template: str = ""        # like vLLM's --chat-template
     reuse_tokens: bool = True      # send completions prompts to the engines as token ids
@@ -80,6 +82,7 @@ class DataPlane:
 
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
+        self._retry = RetryPolicy(attempts=config.retries)
         self.tracing = _tracing(config) if config.otel_endpoint else None
         self.metrics = DataPlaneMetrics()
         self.upstream = Upstream(config.upstream)
@@ -186,6 +189,8 @@ class DataPlane:
                             allowed_fields=self.config.allowed_client_fields)
         tracker.req = req
         current_request_id.set(req.request_id)   # on every log line about this request
+        req.ttft_slo_ms = slo_header(http.headers, "X-SLO-TTFT-Ms")
+        req.tpot_slo_ms = slo_header(http.headers, "X-SLO-TPOT-Ms")
         await self._resolve_model(req)
         await self.prompts.process(req)
         tracker.tokenized = time.perf_counter()
@@ -199,6 +204,7 @@ class DataPlane:
             raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
         ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
                           tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries,
+                          retry=self._retry,
                           watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
         try:
             response = await self._run_flow(ctx, placement, flow)

@@ -14,6 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-timeout", type=float, default=5.0, help="seconds to wait for a placement")
     p.add_argument("--prefill-retries", type=int, default=1,
                    help="sequential PD: other prefill workers to try when one fails")
+    p.add_argument("--retries", type=int, default=2,
+                   help="aggregated and decode legs failing before the first byte: other workers to try")
     p.add_argument("--tokenizer", default="",
                    help="model directory with tokenizer.json (+ tokenizer_config.json): tokenize once here")
     p.add_argument("--chat-template", default="", help="chat template file or text, as vLLM's --chat-template")
@@ -54,7 +56,7 @@ def config_from_args(args: argparse.Namespace):
 
     cfg = DataPlaneConfig(host=args.host, port=args.port, controlplane=args.controlplane,
                           max_body_bytes=args.max_body_bytes, placement_timeout_s=args.placement_timeout,
-                          prefill_retries=args.prefill_retries, tokenizer=args.tokenizer,
+                          prefill_retries=args.prefill_retries, retries=args.retries, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
                           allowed_client_fields=parse_field_list(args.allow_client_fields),
                           client=ClientLimits(header_timeout_s=args.client_header_timeout,

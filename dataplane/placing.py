@@ -14,7 +14,8 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: int,
                 exclude: list[str] | None = None) -> pb.Placement:
     msg = pb.PlaceRequest(request_id=req.placement_id, model=req.model, leg=leg,
                           prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
-                          exclude_workers=exclude or (), block_hashes=req.block_hashes)
+                          exclude_workers=exclude or (), block_hashes=req.block_hashes,
+                          ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)
     if leg == pb.LEG_ENTRY and placements.info.pd_flow == pb.FLOW_LAYERWISE:
         # The control plane sends this deployment's prefill legs itself (metaserver).
         msg.body, msg.path = req.raw, req.path

@@ -36,6 +36,8 @@ class ClientRequest:
     placement_id: str        # unique per request, for the control plane's ledger
     client_id: str = ""      # the client's X-Request-Id, sanitized: a label echoed back, never a key
     num_prompts: int = 1     # completions batch size; each prompt is its own engine request
+    ttft_slo_ms: float = 0.0   # the client's latency targets (X-SLO-TTFT-Ms / X-SLO-TPOT-Ms), 0 = none
+    tpot_slo_ms: float = 0.0
     token_ids: list[int] | None = None   # the prompt's token ids, when known (one prompt only)
     block_hashes: list[int] = field(default_factory=list)   # vLLM hash chain, when placement wants it
 
@@ -99,6 +101,23 @@ def _chat_prompt_tokens(messages: Any) -> int:
                            param="messages")
         total += 4  # role markers of the chat template
     return total
+
+
+MAX_SLO_MS = 86_400_000.0
+
+
+def slo_header(headers, name: str) -> float:
+    """A latency target header in milliseconds: a finite number > 0 (400 otherwise); 0 if absent."""
+    value = headers.get(name)
+    if value is None:
+        return 0.0
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not (0 < ms <= MAX_SLO_MS):   # also refuses nan and inf
+        raise APIError(400, f"header {name} must be a number of milliseconds > 0 and <= {MAX_SLO_MS:.0f}")
+    return ms
 
 
 def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
