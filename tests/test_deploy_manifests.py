@@ -412,6 +412,7 @@ def test_dataplane() -> None:
                                              "name": dep["metadata"]["name"]}
     assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["cpu"]
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    assert "replicas" not in dep["spec"], "the autoscaler owns the replica count; apply must not reset it"
     svc = find("Service", "omni-proxy-dataplane", docs)
     assert svc["spec"]["type"] in ("ClusterIP", "LoadBalancer")
 
