@@ -550,6 +550,26 @@ def test_docker_context_builds_the_package(tmp_path: Path) -> None:
     files = docker_context_files()
     assert "pyproject.toml" in files and "Dockerfile" not in files
     assert not [f for f in files if f.startswith(("tests/", ".git/", "bench/", "docs/")) or "__pycache__" in f]
+    assert "README.md" in files, "pyproject.toml's readme must be in the context"
+    packages = [p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]]
+    for package in packages:
+        sources = {str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts}
+        missing = sources - set(files)
+        assert not missing, f"the build context lacks {sorted(missing)[:5]}"
+    # build the wheel from exactly those files, offline, with this environment's setuptools
+    import importlib.util
+
+    from packaging.version import Version
+
+    try:
+        import setuptools
+    except ImportError:
+        pytest.skip("no setuptools here: the wheel is not built (the context was checked file by file)")
+    needed = PYPROJECT["build-system"]["requires"][0].partition(">=")[2]
+    if Version(setuptools.__version__) < Version(needed or "0") or (
+            Version(setuptools.__version__) < Version("70.1") and importlib.util.find_spec("wheel") is None):
+        pytest.skip(f"setuptools {setuptools.__version__} cannot build the wheel offline here (needs >= {needed}, "
+                    "and the wheel package below 70.1); the context was checked file by file")
     context = tmp_path / "context"
     for rel in files:
         (context / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -561,8 +581,7 @@ def test_docker_context_builds_the_package(tmp_path: Path) -> None:
     wheel = next((tmp_path / "wheels").glob("omni_proxy-*.whl"))
     assert wheel.name.startswith(f"omni_proxy-{VERSION}-")
     names = zipfile.ZipFile(wheel).namelist()
-    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
-        package = pattern.rstrip("*")
+    for package in packages:
         assert f"{package}/__init__.py" in names, f"the image would lack the package {package}"
     assert "protos/omni_proxy_pb2.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
