@@ -154,11 +154,12 @@ def image_ref(image: str) -> tuple[str, str]:
     return name, tag
 
 
-def controlplane_toml(path: Path):
+def controlplane_config_from_text(text: str):
+    """The control plane's own loader and start checks on a TOML text (the ConfigMap's)."""
     from controlplane.cli import check_config
     from controlplane.config import ControlPlaneConfig
 
-    cfg = ControlPlaneConfig.from_dict(tomllib.loads(path.read_text()))
+    cfg = ControlPlaneConfig.from_dict(tomllib.loads(text))
     check_config(cfg)
     return cfg
 
@@ -227,15 +228,6 @@ def test_rendered_kustomization_validates(directory: Path) -> None:
                 assert tag and tag != "latest", c["image"]
                 if name.rsplit("/", 1)[-1] == OUR_IMAGE:
                     assert tag == VERSION, f"{c['image']}: our image's tag must be the package version {VERSION}"
-
-
-def controlplane_config_from_text(text: str):
-    from controlplane.cli import check_config
-    from controlplane.config import ControlPlaneConfig
-
-    cfg = ControlPlaneConfig.from_dict(tomllib.loads(text))
-    check_config(cfg)
-    return cfg
 
 
 def test_strict_validation_catches_mistakes() -> None:
@@ -422,7 +414,7 @@ def test_example_engine_matches_the_control_plane() -> None:
     engine = find("Deployment", "vllm-engine", docs)
     c = container(engine)
     args, env = c["args"], env_of(c)
-    cfg = controlplane_toml(K8S / "base" / "controlplane.toml")
+    cfg = controlplane_config_from_text((K8S / "base" / "controlplane.toml").read_text())
     assert "--enable-prefix-caching" in args
     assert int(args[args.index("--block-size") + 1]) == cfg.kv_cache.block_size
     assert args[args.index("--prefix-caching-hash-algo") + 1] == cfg.kv_cache.hash_algo
