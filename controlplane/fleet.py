@@ -120,6 +120,7 @@ class Fleet:
         self._heartbeat: dict[str, float] = {}
         self._index: dict[tuple[str, Role], tuple[str, ...]] | None = None
         self._returns_at = 0.0        # when the first ejected worker comes back (0: none is out)
+        self.version = 0              # grows whenever the routable set may have changed
         self._groups: dict[tuple[str, tuple[Role, ...]], Group] = {}
         self._ordered: set[Group] = set()              # groups whose least-loaded heap exists
         self._work: dict[str, int] = {}                # ledger work per worker (see note_load)
@@ -230,6 +231,7 @@ class Fleet:
     # ------------------------------------------------------------------ the routable index
 
     def _invalidate(self) -> None:
+        self.version += 1
         self._index = None
         self._groups = {}
         self._ordered = set()
@@ -253,6 +255,12 @@ class Fleet:
             self._invalidate()
             index = self._index = self._build_index()
         return index.get((model, role), ())
+
+    def routable_specs(self) -> list[WorkerSpec]:
+        """Every worker that may get a placement now (for the data planes' fallback lists)."""
+        self.routable("", Role.BOTH)   # (re)builds the index when it is stale
+        ids = {i for group in (self._index or {}).values() for i in group}
+        return [self._specs[i] for i in sorted(ids)]
 
     def _build_index(self) -> dict[tuple[str, Role], tuple[str, ...]]:
         groups: dict[tuple[str, Role], list[str]] = {}

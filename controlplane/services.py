@@ -20,6 +20,8 @@ from protos import omni_proxy_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+FLEET_PUSH_INTERVAL_S = 1.0
+
 _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HEALTHY,
                  Health.UNHEALTHY: pb.STATUS_UNHEALTHY}
 _PB_TO_ROLE = {pb.ROLE_BOTH: Role.BOTH, pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
@@ -66,6 +68,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         held: set[asyncio.Task] = set()
         reader = asyncio.ensure_future(self._read(request_iterator, session, out, held))
         yield pb.ControlPlaneMessage(info=self.info)
+        fleet_watch = asyncio.ensure_future(self._push_fleet(out))
+        held.add(fleet_watch)
         try:
             while True:
                 msg = await out.get()
@@ -105,6 +109,21 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                              node, session, claimed, len(msg.open.live_requests))
         finally:
             out.put_nowait(None)
+
+    async def _push_fleet(self, out: asyncio.Queue) -> None:
+        """Keep the data plane's fallback list current: at once, then on every change."""
+        fleet = self.registry.fleet
+        sent = -1
+        while True:
+            version = fleet.version
+            if version != sent:
+                snapshot = pb.FleetSnapshot(workers=[
+                    pb.KnownWorker(endpoint=pb.Endpoint(worker_id=s.id, url=s.url, role=ROLE_TO_PB[s.role],
+                                                        bootstrap_port=s.bootstrap_port), model=s.model)
+                    for s in fleet.routable_specs()])
+                out.put_nowait(pb.ControlPlaneMessage(fleet=snapshot))
+                sent = fleet.version
+            await asyncio.sleep(FLEET_PUSH_INTERVAL_S)
 
     async def _answer_later(self, req: pb.PlaceRequest, waiting: asyncio.Future, out: asyncio.Queue) -> None:
         try:

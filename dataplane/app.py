@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
@@ -38,6 +39,27 @@ FLOWS = {pb.FLOW_AGGREGATED: ("aggregated", aggregated.run), pb.FLOW_SEQUENTIAL:
          pb.FLOW_PARALLEL: ("parallel", parallel.run), pb.FLOW_LAYERWISE: ("layerwise", layerwise.run)}
 
 
+class _ControlPlaneLink:
+    """Scrape-time view of the control-plane session and of local fallback placement."""
+
+    def __init__(self, placements: PlacementClient) -> None:
+        self.placements = placements
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        pc = self.placements
+        yield GaugeMetricFamily("omni_dp_controlplane_connected", "1 while a control-plane session is up",
+                                value=1 if pc.connected else 0)
+        yield CounterMetricFamily("omni_dp_controlplane_sessions", "Control-plane sessions started",
+                                  value=pc.sessions_started)
+        yield CounterMetricFamily("omni_dp_fallback_placements", "Placements made locally while no control "
+                                  "plane answered", value=pc.fallback.placed)
+        yield GaugeMetricFamily("omni_dp_fallback_workers", "Workers known for local fallback placement",
+                                value=pc.fallback.known)
+
+
 @dataclass
 class DataPlaneConfig:
     host: str = "127.0.0.1"
@@ -48,6 +70,7 @@ class DataPlaneConfig:
     placement_timeout_s: float = 5.0
     prefill_retries: int = 1
     retries: int = 2               # aggregated / decode legs: other workers after a failure before the first byte
+    fallback_after_s: float = 1.0  # no control plane for this long: place locally over the last known workers
     tokenizer: str = ""            # model directory with tokenizer.json: tokenize in the data plane
     chat_template: str = ""        # like vLLM's --chat-template
     reuse_tokens: bool = True      # send completions prompts to the engines as token ids
@@ -89,7 +112,9 @@ class DataPlane:
         self.prefix = PrefixHasher()
         self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
-                                          timeout_s=config.placement_timeout_s)
+                                          timeout_s=config.placement_timeout_s,
+                                          fallback_after_s=config.fallback_after_s)
+        self.metrics.registry.register(_ControlPlaneLink(self.placements))
         if config.access_log:
             # Access lines are INFO whatever --log-level says about the other loggers.
             logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
@@ -315,9 +340,15 @@ class DataPlane:
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, http: web.Request) -> web.Response:
-        if self.placements.connected:
-            return web.json_response({"status": "ok", "controlplane": self.config.controlplane})
-        return error_response(503, f"not connected to control plane {self.config.controlplane}")
+        """200 while requests can be served: through a control plane, or (without one) by the
+        local fallback over the last known workers, which says so."""
+        pc = self.placements
+        if pc.connected:
+            return web.json_response({"status": "ok", "controlplane": pc.target})
+        if pc.fallback.known:
+            return web.json_response({"status": "degraded", "controlplane": None,
+                                      "fallback_workers": pc.fallback.known})
+        return error_response(503, f"not connected to any control plane ({self.config.controlplane})")
 
     async def prometheus(self, http: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),

@@ -8,7 +8,11 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
-    p.add_argument("--controlplane", default="127.0.0.1:50051", help="control plane gRPC address")
+    p.add_argument("--controlplane", default="127.0.0.1:50051",
+                   help="control-plane gRPC address, or several replicas' as a comma-separated list")
+    p.add_argument("--fallback-after", type=float, default=1.0,
+                   help="seconds without any control plane before placing locally (round robin over the "
+                        "last known workers)")
     p.add_argument("--node-id", help="name of this node in the control plane's logs")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--placement-timeout", type=float, default=5.0, help="seconds to wait for a placement")
@@ -56,7 +60,8 @@ def config_from_args(args: argparse.Namespace):
 
     cfg = DataPlaneConfig(host=args.host, port=args.port, controlplane=args.controlplane,
                           max_body_bytes=args.max_body_bytes, placement_timeout_s=args.placement_timeout,
-                          prefill_retries=args.prefill_retries, retries=args.retries, tokenizer=args.tokenizer,
+                          prefill_retries=args.prefill_retries, retries=args.retries,
+                          fallback_after_s=args.fallback_after, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
                           allowed_client_fields=parse_field_list(args.allow_client_fields),
                           client=ClientLimits(header_timeout_s=args.client_header_timeout,

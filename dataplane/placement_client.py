@@ -1,10 +1,16 @@
 """The data plane's side of the control-plane session: one bidirectional gRPC stream.
 
 Placements ride the stream as request/answer pairs matched by ``seq``; lifecycle reports
-ride it one way. If the stream breaks, every waiting placement is retried once on the next
-session, and the client reconnects with backoff. Requests already placed keep streaming:
-on reconnect the node names them (``SessionOpen.live_requests``) so the control plane keeps
-their load charged, and the reports that could not be sent meanwhile go out first.
+ride it one way. A data plane may know several control-plane replicas: it holds one
+session at a time, starting with the replica its node id hashes to (so a fleet of data
+planes spreads over them) and moving to the next when that one stops answering.
+
+If the stream breaks, waiting placements are asked again on the next session. Requests
+already placed keep streaming: on reconnect the node names them
+(``SessionOpen.live_requests``) so the control plane keeps their load charged, and the
+reports that could not be sent meanwhile go out first. When no replica has answered for
+``fallback_after_s``, placements are made locally (``dataplane.fallback``) from the last
+list of routable workers a control plane sent, until a session is back.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import asyncio
 import collections
 import itertools
 import logging
+import time
+import zlib
 
 import grpc
 
+from dataplane.fallback import FallbackPlacer
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from protos.options import CLIENT_KEEPALIVE_MS, client_options
@@ -30,28 +39,52 @@ class ControlPlaneUnavailable(Exception):
     pass
 
 
+def parse_targets(targets: str | list[str]) -> list[str]:
+    items = targets.split(",") if isinstance(targets, str) else list(targets)
+    out = [t.strip() for t in items if t.strip()]
+    if not out:
+        raise ValueError("at least one control-plane address is needed")
+    return out
+
+
 class PlacementClient:
-    def __init__(self, target: str, node_id: str, *, timeout_s: float = 5.0,
-                 keepalive_ms: int = CLIENT_KEEPALIVE_MS, max_buffered_reports: int = 100_000) -> None:
-        self.target = target
+    def __init__(self, targets: str | list[str], node_id: str, *, timeout_s: float = 5.0,
+                 keepalive_ms: int = CLIENT_KEEPALIVE_MS, max_buffered_reports: int = 100_000,
+                 connect_timeout_s: float = 1.0, fallback_after_s: float = 1.0) -> None:
+        self.targets = parse_targets(targets)
         self.node_id = node_id
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=client_options(keepalive_ms))
+        self.connect_timeout_s = connect_timeout_s
+        self.fallback_after_s = fallback_after_s
+        self._keepalive_ms = keepalive_ms
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._first = zlib.crc32(node_id.encode()) % len(self.targets)
+        self.target = self.targets[self._first]
+        self._stub = pb_grpc.SchedulerStub(self._channel(self.target))
         # Requests placed through this node whose ending has not been reported yet.
         self._live: set[str] = set()
         # Reports made while no session was up, sent first on the next one.
         self._unsent: collections.deque[pb.DataPlaneMessage] = collections.deque(maxlen=max_buffered_reports)
         self.sessions_started = 0
-        self._stub = pb_grpc.SchedulerStub(self._channel)
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._queue: asyncio.Queue | None = None
         self._connected = asyncio.Event()
+        self._down_since = time.monotonic()
         self._task: asyncio.Task | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._closing = False
+        self._in_fallback = False
+        self.fallback = FallbackPlacer()
         # What the control plane told us about this deployment at session start.
         self.info = pb.SessionInfo()
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = grpc.aio.insecure_channel(
+                target, options=client_options(self._keepalive_ms))
+        return channel
 
     @property
     def connected(self) -> bool:
@@ -84,21 +117,36 @@ class PlacementClient:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._channel.close()
+        for channel in self._channels.values():
+            await channel.close()
+
+    # ------------------------------------------------------------------ placements and reports
 
     async def place(self, req: pb.PlaceRequest) -> pb.Placement:
-        """Ask for a placement; retried once if the stream breaks while we wait."""
-        for attempt in (1, 2):
-            if not self._connected.is_set() and not await self.wait_connected(self.timeout_s):
-                raise ControlPlaneUnavailable(f"control plane {self.target} is not reachable")
+        """Ask for a placement: from the control plane, asked again on the next session if
+        the stream breaks meanwhile, or locally when none has answered for a while."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if not self._connected.is_set():
+                grace = self.fallback_after_s - (time.monotonic() - self._down_since)
+                if self.fallback.known and grace <= 0:
+                    return self._place_locally(req)
+                wait = min(remaining, grace) if self.fallback.known else remaining
+                if wait <= 0 or not await self.wait_connected(wait):
+                    if self.fallback.known:
+                        continue      # the grace is over: place locally on the next turn
+                    raise ControlPlaneUnavailable(f"no control plane reachable ({', '.join(self.targets)})")
+                remaining = deadline - loop.time()
             seq = next(self._seq)
             req.seq = seq
-            fut = asyncio.get_running_loop().create_future()
+            fut = loop.create_future()
             self._pending[seq] = fut
             assert self._queue is not None
             self._queue.put_nowait(pb.DataPlaneMessage(place=req))
             try:
-                placement = await asyncio.wait_for(fut, self.timeout_s)
+                placement = await asyncio.wait_for(fut, max(remaining, 0.001))
                 if not placement.error:
                     self._live.add(req.request_id)
                 return placement
@@ -108,14 +156,19 @@ class PlacementClient:
                 self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
                 raise
             except ControlPlaneUnavailable:
-                if attempt == 2:
-                    raise
+                continue              # the session broke while we waited: ask the next one
             except asyncio.TimeoutError:
                 self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
                 raise ControlPlaneUnavailable(f"no placement from {self.target} within {self.timeout_s}s") from None
             finally:
                 self._pending.pop(seq, None)
-        raise AssertionError("unreachable")
+
+    def _place_locally(self, req: pb.PlaceRequest) -> pb.Placement:
+        if not self._in_fallback:
+            self._in_fallback = True
+            log.warning("no control plane has answered for %.1fs: placing locally, round robin over %d last "
+                        "known workers, until one is back", self.fallback_after_s, self.fallback.known)
+        return self.fallback.place(req, self.info.pd_flow or pb.FLOW_SEQUENTIAL)
 
     def report(self, event: pb.LifecycleEvent) -> None:
         """Fire and forget; kept for the next session while none is up (bounded)."""
@@ -128,58 +181,83 @@ class PlacementClient:
             self._unsent.append(msg)
 
     async def list_models(self) -> pb.ListModelsResponse:
-        try:
-            return await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise ControlPlaneUnavailable(exc.details() or str(exc.code())) from None
+        """The served models: from the control plane, or from the fallback list without one."""
+        if self._connected.is_set():
+            try:
+                return await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if not self.fallback.known:
+                    raise ControlPlaneUnavailable(exc.details() or str(exc.code())) from None
+        if self.fallback.known:
+            return pb.ListModelsResponse(models=[pb.ModelInfo(id=m) for m in self.fallback.models()])
+        raise ControlPlaneUnavailable(f"no control plane reachable ({', '.join(self.targets)})")
+
+    # ------------------------------------------------------------------ sessions
 
     async def _run(self) -> None:
-        backoff = 0.05
+        index = self._first
+        failed_in_a_row = 0
         while not self._closing:
+            target = self.targets[index]
+            channel = self._channel(target)
             try:
-                await asyncio.wait_for(self._channel.channel_ready(), timeout=max(self.timeout_s, 1.0))
+                await asyncio.wait_for(channel.channel_ready(), timeout=self.connect_timeout_s)
             except asyncio.TimeoutError:
+                index = (index + 1) % len(self.targets)
+                failed_in_a_row += 1
+                if failed_in_a_row >= len(self.targets):   # every replica tried: breathe
+                    await asyncio.sleep(min(0.05 * failed_in_a_row, 1.0))
                 continue
-            queue: asyncio.Queue = asyncio.Queue()
-            queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id,
-                                                                     live_requests=self._live)))
-            while self._unsent:
-                queue.put_nowait(self._unsent.popleft())
-            self._queue = queue
-            call = self._stub.Session(self._outgoing(queue))
-            self._call = call
-            self.sessions_started += 1
-            self._connected.set()
-            log.info("connected to control plane %s (%d live requests)", self.target, len(self._live))
-            try:
-                async for msg in call:
-                    if msg.WhichOneof("body") == "info":
-                        self.info = msg.info
-                        continue
-                    placement = msg.placement
-                    fut = self._pending.get(placement.seq)
-                    if fut is not None and not fut.done():
-                        fut.set_result(placement)
-                backoff = 0.05
-            except grpc.aio.AioRpcError as exc:
-                if not self._closing:
-                    log.warning("control-plane session ended: %s %s", exc.code().name, exc.details())
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self._closing or (task is not None and task.cancelling()):
-                    raise
-                log.warning("control-plane session cancelled; reconnecting")   # drop_session()
-            finally:
-                self._connected.clear()
-                self._keep_unsent(queue)
-                queue.put_nowait(None)
-                call.cancel()
-                for fut in list(self._pending.values()):
-                    if not fut.done():
-                        fut.set_exception(ControlPlaneUnavailable("control-plane session ended"))
+            failed_in_a_row = 0
+            await self._session(target, channel)
             if not self._closing:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(0.05)
+
+    async def _session(self, target: str, channel: grpc.aio.Channel) -> None:
+        self.target = target
+        self._stub = pb_grpc.SchedulerStub(channel)
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id, live_requests=self._live)))
+        while self._unsent:
+            queue.put_nowait(self._unsent.popleft())
+        self._queue = queue
+        call = self._stub.Session(self._outgoing(queue))
+        self._call = call
+        self.sessions_started += 1
+        self._connected.set()
+        if self._in_fallback:
+            self._in_fallback = False
+            log.warning("control plane %s is back: local fallback placement ends (%d placed locally so far)",
+                        target, self.fallback.placed)
+        log.info("connected to control plane %s (%d live requests)", target, len(self._live))
+        try:
+            async for msg in call:
+                body = msg.WhichOneof("body")
+                if body == "placement":
+                    fut = self._pending.get(msg.placement.seq)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg.placement)
+                elif body == "fleet":
+                    self.fallback.update(msg.fleet)
+                elif body == "info":
+                    self.info = msg.info
+        except grpc.aio.AioRpcError as exc:
+            if not self._closing:
+                log.warning("control-plane session with %s ended: %s %s", target, exc.code().name, exc.details())
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closing or (task is not None and task.cancelling()):
+                raise
+            log.warning("control-plane session with %s cancelled; reconnecting", target)   # drop_session()
+        finally:
+            self._connected.clear()
+            self._down_since = time.monotonic()
+            self._keep_unsent(queue)
+            queue.put_nowait(None)
+            call.cancel()
+            for fut in list(self._pending.values()):
+                if not fut.done():
+                    fut.set_exception(ControlPlaneUnavailable("control-plane session ended"))
 
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
         """Reports still queued when a session ends go out on the next one."""

@@ -290,13 +290,29 @@ class KVHashConfig(_message.Message):
     lora_key_format: str
     def __init__(self, enabled: _Optional[bool] = ..., block_size: _Optional[int] = ..., algo: _Optional[str] = ..., seed: _Optional[str] = ..., seed_set: _Optional[bool] = ..., lora_key_format: _Optional[str] = ...) -> None: ...
 
+class FleetSnapshot(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[KnownWorker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[KnownWorker, _Mapping]]] = ...) -> None: ...
+
+class KnownWorker(_message.Message):
+    __slots__ = ("endpoint", "model")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    endpoint: Endpoint
+    model: str
+    def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
 class ControlPlaneMessage(_message.Message):
-    __slots__ = ("placement", "info")
+    __slots__ = ("placement", "info", "fleet")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
     info: SessionInfo
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+    fleet: FleetSnapshot
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ..., fleet: _Optional[_Union[FleetSnapshot, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
