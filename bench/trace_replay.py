@@ -29,8 +29,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.tracedata import (TraceMissing, free_port, load_rows, prompt_for,  # noqa: E402
-                             resolve_trace, sim_counters)
+from bench.tracedata import (TraceMissing, load_rows, prompt_for, resolve_trace,  # noqa: E402
+                             sim_counters)
 from omni_proxy.launcher import ProcessGroup  # noqa: E402
 from omni_proxy.loadgen import send  # noqa: E402
 
@@ -62,15 +62,16 @@ def run_policy(policy: str, rows: list[dict], args) -> dict:
     with ProcessGroup() as group:
         sims, specs = [], []
         for i in range(args.workers):
-            port, replay_port = free_port(), free_port()
+            # The sim binds free ports for its KV events itself and reports them in its ready
+            # file: no port is picked here and lost to another process before the sim binds it.
             sim = group.start(f"sim-{i}", [
                 "sim", "--port", "0", "--block-size", str(args.block_size), "--max-model-len", "262144",
                 "--num-gpu-blocks", str(args.gpu_blocks), "--prefill-ms-per-token", str(args.prefill_ms_per_token),
-                "--kv-events-endpoint", f"tcp://*:{port}", "--kv-events-replay-endpoint", f"tcp://*:{replay_port}"],
+                "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"],
                 env={"PYTHONHASHSEED": "0"})
             sims.append(sim)
-            specs += ["--worker", f"{sim.url},id=sim-{i},kv_events=tcp://127.0.0.1:{port},"
-                                  f"kv_replay=tcp://127.0.0.1:{replay_port}"]
+            specs += ["--worker", f"{sim.url},id=sim-{i},kv_events=tcp://127.0.0.1:{sim.info['kv_events_port']},"
+                                  f"kv_replay=tcp://127.0.0.1:{sim.info['kv_replay_port']}"]
         cfg = group.workdir / "cp.toml"
         cfg.write_text(f'[kv_cache]\nblock_size = {args.block_size}\nhash_algo = "sha256"\nhash_seed = "0"\n')
         cp = group.start("controlplane", ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0",

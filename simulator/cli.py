@@ -62,9 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = parser.add_argument_group("KV events (vLLM's ZmqEventPublisher)")
     e.add_argument("--kv-events-endpoint", default=None,
                    help="PUB endpoint, e.g. tcp://*:5557 (binds: has * or ::, or ipc:// / inproc://; "
-                        "otherwise connects); tcp://*:0 binds a free port; off when not given")
+                        "otherwise connects); port 0 or * (tcp://*:0, tcp://127.0.0.1:0, tcp://127.0.0.1:*) "
+                        "binds a free port, reported as kv_events_port in the ready file; off when not given")
     e.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="ROUTER endpoint for replay (always binds), e.g. tcp://*:5558 or tcp://*:0")
+                   help="ROUTER endpoint for replay (always binds), e.g. tcp://*:5558, or tcp://127.0.0.1:0 "
+                        "for a free port, reported as kv_replay_port in the ready file")
     e.add_argument("--kv-events-topic", default="", help="first frame of every message (default empty)")
     e.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
                    help="batches kept for replay (default 10000)")

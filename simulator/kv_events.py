@@ -61,8 +61,11 @@ KV_CACHE_SPEC_KIND = "full_attention"
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest. Also bind a
+    tcp endpoint with port 0 (``tcp://127.0.0.1:0``): nobody can connect to port 0, so it can
+    only mean "bind a free port" (reported in the ready file)."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or (endpoint.startswith("tcp://") and endpoint_port(endpoint) == 0))
 
 
 def endpoint_port(endpoint: str | None) -> int | None:

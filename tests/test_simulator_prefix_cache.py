@@ -9,6 +9,7 @@ and hashed with its own ``BlockHasher``.
 from __future__ import annotations
 
 import json
+import socket
 import re
 
 import aiohttp
@@ -245,6 +246,24 @@ def test_bind_or_connect_heuristic():
     assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("tcp://[::]:5557")
     assert is_bind_endpoint("ipc:///tmp/x") and is_bind_endpoint("inproc://x")
     assert not is_bind_endpoint("tcp://0.0.0.0:5557") and not is_bind_endpoint("tcp://router:5557")
+    # port 0 can only mean "bind a free port": nobody can be connected to on it
+    assert is_bind_endpoint("tcp://127.0.0.1:0") and is_bind_endpoint("tcp://127.0.0.1:*")
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:0", "tcp://127.0.0.1:*"])
+async def test_loopback_free_port_endpoints_bind_and_report_the_port(endpoint):
+    """What a launcher uses instead of picking a port for the sim and hoping it stays free."""
+    pub = KvEventPublisher(SimConfig(kv_events_endpoint=endpoint, kv_events_replay_endpoint=endpoint))
+    pub.start()
+    try:
+        assert pub.port and pub.replay_port and pub.port != pub.replay_port
+        assert pub.endpoint == f"tcp://127.0.0.1:{pub.port}"
+        assert pub.replay_endpoint == f"tcp://127.0.0.1:{pub.replay_port}"
+        with socket.socket() as s:                 # really bound: the port is taken
+            with pytest.raises(OSError):
+                s.bind(("127.0.0.1", pub.port))
+    finally:
+        await pub.close()
 
 
 @pytest.mark.parametrize("fmt", ["map", "array"])
