@@ -37,14 +37,27 @@ async def test_completions_prompt_reaches_the_engine_as_the_engines_token_ids(cl
     assert usage["prompt_tokens"] == len(expected)
 
 
+async def _predicted_hit_blocks(cluster: Cluster, http) -> float:
+    async with http.get(f"http://127.0.0.1:{cluster.cp.info['http_port']}/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("omni_kv_predicted_hit_blocks_total"))
+
+
 async def test_chat_body_is_untouched_but_placement_uses_its_tokens(cluster: Cluster, http):
+    await wait_until(cluster.all_idle, what="idle")
     await cluster.clear_sim_requests()
     body = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Hello " * 60}], "max_tokens": 2}
     placed_on = set()
+    hits_before = await _predicted_hit_blocks(cluster, http)
     for _ in range(3):
         async with http.post(cluster.url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
+    # The placements knew the prompt's blocks (from the data plane's tokens): the 2nd and 3rd
+    # were predicted to hit what the 1st left. Without tokens nothing can be predicted, and
+    # three idle-time placements on one worker alone would prove nothing (ties go to one worker).
+    assert await _predicted_hit_blocks(cluster, http) > hits_before
     for n in cluster.sims:
         reqs = await cluster.sim_requests(n)
         if reqs:
