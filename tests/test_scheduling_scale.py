@@ -247,6 +247,60 @@ async def test_stage_options_are_checked():
 # ---------------------------------------------------------------------------------- prefix index
 
 
+def test_routed_index_galloping_walk_equals_the_linear_walk():
+    """Routed prefixes only ever shrink along a chain, which the galloping walk relies on."""
+    rng = random.Random(3)
+    trunks = [[rng.getrandbits(64) for _ in range(40)] for _ in range(4)]
+    chains = [t[:rng.randrange(1, 40)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+              for t in trunks for _ in range(6)]
+    idx = RoutedIndex()
+    queued: list[tuple[int, list[int]]] = []
+    bucket = 0
+    for step in range(1500):
+        if rng.random() < 0.05:
+            bucket += 1
+        chain = rng.choice(chains)
+        cut = chain[:rng.randrange(1, len(chain) + 1)]
+        w = wid(rng.randrange(12))
+        levels = PrefixIndex._walk(idx, cut, idx.mask_of([w]))          # what placement's walk says
+        changed = idx.route((w, 0), cut, bucket, held=levels[-1][0] if levels else 0)
+        if not queued or queued[-1][0] != bucket:        # one list per bucket, as KVCache keeps
+            queued.append((bucket, []))
+        queued[-1][1].extend(changed)
+        if rng.random() < 0.03 and queued:                # oldest bucket first, as KVCache expires
+            b, blocks = queued.pop(0)
+            idx.expire(blocks, b)
+        if rng.random() < 0.01:
+            idx.drop_worker(wid(rng.randrange(12)))
+        if step % 10 == 0:
+            alive = idx.mask_of(wid(i) for i in rng.sample(range(12), rng.randrange(1, 13)))
+            for c in rng.sample(chains, 4):
+                assert idx._walk(c, alive) == PrefixIndex._walk(idx, c, alive)
+
+
+def test_approximate_index_is_capped_by_expiring_the_oldest_buckets(monkeypatch):
+    kv = KVCache(KVCacheConfig(approx_ttl_s=60_000, max_blocks=1000))   # only the cap expires
+    spec = WorkerSpec(id="a", url="http://a", role=Role.BOTH, model="m")
+    now = [1000.0]
+    monkeypatch.setattr("controlplane.kvcache.manager.time.monotonic", lambda: now[0])
+    old = [1, 2, 3]
+    kv.placed(spec, old, 0)
+    for i in range(30):
+        now[0] += 4000                                   # a new bucket each time (60000 / 16 s)
+        kv.placed(spec, list(range(100 * i + 10, 100 * i + 110)), 0)
+        assert kv.approx.size() <= 1000
+    assert kv.match(old, [spec]) == {}                   # the oldest went first
+    assert kv.match(list(range(2910, 3010)), [spec]) == {"a": 100}
+
+
+def test_a_hash_twice_in_one_routed_chain_counts_once():
+    idx = RoutedIndex()
+    idx.route(("a", 0), [5, 6, 5, 7], stamp=1)
+    assert idx.stats().block_refs == 3 and len(idx._blocks_of[0]) == 3
+    idx.reset_worker("a")
+    assert idx.size() == 0 and idx.stats().block_refs == 0
+
+
 def test_routed_blocks_expire_by_bucket_unless_routed_again():
     idx = RoutedIndex()
     a, b = ("a", 0), ("b", 0)

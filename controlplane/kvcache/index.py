@@ -355,40 +355,23 @@ class PrefixIndex:
         levels: list[tuple[int, int]] = []
         depth = 0
         if shift:
-            # Compare in the values' own (shifted) position: the stamp bits fall out of the AND.
-            alive <<= shift
-            prev = None
-            for h in chain:
-                v = get(h, 0)
-                if v is prev:               # same holders as the block before: still all alive
-                    depth += 1
-                    continue
-                prev = v
-                m = v & alive
-                if m != alive:
-                    if depth:
-                        levels.append((depth, (alive & ~m) >> shift))
-                    alive = m
-                    if not alive:
-                        break
+            alive <<= shift             # compare in the values' own position: stamps fall out of the AND
+        prev = 0
+        # map() probes in C, lazily: the walk still stops at the first block nobody alive holds.
+        for v in map(get, chain):
+            if v is prev:               # same holders as the block before: all still alive
                 depth += 1
-            alive >>= shift
-        else:
-            prev = None
-            for h in chain:
-                v = get(h, 0)
-                if v is prev:               # same holders as the block before: still all alive
-                    depth += 1
-                    continue
-                prev = v
-                m = v & alive
-                if m != alive:
-                    if depth:
-                        levels.append((depth, alive & ~m))
-                    alive = m
-                    if not alive:
-                        break
-                depth += 1
+                continue
+            prev = v
+            m = v & alive if v is not None else 0
+            if m != alive:
+                if depth:
+                    levels.append((depth, (alive & ~m) >> shift))
+                alive = m
+                if not alive:
+                    break
+            depth += 1
+        alive >>= shift
         if alive:
             levels.append((depth, alive))
         return levels
@@ -540,42 +523,100 @@ class RoutedIndex(PrefixIndex):
     """The approximate index: prefixes remembered because they were *routed*, not announced.
 
     Each value is the holders' mask shifted left by 32 bits with a routing stamp in the low
-    bits: the stamp of the last routing that included the block. A routing's expiry (queued by
+    bits: the time bucket of the last routing that included the block. A routing's expiry (queued by
     the caller with its stamp) forgets the blocks whose stamp is still its own; a block routed
     again since (the next turn of a conversation, a shared system prompt) outlives it and counts,
     for every worker it was routed to, until ``approx_ttl_s`` after its last routing. This keeps
     the expiry bookkeeping at 8 bytes per routed block instead of one timestamp per
     (worker, block), at the price of that coarser expiry for blocks routed to several workers.
+
+    Unlike the exact index it is not bounded by LRU eviction: its owner (``KVCache``) keeps it
+    under ``max_blocks`` by expiring the oldest buckets early, which, like expiry itself, keeps
+    every routed prefix prefix-closed; that is what lets :meth:`_walk` gallop.
     """
 
     _shift = _STAMP_BITS
 
-    def route(self, key: WorkerKey, chain: Sequence[int], stamp: int) -> list[int]:
+    def _walk(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
+        """As :meth:`PrefixIndex._walk`, in O(levels x log(chain)) probes instead of O(depth).
+
+        Routed prefixes are closed under prefixes: a routing stores a whole chain, deepest
+        least recent, and expiry and eviction take deeper blocks no later than shallower ones
+        (a block's stamp is never older than a deeper block's of the same chain). So along a
+        chain the holders only ever shrink, and the depth at which the alive set changes can
+        be found by galloping and bisection. The index is large and its probes miss the CPU
+        caches: fewer probes is what makes the walk cheap.
+        """
+        get, shift = self._holders.get, self._shift
+        levels: list[tuple[int, int]] = []
+        n = len(chain)
+        alive <<= shift
+        i = 0
+        while i < n:
+            v = get(chain[i])
+            m = v & alive if v is not None else 0
+            if m != alive:
+                if i:
+                    levels.append((i, (alive & ~m) >> shift))
+                alive = m
+                if not alive:
+                    break
+            lo, step = i, 1                  # every alive slot holds chain[lo]: gallop forward
+            while True:
+                j = lo + step
+                if j >= n:
+                    hi = n
+                    break
+                v = get(chain[j])
+                if v is not None and v & alive == alive:
+                    lo, step = j, step * 2
+                else:
+                    hi = j
+                    break
+            while hi - lo > 1:               # the first index in (lo, hi] not held by all alive
+                mid = (lo + hi) >> 1
+                v = get(chain[mid])
+                if v is not None and v & alive == alive:
+                    lo = mid
+                else:
+                    hi = mid
+            i = hi
+        if alive:
+            levels.append((n, alive >> shift))
+        return levels
+
+    def route(self, key: WorkerKey, chain: Sequence[int], stamp: int, held: int = 0) -> list[int]:
         """``chain`` was routed to ``key`` now; ``stamp`` (32 bits) names the time bucket. Returns
         the blocks whose stamp changed (the caller queues them for that bucket's expiry); blocks
         this worker already holds with this stamp are left as they are, so a hot prefix routed
-        again within its bucket costs one probe a block."""
+        again within its bucket costs one probe a block. ``held``: the leading blocks the walk
+        found this worker holding; if the deepest of them already carries this stamp, so do all
+        before it (see :meth:`_walk`) and they are not probed at all."""
         if not chain:
             return []
         slot = self._slot(key)
         holders, mine = self._holders, self._blocks_of[slot]
         sbit, keep = mine.bit, ~_STAMP
         stamp &= _STAMP
-        get, pop = holders.get, holders.pop
+        get = holders.get
         intern = self._intern.setdefault
         current = intern(sbit | stamp, sbit | stamp)
         fresh = current                     # one int object shared by the blocks new to the index
         changed: list[int] = []
         new: list[int] = []
-        for h in reversed(chain):           # deepest least recent, as for BlockStored
-            m = get(h)
+        full = chain
+        if 0 < held <= len(chain):
+            m = get(chain[held - 1])
+            if m is not None and m & sbit and m & _STAMP == stamp:
+                chain = chain[held:]        # the held prefix was routed in this bucket already
+        values = list(map(get, chain))      # every probe first, in C (the index is large: misses)
+        for h, m in zip(reversed(chain), reversed(values)):
             if m is None:
                 holders[h] = fresh
                 new.append(h)
-            elif m & current == current and m & _STAMP == stamp:
+            elif m & sbit and m & _STAMP == stamp:
                 continue                    # held here, routed in this bucket already
             else:
-                del holders[h]              # re-insert: most recent for the LRU cap
                 m2 = (m & keep) | current
                 holders[h] = intern(m2, m2)
                 if not m & sbit:
@@ -584,14 +625,16 @@ class RoutedIndex(PrefixIndex):
                     continue
             changed.append(h)
         if new:
+            if len(new) > 1 and len(set(new)) != len(new):
+                new = list(dict.fromkeys(new))    # a hash twice in one chain: probed before either insert
             mine.extend(new)
             mine.live += len(new)
             self._refs += len(new)
-        self._stored += len(chain)
+        self._stored += len(full)
         if len(mine.hashes) > 2 * mine.live + 64:
             mine.compact()
-        if len(holders) > self.config.max_blocks:
-            self._evict(len(holders) - self.config.max_blocks)
+        # No LRU eviction here: the owner caps the size by expiring the oldest buckets early,
+        # which keeps routed prefixes prefix-closed (see _walk).
         if len(self._intern) > _INTERN_MAX:
             self._intern.clear()
         return changed

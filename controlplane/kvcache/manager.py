@@ -276,7 +276,7 @@ class KVCache:
         matched prefix recent in the index."""
         if chain and not self.tracked_exactly(worker):
             bucket = int(time.monotonic() / self._bucket_s())
-            changed = self.approx.route((worker.id, 0), chain, bucket)
+            changed = self.approx.route((worker.id, 0), chain, bucket, predicted_depth)
             if changed:
                 q = self._approx_expiry
                 if not q or q[-1][0] != bucket:
@@ -286,8 +286,19 @@ class KVCache:
                     blocks.extend(changed)
                 except OverflowError:      # a hash outside 64 unsigned bits: keep this bucket a list
                     q[-1] = (bucket, list(blocks) + [h for h in changed if h not in set(blocks)])
+            if self.approx.size() > self.config.max_blocks:
+                self._shrink_approx()
         elif chain and predicted_depth:
             self.exact.touch(chain[:predicted_depth])
+
+    def _shrink_approx(self) -> None:
+        """Over ``max_blocks``: expire the oldest buckets early, down to 255/256 of the cap (the
+        approximate index's bound; expiring whole buckets keeps routed prefixes prefix-closed)."""
+        q, approx = self._approx_expiry, self.approx
+        target = self.config.max_blocks - (self.config.max_blocks >> 8)
+        while q and approx.size() > target:
+            bucket, blocks = q.popleft()
+            approx._evicted += approx.expire(blocks, bucket)
 
     def _expire(self) -> None:
         q = self._approx_expiry
