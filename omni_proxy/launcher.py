@@ -166,9 +166,37 @@ def child_main(argv: list[str] | None = None) -> None:
             watch_lifeline(fd_num)
         except (ValueError, OSError):
             pass
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == [GUARD_FLAG]:
+        _guard(args[2:] if args[1:2] == ["--"] else args[1:])
     from omni_proxy.cli import main
 
-    main(sys.argv[1:] if argv is None else argv)
+    main(args)
+
+
+GUARD_FLAG = "--guard"
+
+
+def guarded(cmd: list[str]) -> list[str]:
+    """``cmd`` (any program: a peer router, an engine) behind a guardian that ends it when
+    the launcher dies. Start the result with :func:`spawn`; stop it by signalling its process
+    group (:class:`ProcessGroup` does), which reaches the program directly."""
+    return [sys.executable, "-m", "omni_proxy.launcher", GUARD_FLAG, "--", *cmd]
+
+
+def _guard(cmd: list[str]) -> None:
+    """Run ``cmd`` in this process group and exit with its status. The lifeline watch (set
+    up by :func:`child_main`) terminates the whole group, ``cmd`` included, when the launcher
+    dies. SIGTERM/SIGINT sent to the group reach ``cmd`` directly; the guardian only waits."""
+    if not cmd:
+        raise SystemExit("omni_proxy.launcher --guard: no command")
+    # A handler, not SIG_IGN: an ignored signal would stay ignored in ``cmd`` across exec,
+    # a caught one is reset to its default there.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    proc = subprocess.Popen(cmd)
+    rc = proc.wait()
+    raise SystemExit(rc if rc >= 0 else 128 - rc)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

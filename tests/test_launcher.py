@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_proxy.launcher import Child, ProcessGroup, spawn
+from omni_proxy.launcher import Child, ProcessGroup, guarded, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,3 +134,54 @@ def test_close_stops_every_child_and_is_idempotent():
     assert a.proc.returncode is not None and b.proc.returncode is not None
     assert not alive(a.proc.pid) and not alive(b.proc.pid)
     group.close()
+
+
+GUARDED_HELPER = textwrap.dedent("""
+    import sys, time
+    from omni_proxy.launcher import Child, ProcessGroup, guarded, spawn
+
+    group = ProcessGroup()
+    program = [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+               "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(600)", sys.argv[1]]
+    spawn(guarded(program), log_path=group.workdir / "p.log")
+    time.sleep(600)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipes and process groups as on Linux")
+def test_a_guarded_foreign_program_dies_with_the_launcher(tmp_path):
+    """Programs that are not omni-proxy (peer routers, engines) run behind a guardian."""
+    pid_file = tmp_path / "program.pid"
+    helper = subprocess.Popen([sys.executable, "-c", GUARDED_HELPER, str(pid_file)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    program = None
+    try:
+        program = int(wait_file(pid_file, helper))
+        helper.kill()
+        helper.wait()
+        wait_gone(program, timeout=30)
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+            helper.wait()
+        if program and alive(program):
+            os.kill(program, signal.SIGKILL)
+
+
+def test_a_guarded_program_stops_with_its_group_and_keeps_its_exit_status(tmp_path):
+    group = ProcessGroup()
+    try:
+        ok = spawn(guarded([sys.executable, "-c", "raise SystemExit(3)"]), log_path=tmp_path / "ok.log")
+        assert ok.wait(30) == 3
+        ready = tmp_path / "started"
+        slow = spawn(guarded([sys.executable, "-c", "import sys, time; open(sys.argv[1], 'w').write('1'); "
+                              "time.sleep(600)", str(ready)]), log_path=tmp_path / "s.log")
+        child = Child(name="slow", proc=slow, port=0, log_path=tmp_path / "s.log")
+        group.children.append(child)
+        wait_file(ready, slow)     # the program runs behind its guardian
+        started = time.monotonic()
+        group.stop(child, timeout=10)
+        # SIGTERM reached the program itself (no SIGKILL after the timeout was needed)
+        assert time.monotonic() - started < 5 and slow.returncode == 128 + signal.SIGTERM
+    finally:
+        group.close()
