@@ -13,7 +13,8 @@ the main thread also sets ``PR_SET_PDEATHSIG`` (SIGTERM), which the kernel deliv
 when the child's Python code is stuck. Not from other threads: PDEATHSIG fires when the
 *thread* that forked the child exits, and children are started from worker threads
 (``asyncio.to_thread``, thread pools in the benchmarks), so it would kill healthy servers
-as soon as that thread ended.
+as soon as that thread ended. A program that is not omni-proxy (a peer router, an engine)
+gets the same through :func:`guarded`, a guardian that holds the lifeline for it.
 """
 
 from __future__ import annotations
