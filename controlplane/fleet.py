@@ -221,12 +221,20 @@ class Fleet:
         """The ledger's load of a worker changed (a store's load listener, or placement after
         reading or reserving it): keeps the groups' least-loaded orders current in O(log n)."""
         work = load.tokens + TOKENS_PER_REQUEST * load.requests
-        if self._work.get(worker_id, 0) == work or worker_id not in self._specs:
+        if self._work.get(worker_id, 0) == work:
+            return
+        spec = self._specs.get(worker_id)
+        if spec is None:
             return
         self._work[worker_id] = work
-        for group in self._ordered:
-            if group._heap is not None and worker_id in group.members:
-                group._push(worker_id)
+        if self._ordered:
+            entry = (work / spec.weight if spec.weight > 0 else float("inf"), worker_id)
+            for group in self._ordered:
+                heap = group._heap
+                if heap is not None and worker_id in group._members:
+                    heapq.heappush(heap, entry)
+                    if len(heap) > 3 * len(group.ids) + 64:   # stale entries: rebuilt on next use
+                        group._heap = None
 
     # ------------------------------------------------------------------ the routable index
 

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _LEG_NAMES = {pb.LEG_ENTRY: "entry", pb.LEG_PREFILL: "prefill", pb.LEG_DECODE: "decode"}
 _LEG_ROLES = {"prefill": (Role.PREFILL,), "decode": (Role.DECODE,)}
+_ROLE_SETS = {roles: frozenset(roles) for roles in ((Role.BOTH, Role.PREFILL), (Role.BOTH,), *_LEG_ROLES.values())}
+_NONE: frozenset[str] = frozenset()
 MAX_TOKENS = 1 << 40   # per request: far above any context, far below int64 sums of many requests
 PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
 ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
@@ -282,8 +284,9 @@ class Placer:
     def _context(self, req: pb.PlaceRequest, leg: str, roles: tuple[Role, ...], chain: list[int]) -> PlacementContext:
         return PlacementContext(
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
-            max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers), now=time.monotonic(),
-            metrics_max_age_s=self.metrics_max_age_s, roles=frozenset(roles), chain_blocks=len(chain),
+            max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers) if req.exclude_workers else _NONE,
+            now=time.monotonic(), metrics_max_age_s=self.metrics_max_age_s, roles=_ROLE_SETS[roles],
+            chain_blocks=len(chain),
             block_size=self.block_size, predictor=self.predictor,
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else 0.0,
             tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else 0.0)

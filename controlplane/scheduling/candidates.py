@@ -108,8 +108,21 @@ class SampleStage:
         return chosen
 
     def _uniform(self, ids: tuple[str, ...], k: int, exclude: frozenset[str]) -> list[str]:
-        got = self.rng.sample(ids, min(len(ids), k + len(exclude)))
-        return [wid for wid in got if wid not in exclude][:k] if exclude else got
+        """``k`` distinct ids drawn uniformly, none in ``exclude``: rejection sampling, O(k)
+        (random.sample's bookkeeping costs more than the draws at this size)."""
+        n = len(ids)
+        if k >= n - len(exclude):
+            return [wid for wid in ids if wid not in exclude]
+        rnd = self.rng.random
+        out: dict[str, None] = {}
+        for _ in range(8 * k + 16):
+            wid = ids[int(rnd() * n)]
+            if wid not in exclude:
+                out[wid] = None
+                if len(out) == k:
+                    return list(out)
+        rest = [wid for wid in ids if wid not in exclude and wid not in out]   # nearly all excluded
+        return list(out) + self.rng.sample(rest, k - len(out))
 
     def _weighted_random(self, group: "Group", exclude: frozenset[str]) -> list[str]:
         ids, rng = group.ids, self.rng
