@@ -534,3 +534,97 @@ async def test_control_plane_places_and_releases_through_redis(sim_both, redis_s
         await plane.stop()
         await plane.store.close()
         await other.close()
+
+
+# ---------------------------------------------------------------------------- fleet sync
+
+async def _sync_pair(url: str, prefix: str, **kw):
+    from controlplane.fleet import Fleet
+    from controlplane.state.sync import SpecSync
+
+    added, removed = [], []
+
+    async def on_added(spec):
+        added.append(spec.id)
+
+    async def on_removed(wid):
+        removed.append(wid)
+
+    writer, reader = RedisStore(url, key_prefix=prefix), RedisStore(url, key_prefix=prefix, socket_timeout_s=0.5)
+    fleet = Fleet()
+    sync = SpecSync(reader, fleet, on_added=on_added, on_removed=on_removed, **kw)
+    return writer, reader, fleet, sync, added, removed
+
+
+async def test_spec_sync_follows_another_replicas_changes(redis_server):
+    writer, reader, fleet, sync, added, removed = await _sync_pair(redis_server.url, _prefix(), poll_interval_s=30)
+    a = WorkerSpec("a", "http://10.0.0.1:8000", Role.PREFILL, model="m")
+    await writer.put_spec(a)
+    task = asyncio.create_task(sync.run())
+    try:
+        async def has(cond) -> bool:
+            return cond()
+        await wait_until(lambda: has(lambda: fleet.get("a") == a), timeout=5, what="the first read")
+        assert fleet.last_heartbeat("a") > 0                   # not expired at once on this replica
+        b = WorkerSpec("b", "http://10.0.0.2:8000", Role.DECODE, model="m", labels={"z": "1"})
+        await writer.put_spec(b)                                # pub/sub, not the 30 s poll
+        await wait_until(lambda: has(lambda: fleet.get("b") == b), timeout=5, what="b added")
+        await writer.put_spec(dataclasses.replace(a, draining=True, weight=0.5))
+        await wait_until(lambda: has(lambda: fleet.get("a").draining), timeout=5, what="a drained")
+        await writer.remove_spec("b")
+        await wait_until(lambda: has(lambda: "b" not in fleet), timeout=5, what="b removed")
+        assert (added, removed) == (["a", "b"], ["b"])
+        assert sync.connected and sync.version == await writer.spec_version()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await writer.close()
+        await reader.close()
+
+
+async def test_spec_sync_keeps_the_fleet_while_redis_is_away_and_catches_up(redis_persistent):
+    writer, reader, fleet, sync, added, removed = await _sync_pair(redis_persistent.url, _prefix(),
+                                                                   poll_interval_s=0.2, retry_s=0.05)
+    await writer.put_spec(WorkerSpec("a", "http://10.0.0.1:8000", Role.BOTH))
+    task = asyncio.create_task(sync.run())
+
+    async def has(cond) -> bool:
+        return cond()
+    try:
+        await wait_until(lambda: has(lambda: "a" in fleet and sync.connected), timeout=5, what="the first read")
+        redis_persistent.stop()
+        await wait_until(lambda: has(lambda: not sync.connected), timeout=5, what="the sync to notice")
+        assert "a" in fleet                                     # placement goes on with what it knows
+        redis_persistent.start()
+        await writer.put_spec(WorkerSpec("b", "http://10.0.0.2:8000", Role.BOTH))
+        await wait_until(lambda: has(lambda: "b" in fleet and sync.connected), timeout=10, what="catching up")
+        assert sorted(s.id for s in fleet.specs()) == ["a", "b"] and removed == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await writer.close()
+        await reader.close()
+
+
+async def test_spec_sync_polls_a_store_without_pubsub():
+    from controlplane.fleet import Fleet
+    from controlplane.state.sync import SpecSync
+
+    store, fleet = MemoryStore(), Fleet()
+    sync = SpecSync(store, fleet, poll_interval_s=0.02)
+    await store.put_spec(WorkerSpec("a", "http://10.0.0.1:8000", Role.BOTH))
+    task = asyncio.create_task(sync.run())
+
+    async def synced() -> bool:
+        return "a" in fleet and "x" not in fleet
+    try:
+        await wait_until(synced, timeout=5, what="the first poll")
+        await store.put_spec(WorkerSpec("x", "http://10.0.0.9:8000", Role.BOTH))
+        await store.remove_spec("a")
+
+        async def followed() -> bool:
+            return "x" in fleet and "a" not in fleet
+        await wait_until(followed, timeout=5, what="the next poll")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -391,8 +391,18 @@ def _unavailable(method):
         try:
             return await method(self, *args, **kwargs)
         except _UNAVAILABLE as exc:
+            _reraise_cancel()
             raise StoreUnavailable(f"redis at {self.url_for_logs} unavailable ({type(exc).__name__}: {exc})") from exc
     return wrapper
+
+
+def _reraise_cancel() -> None:
+    """A cancel that arrived during a redis call can surface as a timeout or connection
+    error (the socket read is abandoned): it must stay a cancel, or a cancelled loop would
+    take it for an outage and go on forever."""
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():
+        raise asyncio.CancelledError
 
 
 class RedisStore:
@@ -531,6 +541,7 @@ class RedisStore:
                 try:
                     msg = await pubsub.get_message(timeout=None)
                 except _UNAVAILABLE as exc:
+                    _reraise_cancel()
                     raise StoreUnavailable(f"redis at {self.url_for_logs}: spec channel lost ({exc})") from exc
                 if msg is None or msg.get("type") != "message":
                     continue
@@ -662,6 +673,7 @@ class RedisStore:
         interval = interval_s if interval_s is not None else self.replica_ttl_ms / 3000
         down = False
         while True:
+            _reraise_cancel()   # redis-py can swallow a cancel that lands mid-call
             try:
                 await self.heartbeat()
                 await self.sweep(orphan_at=time.monotonic() if orphan else None)
@@ -669,6 +681,7 @@ class RedisStore:
                     log.warning("redis at %s is back", self.url_for_logs)
                 down = False
             except StoreUnavailable as exc:
+                _reraise_cancel()
                 if not down:
                     log.error("%s", exc)
                 down = True

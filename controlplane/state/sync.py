@@ -1,0 +1,145 @@
+"""Keep one replica's :class:`~controlplane.fleet.Fleet` in step with the specs in a shared store.
+
+Every replica places from its own ``Fleet`` (specs plus its own health view). When specs
+live in Redis, another replica's change (``omni-ctl add``/``drain``/``weight``, an engine
+registering there, a removal) must reach this replica's fleet too. :class:`SpecSync` does
+it: a full read at start, then one read per change announced on the store's pub/sub
+channel, and a version poll every ``poll_interval_s`` in case a message was lost. When
+Redis goes away it keeps the fleet as it is (placement goes on from memory), and re-reads
+everything once Redis answers again.
+
+Wiring (one per replica, after the config workers were added)::
+
+    sync = SpecSync(store, fleet, on_added=plane._worker_added, on_removed=plane._worker_removed)
+    await sync.refresh()                  # optional: be in step before serving
+    task = asyncio.create_task(sync.run())
+    ...
+    task.cancel()
+
+``on_added`` gets each spec that is new to this replica (health-check it, watch its KV
+events); ``on_removed`` each id another replica removed (forget its predictor model, stop
+its KV subscription). Changes to known specs (drain, weight) only replace the spec.
+A store without ``watch_specs`` (MemoryStore) is simply polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from controlplane.fleet import Fleet
+from controlplane.state.base import StoreUnavailable
+from controlplane.workers import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def _reraise_cancel() -> None:
+    """redis-py can swallow a cancel that lands mid-call (or turn it into a connection
+    error): a cancelled loop must still stop."""
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():
+        raise asyncio.CancelledError
+
+
+class SpecSync:
+    def __init__(self, store, fleet: Fleet, *, on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
+                 on_removed: Callable[[str], Awaitable[None]] | None = None, poll_interval_s: float = 5.0,
+                 retry_s: float = 1.0) -> None:
+        self.store = store
+        self.fleet = fleet
+        self.on_added = on_added
+        self.on_removed = on_removed
+        self.poll_interval_s = poll_interval_s
+        self.retry_s = retry_s
+        self.version = -1           # the store's spec version this fleet reflects; -1: never read
+        self.refreshes = 0
+        self.connected = False      # for /health and /metrics: False while the store is away
+
+    async def refresh(self) -> tuple[list[str], list[str]]:
+        """Read every spec and make the fleet match; returns (added or changed ids, removed ids)."""
+        if hasattr(self.store, "specs_versioned"):
+            version, specs = await self.store.specs_versioned()
+        else:
+            version, specs = 0, await self.store.specs()
+        changed, removed = [], []
+        wanted = {s.id: s for s in specs}
+        now = time.monotonic()
+        for spec in specs:
+            old = self.fleet.get(spec.id)
+            if old != spec:
+                self.fleet.put(spec)
+                changed.append(spec.id)
+                if old is None:
+                    # Its heartbeats (if it sends any) go to the replica it registered with:
+                    # start its clock here so this replica does not expire it at once.
+                    self.fleet.beat(spec.id, now)
+                    if self.on_added is not None:
+                        await self._call(self.on_added, spec)
+        for spec in self.fleet.specs():
+            if spec.id not in wanted:
+                self.fleet.remove(spec.id)
+                removed.append(spec.id)
+                if self.on_removed is not None:
+                    await self._call(self.on_removed, spec.id)
+        self.version = version
+        self.refreshes += 1
+        if changed or removed:
+            log.info("specs from the store (version %d): %d added or changed, %d removed",
+                     version, len(changed), len(removed))
+        return changed, removed
+
+    @staticmethod
+    async def _call(hook, arg) -> None:
+        try:
+            await hook(arg)
+        except Exception:  # a failing hook (a health check) must not stop the sync
+            log.exception("spec sync hook failed for %s", getattr(arg, "id", arg))
+
+    async def run(self) -> None:
+        """Follow the store until cancelled."""
+        down = False
+        while True:
+            _reraise_cancel()
+            try:
+                await self.refresh()
+                self.connected = True
+                if down:
+                    log.warning("spec sync: store is back; fleet re-read")
+                down = False
+                await self._follow()
+            except StoreUnavailable as exc:
+                _reraise_cancel()
+                self.connected = False
+                if not down:
+                    log.error("spec sync: %s; placing with the specs already known", exc)
+                down = True
+                await asyncio.sleep(self.retry_s)
+
+    async def _follow(self) -> None:
+        watch = getattr(self.store, "watch_specs", None)
+        if watch is None:
+            while True:
+                _reraise_cancel()
+                await asyncio.sleep(self.poll_interval_s)
+                await self.refresh()
+        changes = watch()
+        # A change made between refresh() and the subscription is caught by the version poll.
+        pending = asyncio.ensure_future(changes.__anext__())
+        try:
+            while True:
+                _reraise_cancel()
+                done, _ = await asyncio.wait({pending}, timeout=self.poll_interval_s)
+                if done:
+                    change = pending.result()   # raises StoreUnavailable when the channel is lost
+                    pending = asyncio.ensure_future(changes.__anext__())
+                    if change.version > self.version:
+                        await self.refresh()
+                elif await self.store.spec_version() != self.version:
+                    await self.refresh()        # a message was lost
+        finally:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+            await changes.aclose()
