@@ -263,6 +263,7 @@ class PrefixIndex:
                 prev = h
         pop = holders.pop
         new: list[int] = []
+        last = last2 = None                 # runs of blocks share one (interned) value: map it once
         for h in reversed(hashes):          # deepest first = least recent (see module docstring)
             m = pop(h, None)
             if m is None:
@@ -271,8 +272,10 @@ class PrefixIndex:
                 holders[h] = m
                 continue
             else:
-                m |= bit
-                holders[h] = intern(m, m)
+                if m is not last:
+                    m2 = m | bit
+                    last, last2 = m, intern(m2, m2)
+                holders[h] = last2
             new.append(h)
         if parent is not None:
             m = pop(parent, None)
@@ -610,6 +613,7 @@ class RoutedIndex(PrefixIndex):
             if m is not None and m & sbit and m & _STAMP == stamp:
                 chain = chain[held:]        # the held prefix was routed in this bucket already
         values = list(map(get, chain))      # every probe first, in C (the index is large: misses)
+        last = last2 = None                 # runs of blocks share one (interned) value: map it once
         for h, m in zip(reversed(chain), reversed(values)):
             if m is None:
                 holders[h] = fresh
@@ -617,8 +621,10 @@ class RoutedIndex(PrefixIndex):
             elif m & sbit and m & _STAMP == stamp:
                 continue                    # held here, routed in this bucket already
             else:
-                m2 = (m & keep) | current
-                holders[h] = intern(m2, m2)
+                if m is not last:
+                    m2 = (m & keep) | current
+                    last, last2 = m, intern(m2, m2)
+                holders[h] = last2
                 if not m & sbit:
                     new.append(h)
                 if m & _STAMP == stamp:

@@ -81,6 +81,10 @@ class SLOFilter:
     soft: bool = True
     uses_predictions: bool = True
 
+    def active(self, ctx: PlacementContext) -> bool:
+        """Whether this filter can drop anyone for this request (the pipeline skips it if not)."""
+        return bool(ctx.ttft_slo_s or ctx.tpot_slo_s)
+
     def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         if not (ctx.ttft_slo_s or ctx.tpot_slo_s):
             return True

@@ -60,6 +60,9 @@ class Profile:
         dropped: dict[str, str] = {}
         remaining = self._apply(EXCLUDE, ctx, workers, dropped) if ctx.exclude else workers
         for flt in self.filters:
+            active = getattr(flt, "active", None)
+            if active is not None and not active(ctx):
+                continue                  # it would keep everyone (e.g. no SLO on this request)
             kept = [w for w in remaining if flt.keep(ctx, w)]
             if not kept and getattr(flt, "soft", False):
                 continue  # a soft filter never empties the list on its own
