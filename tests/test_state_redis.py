@@ -32,12 +32,14 @@ def _prefix() -> str:
     return f"t{next(_prefixes)}-{random.getrandbits(32):08x}:"
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-py"])
 async def store(request, redis_server):
+    """The reference, the Redis store (hot calls on its own wire client), and the Redis
+    store with every call through redis-py (as with rediss:// URLs)."""
     if request.param == "memory":
         yield MemoryStore()
         return
-    s = RedisStore(redis_server.url, key_prefix=_prefix())
+    s = RedisStore(redis_server.url, key_prefix=_prefix(), fast_path=request.param == "redis")
     try:
         yield s
     finally:

@@ -65,6 +65,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from controlplane.state import redis_wire
 from controlplane.state.base import Charge, RequestRecord, StoreUnavailable
 from controlplane.workers import IDLE, Load, Role, WorkerSpec
 
@@ -410,7 +411,7 @@ class RedisStore:
 
     def __init__(self, url: str = DEFAULT_URL, *, key_prefix: str = DEFAULT_PREFIX, replica_id: str = "",
                  replica_ttl_s: float = 10.0, socket_timeout_s: float = 1.0, max_connections: int = 32,
-                 client: aioredis.Redis | None = None) -> None:
+                 client: aioredis.Redis | None = None, fast_path: bool = True) -> None:
         self.url_for_logs = safe_url(url)
         self.prefix = key_prefix
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -428,6 +429,10 @@ class RedisStore:
                 health_check_interval=30)
             client = aioredis.Redis(connection_pool=pool)
         self.redis = client
+        # The ledger's hot calls (loads, reserve, release, end, settle, get) on a lean
+        # pipelining connection; redis-py for the rest (see redis_wire). TLS: redis-py only.
+        self.wire = redis_wire.WireClient(url, timeout_s=socket_timeout_s, connect_timeout_s=max(2.0, socket_timeout_s)) \
+            if fast_path and redis_wire.supported(url) else None
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._release = r.register_script(_RELEASE)
@@ -446,7 +451,14 @@ class RedisStore:
         self._k_orphans, self._k_replicas, self._k_alive = P + "orphans", P + "replicas", P + "alive:"
 
     async def close(self) -> None:
+        if self.wire is not None:
+            await self.wire.close()
         await self.redis.aclose(close_connection_pool=True)
+
+    async def _script(self, script, source: str, args: list[Any], keys: list[str] | None = None) -> Any:
+        if self.wire is not None:
+            return await self.wire.script(source, keys or [], args)
+        return await script(keys=keys or [], args=args)
 
     @_unavailable
     async def ping(self) -> bool:
@@ -570,22 +582,24 @@ class RedisStore:
         args.append(len(charges))
         for c in charges:
             args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
-        return self._record(await self._reserve(args=args))
+        return self._record(await self._script(self._reserve, _RESERVE, args))
 
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
-        return self._record(await self._release(args=[self.prefix, request_id, leg, worker_id]))
+        return self._record(await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
 
     @_unavailable
     async def end(self, request_id: str) -> RequestRecord | None:
-        return self._record(await self._end(args=[self.prefix, request_id]))
+        return self._record(await self._script(self._end, _END, [self.prefix, request_id]))
 
     @_unavailable
     async def settle_prefill(self, request_id: str) -> RequestRecord | None:
-        return self._record(await self._settle(args=[self.prefix, request_id]))
+        return self._record(await self._script(self._settle, _SETTLE, [self.prefix, request_id]))
 
     @_unavailable
     async def get(self, request_id: str) -> RequestRecord | None:
+        if self.wire is not None:
+            return self._record(await self.wire.call("HGETALL", self._k_rec + request_id))
         return self._record(await self.redis.hgetall(self._k_rec + request_id))
 
     @_unavailable
@@ -605,9 +619,14 @@ class RedisStore:
         if not ids:
             return {}
         prefix = self._k_load
+        if self.wire is not None:   # HMGETs in one write: ~0.2 us each in Redis, a Lua call ~10 us
+            if len(ids) == 1:
+                return {ids[0]: _load(await self.wire.call("HMGET", prefix + ids[0], *_LOAD_FIELDS))}
+            rows = await self.wire.pipeline([("HMGET", prefix + wid, *_LOAD_FIELDS) for wid in ids])
+            return {wid: _load(row) for wid, row in zip(ids, rows)}
         if len(ids) == 1:
             return {ids[0]: _load(await self.redis.hmget(prefix + ids[0], _LOAD_FIELDS))}
-        flat = await self._loads(keys=[prefix + wid for wid in ids])
+        flat = await self._script(self._loads, _LOADS, [], [prefix + wid for wid in ids])
         return {wid: _load(flat[4 * i:4 * i + 4]) for i, wid in enumerate(ids)}
 
     @_unavailable

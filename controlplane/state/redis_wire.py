@@ -1,0 +1,211 @@
+"""A lean, pipelining Redis client for the ledger's hot calls (placement's loads and reserve).
+
+redis-py spends ~70-90 us of CPU per command (pool checkout, timeouts, retries,
+telemetry hooks) before the ~20 us loopback round trip; a placement makes two. This client
+keeps one connection per store, writes each command at once (hiredis packs it) and
+matches replies to callers in order (hiredis parses them), so concurrent placements share
+the connection as an implicit pipeline. Everything else (specs, pub/sub, sweeps) stays on
+redis-py.
+
+Failure rules: a connection that breaks, or a reply that does not come within
+``timeout_s``, fails every call waiting on it with ``ConnectionError`` / ``TimeoutError``
+and is dropped; the next call opens a new one. A call that failed with a broken
+connection is retried once on a new one (never after a timeout). Redis answers LOADING / READONLY / MASTERDOWN
+are raised as ``ConnectionError`` too (Redis is there but cannot serve).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from typing import Any
+
+import hiredis
+from redis.asyncio.connection import SSLConnection, parse_url
+from redis.exceptions import NoScriptError, ResponseError
+
+_UNAVAILABLE_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
+
+
+def supported(url: str) -> bool:
+    """Plain TCP or unix-socket URLs; TLS (rediss://) stays on redis-py."""
+    try:
+        return parse_url(url).get("connection_class") is not SSLConnection
+    except ValueError:
+        return False
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(encoding="utf-8")
+        self.waiters: deque = deque()   # futures, or [future, n, replies] for a pipeline
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        reader, waiters = self.reader, self.waiters
+        reader.feed(data)
+        while True:
+            reply = reader.gets()
+            if reply is False:
+                return
+            if not waiters:   # a reply nobody asked for: the stream is out of step
+                self.abort(ConnectionError("redis sent an unexpected reply"))
+                return
+            entry = waiters[0]
+            if type(entry) is list:   # a pipeline: [future, replies still expected, replies]
+                entry[2].append(reply)
+                entry[1] -= 1
+                if entry[1]:
+                    continue
+                waiters.popleft()
+                fut, reply = entry[0], entry[2]
+            else:
+                fut = waiters.popleft()
+            if not fut.done():   # its caller may have been cancelled: skip, stay in step
+                fut.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc if isinstance(exc, Exception) else ConnectionError("connection closed by redis"))
+
+    def abort(self, exc: Exception) -> None:
+        self._fail(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: Exception) -> None:
+        self.closed = True
+        self.lost = self.lost or exc
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if type(fut) is list:
+                fut = fut[0]
+            if not fut.done():
+                fut.set_exception(ConnectionError(str(exc)) if not isinstance(exc, (ConnectionError, TimeoutError))
+                                  else exc)
+
+
+class WireClient:
+    def __init__(self, url: str, *, timeout_s: float = 1.0, connect_timeout_s: float = 2.0) -> None:
+        opts = parse_url(url)
+        self.path = opts.get("path")
+        self.host, self.port = opts.get("host", "localhost"), int(opts.get("port", 6379))
+        self.username, self.password = opts.get("username"), opts.get("password")
+        self.db = int(opts.get("db", 0) or 0)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._proto: _Protocol | None = None
+        self._connecting: asyncio.Future | None = None
+        self._shas: dict[str, str] = {}
+
+    async def _connection(self) -> _Protocol:
+        proto = self._proto
+        if proto is not None and not proto.closed:
+            return proto
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)
+        finally:
+            if connecting.done() and self._connecting is connecting:
+                self._connecting = None
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        try:
+            if self.path:
+                coro = loop.create_unix_connection(_Protocol, self.path)
+            else:
+                coro = loop.create_connection(_Protocol, self.host, self.port)
+            _, proto = await asyncio.wait_for(coro, self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"timed out connecting to redis after {self.connect_timeout_s:g}s") from None
+        if self.password:
+            auth = ("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)
+            await self._send(proto, auth)
+        if self.db:
+            await self._send(proto, ("SELECT", self.db))
+        self._proto = proto
+        return proto
+
+    async def _send(self, proto: _Protocol, args: tuple) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        proto.waiters.append(fut)
+        proto.transport.write(hiredis.pack_command(args))
+        timer = asyncio.get_running_loop().call_later(
+            self.timeout_s, proto.abort, TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
+        try:
+            reply = await fut
+        finally:
+            timer.cancel()
+        if isinstance(reply, hiredis.ReplyError):
+            msg = str(reply)
+            if msg.startswith(_UNAVAILABLE_REPLIES):
+                raise ConnectionError(f"redis cannot serve: {msg[:200]}")
+            if msg.startswith("NOSCRIPT"):
+                raise NoScriptError(msg)
+            raise ResponseError(msg)
+        return reply
+
+    async def pipeline(self, commands: list[tuple]) -> list[Any]:
+        """Several commands in one write; their replies in order (error replies raised)."""
+        for attempt in (1, 2):
+            proto = await self._connection()
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            proto.waiters.append([fut, len(commands), []])
+            proto.transport.write(b"".join(hiredis.pack_command(c) for c in commands))
+            timer = loop.call_later(self.timeout_s, proto.abort,
+                                    TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
+            try:
+                replies = await fut
+            except ConnectionError:
+                if attempt == 2:
+                    raise
+                continue
+            finally:
+                timer.cancel()
+            for reply in replies:
+                if isinstance(reply, hiredis.ReplyError):
+                    msg = str(reply)
+                    if msg.startswith(_UNAVAILABLE_REPLIES):
+                        raise ConnectionError(f"redis cannot serve: {msg[:200]}")
+                    raise ResponseError(msg)
+            return replies
+        raise AssertionError("unreachable")
+
+    async def call(self, *args) -> Any:
+        for attempt in (1, 2):
+            proto = await self._connection()
+            try:
+                return await self._send(proto, args)
+            except ConnectionError:
+                # Retried once on a new connection (a Redis restart breaks the old one). A
+                # timeout is not retried: the command may have run. RedisStore.reserve carries
+                # an operation token, so even a retried reserve is applied once.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def script(self, source: str, keys: list[str], args: list[Any]) -> Any:
+        sha = self._shas.get(source)
+        if sha is None:
+            sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
+        try:
+            return await self.call("EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # Redis restarted (or flushed its script cache): load it and run it once more.
+            await self.call("SCRIPT", "LOAD", source)
+            return await self.call("EVALSHA", sha, len(keys), *keys, *args)
+
+    async def close(self) -> None:
+        proto, self._proto = self._proto, None
+        if proto is not None and proto.transport is not None:
+            proto.transport.close()
+            proto.closed = True
