@@ -613,23 +613,30 @@ class RoutedIndex(PrefixIndex):
             if m is not None and m & sbit and m & _STAMP == stamp:
                 chain = chain[held:]        # the held prefix was routed in this bucket already
         values = list(map(get, chain))      # every probe first, in C (the index is large: misses)
-        last = last2 = None                 # runs of blocks share one (interned) value: map it once
+        # Runs of blocks share one (interned) value: decide once per run what becomes of it.
+        last = last2 = None
+        act = 0                             # 0: leave it; else 1 | 2 (new to this worker) | 4 (restamped)
         for h, m in zip(reversed(chain), reversed(values)):
             if m is None:
                 holders[h] = fresh
                 new.append(h)
-            elif m & sbit and m & _STAMP == stamp:
-                continue                    # held here, routed in this bucket already
-            else:
-                if m is not last:
+                changed.append(h)
+                continue
+            if m is not last:
+                last = m
+                held_here, same = m & sbit, m & _STAMP == stamp
+                if held_here and same:
+                    act = 0                 # held here, routed in this bucket already
+                else:
                     m2 = (m & keep) | current
-                    last, last2 = m, intern(m2, m2)
+                    last2 = intern(m2, m2)
+                    act = 1 | (0 if held_here else 2) | (0 if same else 4)
+            if act:
                 holders[h] = last2
-                if not m & sbit:
+                if act & 2:
                     new.append(h)
-                if m & _STAMP == stamp:
-                    continue
-            changed.append(h)
+                if act & 4:
+                    changed.append(h)
         if new:
             if len(new) > 1 and len(set(new)) != len(new):
                 new = list(dict.fromkeys(new))    # a hash twice in one chain: probed before either insert
