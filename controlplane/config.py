@@ -27,6 +27,7 @@ Example (TOML)::
     redis_url = "redis://127.0.0.1:6379/0"   # redis://, rediss:// or unix:///path
     key_prefix = "omni:"           # namespaces one deployment's keys in a shared Redis
     replica_ttl_s = 10.0           # a replica silent this long loses its reservations
+    loads_max_age_s = 0.0          # > 0: place from a local copy of the loads at most this old
 
     [profiles.cautious]            # a custom policy built from plugin names
     filters = [{name = "overload", max_requests = 16}]
@@ -154,6 +155,7 @@ STATE: dict[str, Check] = {
     "redis_url": _redis_url,
     "key_prefix": _key_prefix,
     "replica_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+    "loads_max_age_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=10),
 }
 
 
@@ -163,6 +165,7 @@ class StateConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "omni:"
     replica_ttl_s: float = 10.0
+    loads_max_age_s: float = 0.0      # > 0: placement reads loads from a local mirror at most this old
 
 
 def _table(value: Any, name: str) -> dict[Any, Any]:

@@ -32,14 +32,16 @@ def _prefix() -> str:
     return f"t{next(_prefixes)}-{random.getrandbits(32):08x}:"
 
 
-@pytest.fixture(params=["memory", "redis", "redis-py"])
+@pytest.fixture(params=["memory", "redis", "redis-py", "redis-mirror"])
 async def store(request, redis_server):
-    """The reference, the Redis store (hot calls on its own wire client), and the Redis
-    store with every call through redis-py (as with rediss:// URLs)."""
+    """The reference; the Redis store (hot calls on its own wire client); the Redis store
+    with every call through redis-py (as with rediss:// URLs); and with a load mirror
+    (a long max age: loads must then follow this store's own calls exactly, from replies)."""
     if request.param == "memory":
         yield MemoryStore()
         return
-    s = RedisStore(redis_server.url, key_prefix=_prefix(), fast_path=request.param == "redis")
+    s = RedisStore(redis_server.url, key_prefix=_prefix(), fast_path=request.param != "redis-py",
+                   loads_max_age_s=3600.0 if request.param == "redis-mirror" else 0.0)
     try:
         yield s
     finally:
@@ -275,6 +277,28 @@ async def test_two_replicas_share_one_ledger(redis_server):
         await b.close()
 
 
+async def test_load_mirror_sees_other_replicas_within_its_max_age(redis_server):
+    prefix = _prefix()
+    a = RedisStore(redis_server.url, key_prefix=prefix, loads_max_age_s=0.3)
+    b = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await b.reserve(_rec("b1"), (Charge("w", "aggregated", 10),))
+        assert (await a.loads(["w"]))["w"] == Load(1, 10, 0, 0)        # first read goes to Redis
+        await b.reserve(_rec("b2"), (Charge("w", "aggregated", 10),))
+        await a.reserve(_rec("a1"), (Charge("w", "aggregated", 5),))    # its reply carries w's load now
+        assert (await a.loads(["w"]))["w"] == Load(3, 25, 0, 0)
+        await b.end("b1")
+        assert (await a.loads(["w"]))["w"].requests == 3                # b's release: not seen yet
+
+        async def caught_up() -> bool:
+            return (await a.loads(["w"]))["w"] == Load(2, 15, 0, 0)
+        await wait_until(caught_up, timeout=5, what="the mirror to refresh")
+        assert (await a.loads(["w", "new"]))["new"] == IDLE              # unknown ids are read at once
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
     """A pooled connection that the server closed is reconnected transparently."""
     s = RedisStore(redis_server.url, key_prefix=_prefix())
@@ -284,7 +308,7 @@ async def test_reserve_survives_a_dropped_connection_without_charging_twice(redi
         await s.reserve(_rec("r2"), (Charge("w", "aggregated", 10),))
         assert (await s.loads(["w"]))["w"] == Load(2, 20, 0, 0)
         # the same operation delivered twice (a retry after a lost reply) is applied once
-        args = [s.prefix, "r3", s.replica_id, s.replica_ttl_ms, "op-x", 0, 0, 1, "w", "aggregated", 5, 0]
+        args = [s.prefix, "r3", s.replica_id, s.replica_ttl_ms, "op-x", 1, "session", "", 0, 1, "w", "aggregated", 5, 0]
         await s._reserve(args=args)
         await s._reserve(args=args)
         assert (await s.loads(["w"]))["w"] == Load(3, 25, 0, 0)
@@ -456,9 +480,11 @@ async def test_spec_changes_are_published_to_every_replica(redis_server):
 
 def test_state_config_and_make_store():
     cfg = ControlPlaneConfig.from_dict({"state": {"backend": "redis", "redis_url": "unix:///tmp/r.sock",
-                                                  "key_prefix": "{prod}:", "replica_ttl_s": 5}})
+                                                  "key_prefix": "{prod}:", "replica_ttl_s": 5,
+                                                  "loads_max_age_s": 0.05}})
     store = make_store(cfg)
     assert isinstance(store, RedisStore) and store.prefix == "{prod}:" and store.replica_ttl_ms == 5000
+    assert store.loads_max_age_s == 0.05
     assert isinstance(make_store(ControlPlaneConfig()), MemoryStore)
 
 
@@ -471,6 +497,7 @@ def test_state_config_and_make_store():
     ({"key_prefix": ""}, ["state.key_prefix"]),
     ({"key_prefix": "a b"}, ["state.key_prefix"]),
     ({"replica_ttl_s": 0}, ["state.replica_ttl_s"]),
+    ({"loads_max_age_s": 60}, ["state.loads_max_age_s", "<= 10"]),
     ({"redis": "x"}, ["unknown state key", "backend, redis_url"]),
 ])
 def test_bad_state_config_is_one_clear_line(state, words):

@@ -81,11 +81,13 @@ _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError,
 # Shared by the scripts: P is the key prefix (ARGV[1]).
 _LUA_COMMON = r"""
 local P = ARGV[1]
+local touched, touched_list = {}, {}
 
 -- MemoryStore._add: a missing load entry is created by increments only (a worker removed
 -- while its requests ran has nothing left to release); every field is clamped at 0.
 local function addload(wid, r, t, p)
   local k = P .. 'load:' .. wid
+  if not touched[wid] then touched[wid] = true; table.insert(touched_list, wid) end
   if redis.call('EXISTS', k) == 0 and (r < 0 or p < 0) then return end
   local pf = 0
   if p > 0 then pf = 1 elseif p < 0 then pf = -1 end
@@ -136,6 +138,18 @@ local function unlink(rid, rk)
   redis.call('DEL', rk)
 end
 
+-- {x, {worker, requests, tokens, prefill_tokens, prefills, ...}}: the loads this call
+-- changed, as they are now (a replica's load mirror takes them without another read).
+local function result(x)
+  local flat = {}
+  for _, wid in ipairs(touched_list) do
+    local v = redis.call('HMGET', P .. 'load:' .. wid, 'requests', 'tokens', 'prefill_tokens', 'prefills')
+    table.insert(flat, wid)
+    for j = 1, 4 do table.insert(flat, v[j]) end
+  end
+  return {x, flat}
+end
+
 local function end_record(rid)
   local rk = P .. 'rec:' .. rid
   local rec = redis.call('HGETALL', rk)
@@ -153,13 +167,12 @@ local rid, rep, ttl, op = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local rk = P .. 'rec:' .. rid
 local exists = redis.call('EXISTS', rk) == 1
 if exists and redis.call('HGET', rk, 'op') == op then
-  return redis.call('HGETALL', rk)   -- a retried call that already happened
+  return result(redis.call('HGETALL', rk))   -- a retried call that already happened
 end
 local i = 6
 local nf = tonumber(ARGV[i]); i = i + 1
 if not exists then
-  for j = 0, nf - 1 do redis.call('HSET', rk, ARGV[i + 2 * j], ARGV[i + 2 * j + 1]) end
-  redis.call('HSET', rk, 'replica', rep)
+  redis.call('HSET', rk, 'replica', rep, unpack(ARGV, i, i + 2 * nf - 1))
   redis.call('SADD', P .. 'recs', rid)
   redis.call('SADD', P .. 'rep:' .. rep, rid)
   redis.call('SADD', P .. 'replicas', rep)
@@ -183,14 +196,14 @@ for j = 0, nc - 1 do
   addload(c[1], 1, c[3], c[4])
 end
 redis.call('HSET', rk, 'charges', encode(list), 'op', op)
-return redis.call('HGETALL', rk)
+return result(redis.call('HGETALL', rk))
 """
 
 # ARGV: P, request id, leg ('' = any), worker id ('' = any)
 _RELEASE = _LUA_COMMON + r"""
 local rid, leg, wid = ARGV[2], ARGV[3], ARGV[4]
 local rk = P .. 'rec:' .. rid
-if redis.call('EXISTS', rk) == 0 then return false end
+if redis.call('EXISTS', rk) == 0 then return result(false) end
 local keep, changed = {}, false
 for _, c in ipairs(charges_of(rk)) do
   if (leg == '' or c[2] == leg) and (wid == '' or c[1] == wid) then
@@ -200,18 +213,18 @@ for _, c in ipairs(charges_of(rk)) do
   end
 end
 if changed then redis.call('HSET', rk, 'charges', encode(keep)) end
-return redis.call('HGETALL', rk)
+return result(redis.call('HGETALL', rk))
 """
 
 # ARGV: P, request id
 _END = _LUA_COMMON + r"""
-return end_record(ARGV[2])
+return result(end_record(ARGV[2]))
 """
 
 # ARGV: P, request id
 _SETTLE = _LUA_COMMON + r"""
 local rk = P .. 'rec:' .. ARGV[2]
-if redis.call('EXISTS', rk) == 0 then return false end
+if redis.call('EXISTS', rk) == 0 then return result(false) end
 local list, changed = charges_of(rk), false
 for _, c in ipairs(list) do
   if c[4] ~= 0 then
@@ -219,7 +232,7 @@ for _, c in ipairs(list) do
   end
 end
 if changed then redis.call('HSET', rk, 'charges', encode(list)) end
-return redis.call('HGETALL', rk)
+return result(redis.call('HGETALL', rk))
 """
 
 # ARGV: P, session, now (wall clock)
@@ -411,7 +424,8 @@ class RedisStore:
 
     def __init__(self, url: str = DEFAULT_URL, *, key_prefix: str = DEFAULT_PREFIX, replica_id: str = "",
                  replica_ttl_s: float = 10.0, socket_timeout_s: float = 1.0, max_connections: int = 32,
-                 client: aioredis.Redis | None = None, fast_path: bool = True) -> None:
+                 client: aioredis.Redis | None = None, fast_path: bool = True, loads_max_age_s: float = 0.0
+                 ) -> None:
         self.url_for_logs = safe_url(url)
         self.prefix = key_prefix
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -433,6 +447,16 @@ class RedisStore:
         # pipelining connection; redis-py for the rest (see redis_wire). TLS: redis-py only.
         self.wire = redis_wire.WireClient(url, timeout_s=socket_timeout_s, connect_timeout_s=max(2.0, socket_timeout_s)) \
             if fast_path and redis_wire.supported(url) else None
+        # Load mirror (off at 0): loads() answers from memory when this replica's copy is at
+        # most loads_max_age_s old. Its own reserves and releases update the copy from the
+        # scripts' replies at once; other replicas' show up within loads_max_age_s.
+        self.loads_max_age_s = loads_max_age_s
+        self._mirror: dict[str, Load] = {}
+        self._mirror_gen: dict[str, int] = {}
+        self._mirror_tick = 0
+        self._mirror_at = float("-inf")
+        self._watched: set[str] = set()
+        self._refreshing: asyncio.Future | None = None
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._release = r.register_script(_RELEASE)
@@ -509,6 +533,17 @@ class RedisStore:
                 kwargs[key] = raw
         return RequestRecord(**kwargs)
 
+    def _ledger_reply(self, reply: list) -> RequestRecord | None:
+        record, flat = reply
+        if self.loads_max_age_s and flat:
+            for i in range(0, len(flat), 5):
+                wid = flat[i]
+                self._mirror_tick += 1
+                self._mirror_gen[wid] = self._mirror_tick
+                if wid in self._watched:
+                    self._mirror[wid] = _load(flat[i + 1:i + 5])
+        return self._record(record)
+
     # ------------------------------------------------------------------ specs
 
     @_unavailable
@@ -582,19 +617,19 @@ class RedisStore:
         args.append(len(charges))
         for c in charges:
             args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
-        return self._record(await self._script(self._reserve, _RESERVE, args))
+        return self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
 
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
-        return self._record(await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
+        return self._ledger_reply(await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
 
     @_unavailable
     async def end(self, request_id: str) -> RequestRecord | None:
-        return self._record(await self._script(self._end, _END, [self.prefix, request_id]))
+        return self._ledger_reply(await self._script(self._end, _END, [self.prefix, request_id]))
 
     @_unavailable
     async def settle_prefill(self, request_id: str) -> RequestRecord | None:
-        return self._record(await self._script(self._settle, _SETTLE, [self.prefix, request_id]))
+        return self._ledger_reply(await self._script(self._settle, _SETTLE, [self.prefix, request_id]))
 
     @_unavailable
     async def get(self, request_id: str) -> RequestRecord | None:
@@ -618,6 +653,33 @@ class RedisStore:
         ids = list(worker_ids)
         if not ids:
             return {}
+        if not self.loads_max_age_s:
+            return await self._read_loads(ids)
+        mirror = self._mirror
+        if time.monotonic() - self._mirror_at > self.loads_max_age_s or not all(w in mirror for w in ids):
+            self._watched.update(ids)
+            if self._refreshing is None:   # one refresh for a burst of placements
+                self._refreshing = asyncio.ensure_future(self._refresh_mirror())
+                self._refreshing.add_done_callback(self._refreshed)
+            await asyncio.shield(self._refreshing)
+        return {w: mirror.get(w, IDLE) for w in ids}
+
+    def _refreshed(self, fut: asyncio.Future) -> None:
+        self._refreshing = None
+        if not fut.cancelled():
+            fut.exception()   # retrieved here; the waiters got it too
+
+    async def _refresh_mirror(self) -> None:
+        started, tick = time.monotonic(), self._mirror_tick
+        ids = list(self._watched)
+        fresh = await self._read_loads(ids)
+        gen = self._mirror_gen
+        for wid, load in fresh.items():
+            if gen.get(wid, 0) <= tick:   # not changed by one of our own calls meanwhile
+                self._mirror[wid] = load
+        self._mirror_at = started
+
+    async def _read_loads(self, ids: list[str]) -> dict[str, Load]:
         prefix = self._k_load
         if self.wire is not None:   # HMGETs in one write: ~0.2 us each in Redis, a Lua call ~10 us
             if len(ids) == 1:
@@ -631,6 +693,8 @@ class RedisStore:
 
     @_unavailable
     async def forget_worker(self, worker_id: str) -> Load:
+        self._mirror.pop(worker_id, None)
+        self._watched.discard(worker_id)
         return _load(await self._forget(args=[self.prefix, worker_id]))
 
     @_unavailable
