@@ -10,6 +10,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
     p.add_argument("--controlplane", default="127.0.0.1:50051",
                    help="control-plane gRPC address, or several replicas' as a comma-separated list")
+    p.add_argument("--workers", type=int, default=1,
+                   help="serving processes on the one port (SO_REUSEPORT; each has its own control-plane session)")
+    p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--fallback-after", type=float, default=1.0,
                    help="seconds without any control plane before placing locally (round robin over the "
                         "last known workers)")
@@ -82,21 +85,31 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_runtime import bind_error, run_main, start_http_site, wait_for_stop_signal, write_ready_file
+    from omni_runtime import (bind_error, exit_with_parent, run_main, start_http_site, wait_for_stop_signal,
+                              write_ready_file)
 
     from dataplane.observe import configure_logging
 
     configure_logging(args.log_level)
     cfg = config_from_args(args)
+    if not 1 <= args.workers <= 256:
+        raise SystemExit("omni-proxy dataplane: --workers must be an integer from 1 to 256")
+    helpers: list = []
 
     async def main() -> None:
         from dataplane.app import DataPlane
 
+        if args.workers > 1:
+            cfg.node_id = f"{cfg.node_id}-w0"
         dp = DataPlane(cfg)
+        shared = args.workers > 1 or bool(args.parent_pid)
         try:
-            runner, port = await start_http_site(dp.build_app(), cfg.host, cfg.port)
+            runner, port = await start_http_site(dp.build_app(), cfg.host, cfg.port, reuse_port=shared)
         except OSError as exc:  # one line naming the flag, not a traceback
             raise bind_error(exc, "--host/--port", cfg.host, cfg.port) from None
+        if args.parent_pid:
+            exit_with_parent(args.parent_pid)
+        helpers.extend(_start_helpers(args.workers - 1, port, cfg.node_id.removesuffix("-w0")))
         # Ready means ready to place: wait (bounded) for the control-plane session.
         if not await dp.placements.wait_connected(cfg.placement_timeout_s * 2):
             logging.getLogger("dataplane").warning("control plane %s not reachable yet", cfg.controlplane)
@@ -106,7 +119,45 @@ def run(args: argparse.Namespace) -> int:
         try:
             await wait_for_stop_signal()
         finally:
+            for proc in helpers:
+                proc.terminate()
             await runner.cleanup()
+            for proc in helpers:
+                try:
+                    proc.wait(timeout=10)
+                except Exception:   # noqa: BLE001 - a helper that will not stop is killed
+                    proc.kill()
 
     run_main(main, "omni-proxy dataplane")
     return 0
+
+
+_OWN_FLAGS = ("--workers", "--port", "--ready-file", "--node-id", "--parent-pid")
+
+
+def _start_helpers(n: int, port: int, node_id: str) -> list:
+    """Start ``n`` more serving processes on ``port`` with this process's other flags.
+
+    Each is a full data plane (its own event loop, upstream pool and control-plane
+    session) that exits when this one does; the kernel spreads connections over them.
+    """
+    import os
+    import subprocess
+    import sys
+
+    argv = sys.argv[1:]
+    rest = argv[argv.index("dataplane") + 1:] if "dataplane" in argv else argv
+    kept, skip = [], False
+    for arg in rest:
+        if skip:
+            skip = False
+            continue
+        if arg in _OWN_FLAGS:
+            skip = True
+            continue
+        if arg.startswith(tuple(f + "=" for f in _OWN_FLAGS)):
+            continue
+        kept.append(arg)
+    return [subprocess.Popen([sys.executable, "-m", "omni_proxy", "dataplane", *kept, "--port", str(port),
+                              "--node-id", f"{node_id}-w{i}", "--parent-pid", str(os.getpid())])
+            for i in range(1, n + 1)]

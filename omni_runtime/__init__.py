@@ -73,16 +73,18 @@ async def wait_for_stop_signal() -> None:
 
 
 async def start_http_site(
-    app: web.Application, host: str, port: int, *, handler_cancellation: bool = True
+    app: web.Application, host: str, port: int, *, handler_cancellation: bool = True, reuse_port: bool = False
 ) -> tuple[web.AppRunner, int]:
     """Start ``app`` on host:port and return the runner and the bound port.
 
     ``handler_cancellation`` makes aiohttp cancel a handler when its client goes away,
     which is how a disconnect reaches the upstream legs and frees their load.
+    ``reuse_port`` (SO_REUSEPORT) lets several processes listen on one port, the kernel
+    spreading new connections over them.
     """
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     try:
         await site.start()
     except BaseException:
@@ -104,6 +106,17 @@ def run_main(main: Callable[[], Awaitable[None]], name: str = "omni-proxy") -> N
         pass
     except StartupError as exc:
         raise SystemExit(f"{name}: {exc}") from None
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> asyncio.Task:
+    """End this process (SIGTERM to itself) once ``parent_pid`` is gone: helper processes
+    of a server must not outlive it, even when it was killed without cleaning up."""
+    async def watch() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return asyncio.get_running_loop().create_task(watch())
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
