@@ -293,6 +293,24 @@ def test_approximate_index_is_capped_by_expiring_the_oldest_buckets(monkeypatch)
     assert kv.match(list(range(2910, 3010)), [spec]) == {"a": 100}
 
 
+def test_a_burst_over_the_cap_within_one_time_bucket_drops_only_the_oldest(monkeypatch):
+    kv = KVCache(KVCacheConfig(approx_ttl_s=3600, max_blocks=4096))
+    monkeypatch.setattr("controlplane.kvcache.manager.time.monotonic", lambda: 50.0)   # no time passes
+    specs = [WorkerSpec(id=wid(i), url="http://x", role=Role.BOTH, model="m") for i in range(8)]
+    rng = random.Random(8)
+    trunk = [rng.getrandbits(64) for _ in range(16)]
+    chains = [trunk + [rng.getrandbits(64) for _ in range(48)] for _ in range(200)]
+    for i, chain in enumerate(chains):
+        kv.placed(specs[i % 8], chain, 0)
+        assert kv.approx.size() <= 4096
+    assert kv.approx.size() > 2048                        # only old buckets went, not everything
+    assert kv.match(chains[-1], specs) == {specs[199 % 8].id: 64, **{s.id: 16 for s in specs if s.id != wid(7)}}
+    ids = tuple(s.id for s in specs)
+    alive = kv.approx.mask_of(ids)
+    for chain in chains[::7]:
+        assert kv.approx._walk(chain, alive) == PrefixIndex._walk(kv.approx, chain, alive)
+
+
 def test_a_hash_twice_in_one_routed_chain_counts_once():
     idx = RoutedIndex()
     idx.route(("a", 0), [5, 6, 5, 7], stamp=1)

@@ -63,12 +63,14 @@ class KVCache:
         # Parent links are not kept: lookup does not need them and they cost ~50 bytes a block.
         self.exact = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
         self.approx = RoutedIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
-        # Approximate expiry in time buckets of approx_ttl_s / 16: per bucket, the blocks whose
-        # routing stamp moved to it. RoutedIndex stamps each block with the bucket of its last
-        # routing, so a block routed again (the next turn of a conversation, a shared system
-        # prompt) outlives its earlier bucket; a block routed many times within one bucket costs
-        # one entry. Blocks count for approx_ttl_s after their last routing, less at most a bucket.
-        self._approx_expiry: deque[tuple[int, array | list]] = deque()
+        # Approximate expiry in buckets of at most approx_ttl_s / 16 (and 1/16 of max_blocks): per
+        # bucket, the blocks whose routing stamp moved to it. RoutedIndex stamps each block with
+        # the bucket of its last routing, so a block routed again (the next turn of a
+        # conversation, a shared system prompt) outlives its earlier bucket; a block routed many
+        # times within one bucket costs one entry. Blocks count for approx_ttl_s after their last
+        # routing, less at most a bucket.
+        self._approx_expiry: deque[tuple[int, float, array | list]] = deque()   # (number, start, blocks)
+        self._last_bucket = 0
         # Masks of the slots of a routable group, per index generation (see deepest()).
         self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted
@@ -268,24 +270,35 @@ class KVCache:
         """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain``."""
         return self.group_match(chain, ids, k, rng).top if chain and k > 0 else {}
 
-    def _bucket_s(self) -> float:
-        return max(self.config.approx_ttl_s / 16, 1e-3)
+    def _bucket(self, now: float) -> int:
+        """The current bucket's number, opening a new one when the current is approx_ttl_s / 16
+        old or holds 1/16 of max_blocks (so the cap can always drop a bounded oldest part)."""
+        q = self._approx_expiry
+        if q:
+            number, start, blocks = q[-1]
+            if now < start + max(self.config.approx_ttl_s / 16, 1e-3) and \
+                    len(blocks) < max(1024, self.config.max_blocks >> 4):
+                return number
+            number += 1
+        else:
+            number = self._last_bucket + 1
+        self._last_bucket = number
+        q.append((number, now, array("Q")))
+        return number
 
     def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int) -> None:
         """For workers without events, remember the routed prefix; for the others, keep the
         matched prefix recent in the index."""
         if chain and not self.tracked_exactly(worker):
-            bucket = int(time.monotonic() / self._bucket_s())
+            bucket = self._bucket(time.monotonic())
             changed = self.approx.route((worker.id, 0), chain, bucket, predicted_depth)
             if changed:
                 q = self._approx_expiry
-                if not q or q[-1][0] != bucket:
-                    q.append((bucket, array("Q")))
-                blocks = q[-1][1]
+                number, start, blocks = q[-1]
                 try:
                     blocks.extend(changed)
                 except OverflowError:      # a hash outside 64 unsigned bits: keep this bucket a list
-                    q[-1] = (bucket, list(blocks) + [h for h in changed if h not in set(blocks)])
+                    q[-1] = (number, start, list(blocks) + [h for h in changed if h not in set(blocks)])
             if self.approx.size() > self.config.max_blocks:
                 self._shrink_approx()
         elif chain and predicted_depth:
@@ -297,19 +310,17 @@ class KVCache:
         q, approx = self._approx_expiry, self.approx
         target = self.config.max_blocks - (self.config.max_blocks >> 8)
         while q and approx.size() > target:
-            bucket, blocks = q.popleft()
-            approx._evicted += approx.expire(blocks, bucket)
+            number, _, blocks = q.popleft()
+            approx._evicted += approx.expire(blocks, number)
 
     def _expire(self) -> None:
         q = self._approx_expiry
         if not q:
             return
-        g = self._bucket_s()
-        ttl = self.config.approx_ttl_s
-        now = time.monotonic()
-        while q and q[0][0] * g + ttl <= now:
-            bucket, blocks = q.popleft()
-            self.approx.expire(blocks, bucket)
+        cutoff = time.monotonic() - self.config.approx_ttl_s
+        while q and q[0][1] <= cutoff:
+            number, _, blocks = q.popleft()
+            self.approx.expire(blocks, number)
 
     def cached_blocks(self, worker_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Blocks each worker holds, by events or by routing (only ``worker_ids``, if given)."""
