@@ -28,6 +28,7 @@ Example (TOML)::
     key_prefix = "omni:"           # namespaces one deployment's keys in a shared Redis
     replica_ttl_s = 10.0           # a replica silent this long loses its reservations
     loads_max_age_s = 0.0          # > 0: place from a local copy of the loads at most this old
+    write_behind = false           # true: answer a placement before Redis confirms its charge
 
     [profiles.cautious]            # a custom policy built from plugin names
     filters = [{name = "overload", max_requests = 16}]
@@ -156,6 +157,7 @@ STATE: dict[str, Check] = {
     "key_prefix": _key_prefix,
     "replica_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
     "loads_max_age_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=10),
+    "write_behind": v.boolean,
 }
 
 
@@ -166,6 +168,7 @@ class StateConfig:
     key_prefix: str = "omni:"
     replica_ttl_s: float = 10.0
     loads_max_age_s: float = 0.0      # > 0: placement reads loads from a local mirror at most this old
+    write_behind: bool = False        # placement does not wait for Redis to confirm its reserve
 
 
 def _table(value: Any, name: str) -> dict[Any, Any]:

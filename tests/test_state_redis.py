@@ -299,6 +299,33 @@ async def test_load_mirror_sees_other_replicas_within_its_max_age(redis_server):
         await b.close()
 
 
+async def test_write_behind_reserve_is_exact_once_sent(redis_server):
+    """``write_behind``: reserve answers before Redis does; the charge lands in order before
+    any later call of the same store, so loads and ends stay exact."""
+    prefix, workers = _prefix(), [f"w{i}" for i in range(4)]
+    wb = RedisStore(redis_server.url, key_prefix=prefix, write_behind=True, loads_max_age_s=0.2)
+    other = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await wb.reserve(_rec("warm"), (Charge("w0", "aggregated", 1),))   # loads the script: then behind
+        await wb.end("warm")
+        assert (await wb.loads(workers))["w0"] == Load(0, 0, 0, 0)
+        rec = await wb.reserve(_rec("r1"), (Charge("w1", "aggregated", 10, 4),), decode_batch=2)
+        assert rec.charges == (Charge("w1", "aggregated", 10, 4),)
+        assert (await wb.loads(["w1"]))["w1"] == Load(1, 10, 4, 1)        # its own charge (mirror or Redis)
+        assert (await other.loads(["w1"]))["w1"] == Load(1, 10, 4, 1)     # and in Redis by the next call
+        assert (await wb.end("r1")).request_id == "r1"
+        await _traffic([wb, other], 200, workers, seed=3)
+        assert all(load == Load(0, 0, 0, 0) for load in (await other.loads(workers)).values())
+
+        async def mirror_zero() -> bool:   # the other replica's ends reach the mirror within its max age
+            return all(load == Load(0, 0, 0, 0) for load in (await wb.loads(workers)).values())
+        await wait_until(mirror_zero, timeout=5, what="the mirror to show zero")
+        assert wb.write_behind_failures == 0 and await other.records() == []
+    finally:
+        await wb.close()
+        await other.close()
+
+
 async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
     """A pooled connection that the server closed is reconnected transparently."""
     s = RedisStore(redis_server.url, key_prefix=_prefix())
@@ -481,10 +508,10 @@ async def test_spec_changes_are_published_to_every_replica(redis_server):
 def test_state_config_and_make_store():
     cfg = ControlPlaneConfig.from_dict({"state": {"backend": "redis", "redis_url": "unix:///tmp/r.sock",
                                                   "key_prefix": "{prod}:", "replica_ttl_s": 5,
-                                                  "loads_max_age_s": 0.05}})
+                                                  "loads_max_age_s": 0.05, "write_behind": True}})
     store = make_store(cfg)
     assert isinstance(store, RedisStore) and store.prefix == "{prod}:" and store.replica_ttl_ms == 5000
-    assert store.loads_max_age_s == 0.05
+    assert store.loads_max_age_s == 0.05 and store.write_behind
     assert isinstance(make_store(ControlPlaneConfig()), MemoryStore)
 
 
@@ -498,6 +525,7 @@ def test_state_config_and_make_store():
     ({"key_prefix": "a b"}, ["state.key_prefix"]),
     ({"replica_ttl_s": 0}, ["state.replica_ttl_s"]),
     ({"loads_max_age_s": 60}, ["state.loads_max_age_s", "<= 10"]),
+    ({"write_behind": "yes"}, ["state.write_behind", "true or false"]),
     ({"redis": "x"}, ["unknown state key", "backend, redis_url"]),
 ])
 def test_bad_state_config_is_one_clear_line(state, words):

@@ -15,4 +15,4 @@ def make_store(config) -> StateStore:
     from controlplane.state.redis import RedisStore
 
     return RedisStore(state.redis_url, key_prefix=state.key_prefix, replica_ttl_s=state.replica_ttl_s,
-                      loads_max_age_s=state.loads_max_age_s)
+                      loads_max_age_s=state.loads_max_age_s, write_behind=state.write_behind)

@@ -65,6 +65,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from hiredis import ReplyError as hiredis_error
+
 from controlplane.state import redis_wire
 from controlplane.state.base import Charge, RequestRecord, StoreUnavailable
 from controlplane.workers import IDLE, Load, Role, WorkerSpec
@@ -424,8 +426,8 @@ class RedisStore:
 
     def __init__(self, url: str = DEFAULT_URL, *, key_prefix: str = DEFAULT_PREFIX, replica_id: str = "",
                  replica_ttl_s: float = 10.0, socket_timeout_s: float = 1.0, max_connections: int = 32,
-                 client: aioredis.Redis | None = None, fast_path: bool = True, loads_max_age_s: float = 0.0
-                 ) -> None:
+                 client: aioredis.Redis | None = None, fast_path: bool = True, loads_max_age_s: float = 0.0,
+                 write_behind: bool = False) -> None:
         self.url_for_logs = safe_url(url)
         self.prefix = key_prefix
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -457,6 +459,9 @@ class RedisStore:
         self._mirror_at = float("-inf")
         self._watched: set[str] = set()
         self._refreshing: asyncio.Future | None = None
+        # Write-behind reserve (off by default): see reserve().
+        self.write_behind = write_behind and self.wire is not None
+        self.write_behind_failures = 0
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._release = r.register_script(_RELEASE)
@@ -532,6 +537,19 @@ class RedisStore:
             else:
                 kwargs[key] = raw
         return RequestRecord(**kwargs)
+
+    def _reserved_behind(self, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None and isinstance(fut.result(), hiredis_error):
+            exc = fut.result()
+        if exc is not None:
+            self.write_behind_failures += 1
+            log.warning("a write-behind reserve failed (%s: %s); Redis lacks that charge",
+                        type(exc).__name__, str(exc)[:200])
+            return
+        self._ledger_reply(fut.result())
 
     def _ledger_reply(self, reply: list) -> RequestRecord | None:
         record, flat = reply
@@ -617,6 +635,20 @@ class RedisStore:
         args.append(len(charges))
         for c in charges:
             args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
+        if self.write_behind:
+            fut = self.wire.script_nowait(_RESERVE, [], args)
+            if fut is not None:
+                fut.add_done_callback(self._reserved_behind)
+                if self.loads_max_age_s:   # this replica sees its own charge at once
+                    for c in charges:
+                        if c.worker_id in self._mirror:
+                            self._mirror_tick += 1
+                            self._mirror_gen[c.worker_id] = self._mirror_tick
+                            cur = self._mirror[c.worker_id]
+                            self._mirror[c.worker_id] = Load(cur.requests + 1, cur.tokens + c.tokens,
+                                                             cur.prefill_tokens + c.prefill_tokens,
+                                                             cur.prefills + (1 if c.prefill_tokens > 0 else 0))
+                return dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
         return self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
 
     @_unavailable

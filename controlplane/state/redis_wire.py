@@ -102,6 +102,7 @@ class WireClient:
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future | None = None
         self._shas: dict[str, str] = {}
+        self._loaded_on: dict[int, set[str]] = {}   # connection -> scripts it has run
 
     async def _connection(self) -> _Protocol:
         proto = self._proto
@@ -131,6 +132,7 @@ class WireClient:
             await self._send(proto, auth)
         if self.db:
             await self._send(proto, ("SELECT", self.db))
+        self._loaded_on.clear()   # a new connection may face a restarted Redis
         self._proto = proto
         return proto
 
@@ -152,6 +154,23 @@ class WireClient:
                 raise NoScriptError(msg)
             raise ResponseError(msg)
         return reply
+
+    def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
+        """Send a script on the open connection without waiting: its reply (or error) lands
+        in the returned future, in order with every later call. None when no connection is
+        open (or the script was never loaded on it): the caller then awaits ``script``."""
+        proto = self._proto
+        sha = self._shas.get(source)
+        if proto is None or proto.closed or sha is None or source not in self._loaded_on.get(id(proto), ()):
+            return None
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        proto.waiters.append(fut)
+        proto.transport.write(hiredis.pack_command(("EVALSHA", sha, len(keys), *keys, *args)))
+        timer = loop.call_later(self.timeout_s, proto.abort,
+                                TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
+        fut.add_done_callback(lambda _: timer.cancel())
+        return fut
 
     async def pipeline(self, commands: list[tuple]) -> list[Any]:
         """Several commands in one write; their replies in order (error replies raised)."""
@@ -198,14 +217,18 @@ class WireClient:
         if sha is None:
             sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
         try:
-            return await self.call("EVALSHA", sha, len(keys), *keys, *args)
+            reply = await self.call("EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
             # Redis restarted (or flushed its script cache): load it and run it once more.
             await self.call("SCRIPT", "LOAD", source)
-            return await self.call("EVALSHA", sha, len(keys), *keys, *args)
+            reply = await self.call("EVALSHA", sha, len(keys), *keys, *args)
+        if self._proto is not None:   # known to be loaded in the Redis behind this connection
+            self._loaded_on.setdefault(id(self._proto), set()).add(source)
+        return reply
 
     async def close(self) -> None:
         proto, self._proto = self._proto, None
+        self._loaded_on.clear()
         if proto is not None and proto.transport is not None:
             proto.transport.close()
             proto.closed = True
