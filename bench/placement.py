@@ -63,22 +63,31 @@ the least loaded by the ledger (a lazy per-group heap fed by the ledger's load c
 O(k log n)) and a few uniform samples: at most 6 + 3 + 3 candidates. `round_robin` is stride
 scheduling over the group and `random` a draw on cumulative weights (O(log n)), `power_of_two`
 draws its uniform pair directly. At 32 workers or fewer every routable worker is a candidate,
-exactly as before. The same walk gives every candidate's depth, so the index is walked once.
+exactly as before. The same walk gives every candidate's depth, so the index is walked once;
+the approximate index, prefix-closed by construction, is walked by galloping (O(levels x log
+chain) probes). Memory: a plain dict in LRU order, per-worker hash arrays, interned holder masks
+and no parent links keep an entry under 100 bytes; approximate expiry is a bucket stamp per
+block plus 8 bytes per block per bucket.
 
 ## What remains (py-spy, 1,000 workers)
 
 Cache-aware policies cost about twice the others because of the prompt's 128-block chain:
-copying it out of the request, walking the prefix index (each probe of a multi-million-entry
-dict misses the CPU caches), and, without KV events, remembering the routed chain (up to 128
-dict writes). Profiles at 1,000 workers, share of `Placer.place`:
+copying it out of the request, walking the prefix index (each probe of a large dict misses the
+CPU caches, so a walk that takes 6 us alone costs more amid placement's other work), and,
+without KV events, remembering the routed chain: about 50 new dict entries a placement at some
+300 ns each in a dict of hundreds of thousands. Profiles at 1,000 workers, share of
+`Placer.place`:
 
-* `cache_aware`, exact: candidate stage 40% (index walk 19%, least-loaded heap 5%, samples 4%),
-  pipeline (scorers, picker) 13%, ledger reserve 9%, worker views 7%, touching the matched
-  prefix 6%, the rest protobuf, records and counters.
-* `predicted_latency`, approximate: remembering the routed chain 25%, candidate stage 28%
-  (galloping walk 10%), pipeline 15% (latency predictions 8%), views 7%, reserve 6%.
-* `least_load`: ledger reserve 20% (a `dataclasses.replace` per request and the load-order
-  listener), candidate stage 19%, pipeline 15%, views 11%, context and records 15%.
+* `cache_aware`, exact: candidate stage 37% (index walk 18%, least-loaded heap 5%, top/depths
+  7%), pipeline (scorers, picker) 14%, ledger reserve 10%, worker views 8%, touching the matched
+  prefix 7%, the rest protobuf, records and counters.
+* `cache_aware`, approximate: remembering the routed chain 32%, candidate stage 20% (galloping
+  walk 7%), pipeline 11%, reserve 8%, views 6%. `predicted_latency` adds its per-candidate
+  latency predictions (about 8%) and, choosing workers that do not hold the prefix more often,
+  more index writes.
+* `least_load`: ledger reserve 19% (a `dataclasses.replace` per request and the load-order
+  listener), candidate stage 21% (least-loaded heap 13%), pipeline 16%, views 10%, dataclass
+  construction (context, records, decision) 10%.
 
 p99 is dominated by the machine: on a shared 2-core host, a descheduled process shows
 milliseconds; with the host quiet p99 stays near 2-3x p50.
