@@ -40,20 +40,9 @@ ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECOD
 
 
 def _endpoint(worker: WorkerView) -> pb.Endpoint:
-    """The worker's endpoint message, built once per spec (specs are immutable; callers copy it)."""
     spec = worker.spec
-    got = _ENDPOINTS.get(spec.id)
-    if got is None or got[0] is not spec:
-        if len(_ENDPOINTS) >= 65536:
-            _ENDPOINTS.clear()
-        got = _ENDPOINTS[spec.id] = (spec, pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
-                                                        bootstrap_port=spec.bootstrap_port))
-    return got[1]
-
-
-# Per worker id: (the spec it was built from, its endpoint). A cache of immutable values keyed
-# by spec identity, so sharing it between placers is harmless.
-_ENDPOINTS: dict[str, tuple[object, pb.Endpoint]] = {}
+    return pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
+                       bootstrap_port=spec.bootstrap_port)
 
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
@@ -104,6 +93,7 @@ class Placer:
         self.kv: KVCache | None = None     # prefix-cache view; None = placement ignores caches
         self.predictor = predictor or Predictor()
         self.block_size = block_size
+        self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
         # The fleet's least-loaded order follows the ledger: told by the store on every change
         # when the store can (MemoryStore), else by this placer whenever it reads or charges a load.
         listeners = getattr(store, "load_listeners", None)
@@ -174,7 +164,7 @@ class Placer:
         role = chosen.spec.role
         if role is Role.BOTH:
             out.flow = flow = pb.FLOW_AGGREGATED
-            out.decode.CopyFrom(_endpoint(chosen))
+            out.decode.CopyFrom(self._endpoint(chosen))
             charges.append((chosen, "aggregated"))
         elif role is Role.PREFILL and leg == "entry" and flow in (pb.FLOW_PARALLEL, pb.FLOW_LAYERWISE):
             # Both flows need D now: parallel sends to P and D at once; layerwise sends
@@ -187,20 +177,20 @@ class Placer:
             if d_decision.worker is None:
                 return self._refusal(req, "decode", d_ctx, d_roles, d_decision.dropped, explanation)
             out.flow = flow
-            out.decode.CopyFrom(_endpoint(d_decision.worker))
+            out.decode.CopyFrom(self._endpoint(d_decision.worker))
             charges.append((d_decision.worker, "decode"))
             if flow == pb.FLOW_PARALLEL:
-                out.prefill.CopyFrom(_endpoint(chosen))
+                out.prefill.CopyFrom(self._endpoint(chosen))
                 charges.insert(0, (chosen, "prefill"))
             else:
                 out.metaserver_url = self.metaserver_url
         elif role is Role.PREFILL:
             out.flow = flow
-            out.prefill.CopyFrom(_endpoint(chosen))
+            out.prefill.CopyFrom(self._endpoint(chosen))
             charges.append((chosen, "prefill"))
         else:
             out.flow = flow
-            out.decode.CopyFrom(_endpoint(chosen))
+            out.decode.CopyFrom(self._endpoint(chosen))
             charges.append((chosen, "decode"))
         out.explanation = explanation
         if dry_run:
@@ -246,6 +236,17 @@ class Placer:
         if flow == pb.FLOW_LAYERWISE and leg == "entry" and self.on_layerwise is not None:
             self.on_layerwise(req, out)
         return out
+
+    def _endpoint(self, worker: WorkerView) -> pb.Endpoint:
+        """The worker's endpoint message, built once per spec (specs are immutable; callers
+        copy it into their placement)."""
+        spec = worker.spec
+        got = self._endpoints.get(spec.id)
+        if got is None or got[0] is not spec:
+            if len(self._endpoints) >= 65536:
+                self._endpoints.clear()
+            got = self._endpoints[spec.id] = (spec, _endpoint(worker))
+        return got[1]
 
     async def _decide(self, model: str, roles: tuple[Role, ...], ctx: PlacementContext,
                       chain: list[int]) -> Decision:
