@@ -41,6 +41,23 @@ by itself on the next call: there is nothing to reopen. A connection error is re
 twice within ~50 ms first (a pooled connection that a Redis restart broke); ``reserve``
 carries an operation token so that such a retry can never charge twice. A timeout is not
 retried: the operation may or may not have happened, and the caller is told so.
+
+**Wiring a replica** (what ``ControlPlane`` must do with ``backend = "redis"``):
+
+1. ``await store.heartbeat()`` before the first placement, then run
+   ``store.maintain(orphan=True)`` as a task on *every* replica (all or none: a replica
+   that does not heartbeat looks dead to the others' sweeps). Orphaning (not releasing)
+   the dead replica's requests lets its data planes, failing over to another replica,
+   claim them back; ``Lifecycle.release_orphans`` frees the rest after ``session_grace_s``.
+2. Run ``controlplane.state.sync.SpecSync(store, fleet, on_added=..., on_removed=...)``
+   so specs changed on another replica (drain, weight, add, remove) reach this fleet.
+3. Worker heartbeats (``registry.heartbeat``) reach one replica only: expire registered
+   workers only on the replica that sees their heartbeats (or share them in Redis),
+   otherwise every other replica removes them after ``heartbeat_ttl_s``.
+4. Catch :class:`StoreUnavailable` around placement and lifecycle calls: place from the
+   fleet and a local ledger meanwhile, and say so in ``/health`` and ``/metrics``
+   (``SpecSync.connected``); the client reconnects by itself.
+5. ``await store.close()`` in ``ControlPlane.stop``.
 """
 
 from __future__ import annotations
