@@ -114,7 +114,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., engine_running: _Optional[int] = ..., engine_waiting: _Optional[int] = ..., engine_kv_usage: _Optional[float] = ..., metrics_age_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks", "circuit", "ejected_for_s")
+    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks", "circuit", "ejected_for_s", "prefill_tokens_pending", "predicted_hit_blocks", "query_blocks", "engine_prefix_hits", "engine_prefix_queries")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,11 @@ class WorkerInfo(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CIRCUIT_FIELD_NUMBER: _ClassVar[int]
     EJECTED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     id: str
     url: str
     role: Role
@@ -158,7 +163,12 @@ class WorkerInfo(_message.Message):
     cached_blocks: int
     circuit: str
     ejected_for_s: float
-    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., circuit: _Optional[str] = ..., ejected_for_s: _Optional[float] = ...) -> None: ...
+    prefill_tokens_pending: int
+    predicted_hit_blocks: int
+    query_blocks: int
+    engine_prefix_hits: float
+    engine_prefix_queries: float
+    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., circuit: _Optional[str] = ..., ejected_for_s: _Optional[float] = ..., prefill_tokens_pending: _Optional[int] = ..., predicted_hit_blocks: _Optional[int] = ..., query_blocks: _Optional[int] = ..., engine_prefix_hits: _Optional[float] = ..., engine_prefix_queries: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms")
@@ -339,7 +349,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size")
+    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size", "replace")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +368,7 @@ class RegisterRequest(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     KV_REPLAY_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     url: str
     role: Role
     model: str
@@ -369,7 +380,8 @@ class RegisterRequest(_message.Message):
     kv_events: str
     kv_replay: str
     dp_size: int
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ...) -> None: ...
+    replace: bool
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")
@@ -430,7 +442,92 @@ class SetWeightRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class WorkerResponse(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "check_error", "checked")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+    check_error: str
+    checked: bool
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., check_error: _Optional[str] = ..., checked: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerEvents(_message.Message):
+    __slots__ = ("worker_id", "counters", "last_seq", "exact", "untracked_reason")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    UNTRACKED_REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    counters: _containers.ScalarMap[str, int]
+    last_seq: int
+    exact: bool
+    untracked_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., last_seq: _Optional[int] = ..., exact: _Optional[bool] = ..., untracked_reason: _Optional[str] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("policy", "placements_by_leg", "placements_by_worker", "errors", "sessions", "queue_depth", "kv_hash", "events", "workers", "routable_workers", "placement_count", "placement_seconds_sum")
+    class PlacementsByLegEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PlacementsByWorkerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SessionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_BY_LEG_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_BY_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    KV_HASH_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTABLE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    placements_by_leg: _containers.ScalarMap[str, int]
+    placements_by_worker: _containers.ScalarMap[str, int]
+    errors: _containers.ScalarMap[str, int]
+    sessions: _containers.ScalarMap[str, int]
+    queue_depth: int
+    kv_hash: KVHashConfig
+    events: _containers.RepeatedCompositeFieldContainer[WorkerEvents]
+    workers: int
+    routable_workers: int
+    placement_count: int
+    placement_seconds_sum: float
+    def __init__(self, policy: _Optional[str] = ..., placements_by_leg: _Optional[_Mapping[str, int]] = ..., placements_by_worker: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., events: _Optional[_Iterable[_Union[WorkerEvents, _Mapping]]] = ..., workers: _Optional[int] = ..., routable_workers: _Optional[int] = ..., placement_count: _Optional[int] = ..., placement_seconds_sum: _Optional[float] = ...) -> None: ...

@@ -431,6 +431,11 @@ class AdminStub:
                 request_serializer=protos_dot_omni__proxy__pb2.PlaceRequest.SerializeToString,
                 response_deserializer=protos_dot_omni__proxy__pb2.Placement.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/omni_proxy.v1.Admin/Stats',
+                request_serializer=protos_dot_omni__proxy__pb2.StatsRequest.SerializeToString,
+                response_deserializer=protos_dot_omni__proxy__pb2.StatsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -479,6 +484,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -516,6 +527,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=protos_dot_omni__proxy__pb2.PlaceRequest.FromString,
                     response_serializer=protos_dot_omni__proxy__pb2.Placement.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=protos_dot_omni__proxy__pb2.StatsRequest.FromString,
+                    response_serializer=protos_dot_omni__proxy__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -707,6 +723,33 @@ class Admin:
             '/omni_proxy.v1.Admin/Explain',
             protos_dot_omni__proxy__pb2.PlaceRequest.SerializeToString,
             protos_dot_omni__proxy__pb2.Placement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omni_proxy.v1.Admin/Stats',
+            protos_dot_omni__proxy__pb2.StatsRequest.SerializeToString,
+            protos_dot_omni__proxy__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
