@@ -29,7 +29,7 @@ import orjson  # noqa: E402
 
 from dataplane.metrics import DataPlaneMetrics  # noqa: E402
 from dataplane.observe import (ACCESS_LOGGER, CachedTimeFormatter, Observer,  # noqa: E402
-                               install_request_id_filter, trace_headers)
+                               install_request_id_filter, skip_unused_record_fields, trace_headers)
 from dataplane.requests import parse_request  # noqa: E402
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL, LEG_WHOLE, RequestTracker  # noqa: E402
 from protos import omni_proxy_pb2 as pb  # noqa: E402
@@ -50,6 +50,7 @@ def _setup_logging(access_log: bool) -> None:
         root.removeHandler(h)
     handler = logging.FileHandler("/dev/null")
     handler.setFormatter(CachedTimeFormatter())    # as the data plane's own process has it
+    skip_unused_record_fields()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
