@@ -58,7 +58,7 @@ LORA_KEY_FORMATS = ("tuple", "name")
 MAX_DP_SIZE = 1024
 WORKER_KEYS = ("url", "role", "model", "weight", "id", "bootstrap_port", "labels", "kv_events", "kv_replay",
                "dp_size")
-PROFILE_KEYS = ("filters", "scorers", "picker", "queue")
+PROFILE_KEYS = ("filters", "scorers", "picker", "queue", "candidates")
 
 # key -> check(value, field) returning the value to store. Every key a file or flag can set is
 # here, so nothing reaches the running control plane unchecked (types, ranges, enums).
@@ -298,7 +298,7 @@ def _profiles(value: Any) -> dict[str, dict[str, Any]]:
                 _plugin(item, f"{where}.{kind}[{i}]")
                 if kind == "scorers" and isinstance(item, dict) and "weight" in item:
                     v.number(item["weight"], f"{where}.{kind}[{i}].weight", 0.0, v.MAX_WEIGHT)
-        for single in ("picker", "queue"):
+        for single in ("picker", "queue", "candidates"):
             if single in spec:
                 _plugin(spec[single], f"{where}.{single}")
     return dict(profiles)

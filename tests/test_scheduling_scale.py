@@ -240,6 +240,9 @@ async def test_stage_options_are_checked():
     prof = build_profile("x", {"x": {"picker": "max_score", "scorers": ["least_load"],
                                      "candidates": {"name": "sample", "max_candidates": 8, "random": 2}}})
     assert prof.candidates.max_candidates == 8 and prof.candidates.mode == "sample"
+    from controlplane.config import _profiles
+    custom = _profiles({"y": {"picker": "round_robin", "candidates": "all"}})
+    assert build_profile("y", custom).candidates is None          # a config file can turn it off
     assert build_profile("round_robin").candidates.mode == "round_robin"
     assert build_profile("power_of_two").candidates.mode == "pair"
 
