@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-interval", type=float, help="seconds between engine /metrics polls")
     p.add_argument("--engine-api-key", help="Bearer token for every call to an engine "
                                              "(default: $OMNI_ENGINE_API_KEY)")
+    p.add_argument("--discovery-file", help="TOML file of [[workers]] re-read when it changes ([discovery] file)")
+    p.add_argument("--tokens-file", help="gRPC API tokens, lines SCOPE NAME TOKEN ([auth] tokens_file)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
@@ -37,7 +39,8 @@ def config_from_args(args: argparse.Namespace):
                       ("policy", "policy"), ("pd_flow", "pd_flow"),
                       ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host"),
                       ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s"),
-                      ("engine_api_key", "engine_api_key")):
+                      ("engine_api_key", "engine_api_key"), ("discovery_file", "discovery.file"),
+                      ("tokens_file", "auth.tokens_file")):
         value = getattr(args, attr, None)
         if value is not None:
             cfg.set(key, value, "--" + attr.replace("_", "-"))

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane import validate as v
+from controlplane.auth import AuthConfig, parse_tokens
 from controlplane.health import HealthConfig
 from kvhash.hashing import HASH_ALGOS
 from controlplane.kvcache.manager import KVCacheConfig
@@ -161,6 +162,32 @@ STATE: dict[str, Check] = {
 }
 
 
+def _tokens_file(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ValueError(f"{name} must be a file path, got {v.show(value)}")
+    return value.strip()
+
+
+AUTH: dict[str, Check] = {
+    "admin_tokens": parse_tokens,
+    "registry_tokens": parse_tokens,
+    "dataplane_tokens": parse_tokens,
+    "tokens_file": _tokens_file,
+}
+
+
+@dataclass
+class DiscoveryConfig:
+    file: str = ""             # a TOML file of [[workers]] tables, re-read when it changes
+    interval_s: float = 1.0    # how often its modification time is checked
+
+
+DISCOVERY: dict[str, Check] = {
+    "file": _tokens_file,
+    "interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
+}
+
+
 @dataclass
 class StateConfig:
     backend: str = "memory"
@@ -185,7 +212,8 @@ def _apply(target: object, checks: dict[str, Check], data: dict[Any, Any], secti
         name = f"{section}.{key}" if section else str(key)
         if key not in checks:
             hint = next((f" (it belongs in [{sec}])" for sec, keys in (("health", HEALTH), ("kv_cache", KV_CACHE),
-                                                                         ("state", STATE))
+                                                                         ("state", STATE), ("auth", AUTH),
+                                                                         ("discovery", DISCOVERY))
                          if not section and key in keys), "")
             raise ValueError(f"unknown {what} {v.show(key)}{hint}: allowed are {', '.join(checks)}")
         setattr(target, key, checks[key](value, name))
@@ -337,6 +365,8 @@ class ControlPlaneConfig:
     engine_api_key: str = field(default_factory=lambda: os.environ.get("OMNI_ENGINE_API_KEY", ""), repr=False)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ControlPlaneConfig":
@@ -373,10 +403,14 @@ class ControlPlaneConfig:
         profiles = data.pop("profiles", None)
         kv = _table(data.pop("kv_cache", None), "kv_cache")
         state = _table(data.pop("state", None), "state")
+        auth = _table(data.pop("auth", None), "auth")
+        discovery = _table(data.pop("discovery", None), "discovery")
         _apply(cfg, TOP_LEVEL, data, "", "config key")
         _apply(cfg.health, HEALTH, health, "health", "health key")
         _apply(cfg.kv_cache, KV_CACHE, kv, "kv_cache", "kv_cache key")
         _apply(cfg.state, STATE, state, "state", "state key")
+        _apply(cfg.auth, AUTH, auth, "auth", "auth key")
+        _apply(cfg.discovery, DISCOVERY, discovery, "discovery", "discovery key")
         if not isinstance(workers, list):
             raise ValueError(f"workers must be a list of [[workers]] tables, got {v.show(workers)}")
         cfg.workers = [WorkerSpec.from_dict(w, f"workers[{i}]") for i, w in enumerate(workers)]
@@ -388,7 +422,8 @@ class ControlPlaneConfig:
         """Set one top-level, ``health.*``, ``kv_cache.*`` or ``state.*`` key from a flag, with the file's checks."""
         section, _, sub = key.rpartition(".")
         target, checks = {"": (self, TOP_LEVEL), "health": (self.health, HEALTH),
-                          "kv_cache": (self.kv_cache, KV_CACHE), "state": (self.state, STATE)}[section]
+                          "kv_cache": (self.kv_cache, KV_CACHE), "state": (self.state, STATE),
+                          "auth": (self.auth, AUTH), "discovery": (self.discovery, DISCOVERY)}[section]
         setattr(target, sub, checks[sub](value, name))
 
     def check(self) -> None:

@@ -10,7 +10,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane import metrics
+from controlplane.auth import AuthInterceptor
 from controlplane.config import ControlPlaneConfig
+from controlplane.discovery import DiscoveryFile
 from controlplane.health import HealthChecker
 from controlplane.kvcache.manager import KVCache
 from controlplane.fleet import Fleet
@@ -61,6 +63,7 @@ class ControlPlane:
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
+        self.discovery: DiscoveryFile | None = None
 
     async def start(self) -> None:
         self.registry.on_added = None  # config workers are checked together by health.start()
@@ -72,8 +75,16 @@ class ControlPlane:
         for spec in self.fleet.specs():
             await self.kv.watch(spec)
         self.registry.on_added = self._worker_added
+        if self.config.discovery.file:
+            self.discovery = DiscoveryFile(self.config.discovery.file, self.registry,
+                                           interval_s=self.config.discovery.interval_s)
+            await self.discovery.start()
 
-        self._server = grpc.aio.server(options=server_options())
+        tokens = self.config.auth.resolved()
+        self._server = grpc.aio.server(options=server_options(),
+                                       interceptors=[AuthInterceptor(tokens)] if tokens.enabled else None)
+        if tokens.enabled:
+            log.info("gRPC API tokens: %s", tokens.describe())
         kvc = self.config.kv_cache
         uses_cache = self.placer.profile.uses_prefix_cache
         info = pb.SessionInfo(
@@ -83,7 +94,8 @@ class ControlPlane:
                                     lora_key_format=kvc.lora_key_format))
         pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.lifecycle, self.registry, info), self._server)
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
-        pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer), self._server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer, health=self.health, info=info),
+                                            self._server)
         self.grpc_port = self._server.add_insecure_port(self.config.listen)
         if not self.grpc_port:
             raise OSError(f"cannot listen on {self.config.listen}")
@@ -106,6 +118,8 @@ class ControlPlane:
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._server:
             await self._server.stop(grace=1.0)
         if self._runner:

@@ -10,11 +10,12 @@ import uuid
 
 import grpc
 
-from controlplane import validate
+from controlplane import auth, validate
+from controlplane import registry as _registry
 from controlplane.lifecycle import Lifecycle
 from controlplane.placement import ROLE_TO_PB, Placer
 from controlplane.registry import WorkerRegistry
-from controlplane.workers import Health, Role, WorkerView
+from controlplane.workers import Health, Role, WorkerSpec, WorkerView, normalize_url
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
@@ -27,10 +28,13 @@ _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HE
 _PB_TO_ROLE = {pb.ROLE_BOTH: Role.BOTH, pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 
 
-def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int = 0) -> pb.WorkerInfo:
+def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int = 0, *,
+                predicted_hit_blocks: int = 0, query_blocks: int = 0) -> pb.WorkerInfo:
     now = time.monotonic()
     spec, state, eng = view.spec, view.state, view.engine
     return pb.WorkerInfo(
+        prefill_tokens_pending=view.load.prefill_tokens, predicted_hit_blocks=predicted_hit_blocks,
+        query_blocks=query_blocks, engine_prefix_hits=eng.prefix_hits, engine_prefix_queries=eng.prefix_queries,
         kv_events=spec.kv_events, cached_blocks=cached_blocks,
         id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role], model=spec.model, weight=spec.weight,
         status=_HEALTH_TO_PB[state.health], draining=spec.draining, source=spec.source,
@@ -228,22 +232,36 @@ class RegistryService(pb_grpc.RegistryServicer):
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, registry: WorkerRegistry, placer: Placer) -> None:
+    """omni-ctl's API. Every change is logged with who made it (peer address, token name)."""
+
+    def __init__(self, registry: WorkerRegistry, placer: Placer, *, health=None,
+                 info: pb.SessionInfo | None = None, check_timeout_s: float = 3.0) -> None:
         self.registry = registry
         self.placer = placer
+        self.health = health                 # HealthChecker: AddWorker runs the first check at once
+        self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
+        self.check_timeout_s = check_timeout_s
+
+    def _info_of(self, view: WorkerView, cached: int = 0) -> pb.WorkerInfo:
+        st, wid = self.placer.stats, view.id
+        return worker_info(view, self.registry.fleet.placements[wid], cached,
+                           predicted_hit_blocks=st.predicted_hit_blocks.get(wid, 0),
+                           query_blocks=st.query_blocks.get(wid, 0))
 
     async def _info(self, worker_id: str) -> pb.WorkerInfo:
         fleet = self.registry.fleet
         spec = fleet.get(worker_id)
         load = (await self.placer.store.loads([worker_id]))[worker_id]
-        return worker_info(fleet.view(spec, load), fleet.placements[worker_id])
+        cached = self.placer.kv.cached_blocks([worker_id]).get(worker_id, 0) if self.placer.kv else 0
+        return self._info_of(fleet.view(spec, load), cached)
 
     async def _update(self, worker_id: str, context, **changes) -> pb.WorkerResponse:
         if await self.registry.update(worker_id, **changes) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(worker_id)}")
         info = await self._info(worker_id)
-        log.info("worker %s: %s (%d in flight)", worker_id,
-                 ", ".join(f"{k}={v}" for k, v in changes.items()), info.load.inflight_requests)
+        log.info("admin: worker %s: %s (%d in flight), by %s", worker_id,
+                 ", ".join(f"{k}={v}" for k, v in changes.items()), info.load.inflight_requests,
+                 auth.caller(context))
         return pb.WorkerResponse(worker=info)
 
     async def ListWorkers(self, request, context):
@@ -252,8 +270,8 @@ class AdminService(pb_grpc.AdminServicer):
                        key=lambda s: s.id)
         loads = await self.placer.store.loads([s.id for s in specs])
         cached = self.placer.kv.cached_blocks() if self.placer.kv else {}
-        return pb.ListWorkersResponse(workers=[worker_info(fleet.view(s, loads[s.id]), fleet.placements[s.id],
-                                                           cached.get(s.id, 0)) for s in specs],
+        return pb.ListWorkersResponse(workers=[self._info_of(fleet.view(s, loads[s.id]), cached.get(s.id, 0))
+                                               for s in specs],
                                       policy=self.placer.profile.name)
 
     async def AddWorker(self, request, context):
@@ -261,8 +279,67 @@ class AdminService(pb_grpc.AdminServicer):
             spec = _spec_from_register(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        fleet = self.registry.fleet
+        url = normalize_url(spec["url"])
+        id_for = getattr(_registry, "worker_id_for", None) or getattr(_registry, "_id_from_url")
+        wid = spec["worker_id"] or id_for(url, spec["role"])
+        same_id = fleet.get(wid)
+        same_url = [s for s in fleet.specs() if s.url.lower() == url.lower() and s.id != wid]
+        conflicts = ([same_id] if same_id is not None else []) + same_url
+        if conflicts and not request.replace:
+            what = "; ".join(f"worker {s.id} ({s.url}, {s.role.value}, source {s.source})" for s in conflicts)
+            log.warning("admin: add %s (%s) refused: %s exists, by %s", wid, url, what, auth.caller(context))
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"{what} already exists: add with replace (omni-ctl add --replace) to overwrite it")
+        for s in same_url:
+            await self.registry.remove(s.id)
+        if same_id is not None:
+            if same_id.url != url or same_id.role is not spec["role"]:
+                await self.registry.remove(wid)       # another engine: start from a fresh health state
+            elif not request.weight:
+                spec["weight"] = same_id.weight       # the same engine again: keep the operator's weight
+        spec["worker_id"] = wid
         added = await self.registry.add(**spec, source="admin")
-        return pb.WorkerResponse(worker=await self._info(added.id))
+        log.info("admin: worker %s %s (%s, %s, weight %g), by %s", added.id,
+                 "replaced" if conflicts else "added", added.url, added.role.value, added.weight,
+                 auth.caller(context))
+        checked, error = await self._first_check(added)
+        if error:
+            log.warning("admin: worker %s: first check failed: %s (no placements until a check passes)",
+                        added.id, error)
+        return pb.WorkerResponse(worker=await self._info(added.id), checked=checked, check_error=error)
+
+    async def _first_check(self, spec: WorkerSpec) -> tuple[bool, str]:
+        """Health (and model discovery) at once, and whether /v1/models lists the model."""
+        health = self.health
+        if health is None or getattr(health, "_session", None) is None:
+            return False, ""
+        try:
+            await asyncio.wait_for(health.check(spec), self.check_timeout_s)
+        except asyncio.TimeoutError:
+            return False, ""
+        except Exception as exc:  # noqa: BLE001 - the add itself has succeeded
+            return True, f"{type(exc).__name__}: {exc}"
+        fleet = self.registry.fleet
+        state = fleet.state(spec.id)
+        if state.health is not Health.HEALTHY:
+            return True, state.last_error or "unhealthy"
+        current = fleet.get(spec.id)
+        if current is not None and spec.model:
+            try:
+                async with health._session.get(current.url + "/v1/models") as resp:
+                    data = await resp.json(content_type=None) if resp.status == 200 else None
+                if data is None:
+                    return True, f"/v1/models returned {resp.status}"
+                served = [str(m.get("id")) for m in data.get("data") or [] if isinstance(m, dict)]
+                if current.model not in served:
+                    return True, (f"/v1/models does not list model {current.model!r} "
+                                  f"(it lists {', '.join(served[:5]) or 'none'})")
+            except (asyncio.TimeoutError, OSError, ValueError, AttributeError) as exc:
+                return True, f"/v1/models: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - aiohttp client errors
+                return True, f"/v1/models: {type(exc).__name__}: {exc}"
+        return True, ""
 
     async def Drain(self, request, context):
         return await self._update(request.worker_id, context, draining=True)
@@ -280,9 +357,38 @@ class AdminService(pb_grpc.AdminServicer):
     async def RemoveWorker(self, request, context):
         if not await self.registry.remove(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(request.worker_id)}")
+        log.info("admin: worker %s removed, by %s", request.worker_id, auth.caller(context))
         return pb.Ack()
 
     async def Explain(self, request, context):
         if request.leg == pb.LEG_UNSPECIFIED:
             request.leg = pb.LEG_ENTRY
         return await self.placer.place(request, dry_run=True)
+
+    async def Stats(self, request, context):
+        fleet, st = self.registry.fleet, self.placer.stats
+        by_leg: dict[str, int] = {}
+        by_worker: dict[str, int] = {}
+        for (worker_id, leg), n in st.placed.items():
+            by_leg[leg] = by_leg.get(leg, 0) + n
+            by_worker[worker_id] = by_worker.get(worker_id, 0) + n
+        events = []
+        kv = self.placer.kv
+        if kv is not None:
+            counters = kv.counters()
+            subscribers = getattr(kv, "_subscribers", {})
+            for spec in sorted(fleet.specs(), key=lambda s: s.id):
+                last = max((max(getattr(sub, "_last", {}).values(), default=-1)
+                            for sub in subscribers.get(spec.id, [])), default=-1)
+                events.append(pb.WorkerEvents(worker_id=spec.id, counters=counters.get(spec.id, {}),
+                                              last_seq=last, exact=kv.tracked_exactly(spec),
+                                              untracked_reason=kv.untracked.get(spec.id, "")))
+        queue = self.placer.queue
+        lat = st.latency
+        return pb.StatsResponse(policy=self.placer.profile.name, placements_by_leg=by_leg,
+                                placements_by_worker=by_worker, errors={str(k): v for k, v in st.errors.items()},
+                                sessions={str(k): v for k, v in st.sessions.items()},
+                                queue_depth=len(queue) if queue is not None else -1,
+                                kv_hash=self.info.kv_hash, events=events, workers=len(fleet),
+                                routable_workers=len(fleet.routable_specs()),
+                                placement_count=lat.total, placement_seconds_sum=lat.sum_s)
