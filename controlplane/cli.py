@@ -96,6 +96,7 @@ def _grpc_bind_error(listen: str):
 
 async def _start(cp, cfg) -> None:
     """Start the control plane; a port it cannot bind is a :class:`StartupError` naming the key."""
+    from controlplane.state import StoreUnavailable
     from omni_runtime import StartupError, bind_error
 
     try:
@@ -111,6 +112,8 @@ async def _start(cp, cfg) -> None:
             raise bind_error(exc, "http_port", cfg.http_host, cfg.http_port) from None
         if isinstance(exc, ValueError):
             raise StartupError(str(exc)) from None
+        if isinstance(exc, StoreUnavailable):
+            raise StartupError(f"state.redis_url: {exc}") from None
         raise
 
 

@@ -118,6 +118,7 @@ class Fleet:
         self._state: dict[str, HealthState] = {}
         self._engine: dict[str, EngineMetrics] = {}
         self._heartbeat: dict[str, float] = {}
+        self._heard: set[str] = set()
         self._index: dict[tuple[str, Role], tuple[str, ...]] | None = None
         self._returns_at = 0.0        # when the first ejected worker comes back (0: none is out)
         self.version = 0              # grows whenever the routable set may have changed
@@ -146,6 +147,7 @@ class Fleet:
             self._state.pop(worker_id, None)
             self._engine.pop(worker_id, None)
             self._heartbeat.pop(worker_id, None)
+            self._heard.discard(worker_id)
             self.placements.pop(worker_id, None)
             self._work.pop(worker_id, None)
             self._view_cache.pop(worker_id, None)
@@ -191,9 +193,16 @@ class Fleet:
     def last_heartbeat(self, worker_id: str) -> float:
         return self._heartbeat.get(worker_id, 0.0)
 
-    def beat(self, worker_id: str, now: float) -> None:
+    def beat(self, worker_id: str, now: float, *, local: bool = True) -> None:
+        """A heartbeat (or registration) at ``now``. ``local``: this replica heard it; only
+        such workers are expired here, since their heartbeats go to this replica alone."""
         if worker_id in self._specs:
             self._heartbeat[worker_id] = now
+            if local:
+                self._heard.add(worker_id)
+
+    def heard_from(self, worker_id: str) -> bool:
+        return worker_id in self._heard
 
     def view(self, spec: WorkerSpec, load: Load) -> WorkerView:
         wid = spec.id

@@ -163,7 +163,8 @@ class HealthChecker:
     async def expire_heartbeats(self) -> None:
         now = time.monotonic()
         for spec in self.fleet.specs():
-            if spec.heartbeat_ttl_s > 0 and now - self.fleet.last_heartbeat(spec.id) > spec.heartbeat_ttl_s:
+            if spec.heartbeat_ttl_s > 0 and self.fleet.heard_from(spec.id) and \
+                    now - self.fleet.last_heartbeat(spec.id) > spec.heartbeat_ttl_s:
                 log.warning("worker %s missed heartbeats for %.1fs: removed", spec.id,
                             now - self.fleet.last_heartbeat(spec.id))
                 await self.registry.remove(spec.id)

@@ -20,7 +20,8 @@ from controlplane.workers import Role, WorkerSpec, normalize_url
 log = logging.getLogger(__name__)
 
 
-def _id_from_url(url: str, role: Role) -> str:
+def worker_id_for(url: str, role: Role) -> str:
+    """The id a worker gets when none is given: its role and address."""
     host = re.sub(r"^https?://", "", url)
     return f"{role.value}-{re.sub(r'[^A-Za-z0-9.-]+', '-', host)}"
 
@@ -42,7 +43,7 @@ class WorkerRegistry:
                   source: str = "config", heartbeat_ttl_s: float = 0.0, kv_events: str = "",
                   kv_replay: str = "", dp_size: int = 1) -> WorkerSpec:
         url = normalize_url(url)
-        worker_id = worker_id or _id_from_url(url, role)
+        worker_id = worker_id or worker_id_for(url, role)
         existing = self.fleet.get(worker_id)
         spec = WorkerSpec(id=worker_id, url=url, role=role, model=model or (existing.model if existing else ""),
                           weight=weight, draining=existing.draining if existing else False,

@@ -19,10 +19,11 @@ from controlplane.fleet import Fleet
 from controlplane.lifecycle import BreakerConfig, Lifecycle
 from controlplane.placement import PlacementStats, Placer
 from controlplane.prediction import Predictor
-from controlplane.registry import WorkerRegistry
+from controlplane.registry import WorkerRegistry, worker_id_for
 from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
 from controlplane.state import StateStore, make_store
+from controlplane.state.sync import SpecSync
 from controlplane.workers import WorkerSpec
 from omni_runtime import start_http_site
 from metaserver.server import Metaserver
@@ -64,11 +65,24 @@ class ControlPlane:
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
         self.discovery: DiscoveryFile | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._sync: SpecSync | None = None
 
     async def start(self) -> None:
         self.registry.on_added = None  # config workers are checked together by health.start()
+        shared = hasattr(self.store, "maintain")   # a store other replicas share (Redis)
+        if shared:
+            # Be a live replica before touching the ledger (others sweep replicas that are
+            # not), and start from the workers, weights and drain flags the store kept.
+            await self.store.heartbeat()
+            self._sync = SpecSync(self.store, self.fleet, on_added=self._worker_added,
+                                  on_removed=self._worker_removed)
+            await self._sync.refresh()
         for spec in self.config.workers:
-            await self.registry.add(url=spec.url, role=spec.role, model=spec.model, weight=spec.weight,
+            kept = self.fleet.get(spec.id or worker_id_for(spec.url, spec.role))
+            await self.registry.add(url=spec.url, role=spec.role, model=spec.model,
+                                    # an operator's weight (and drain) outlive a restart
+                                    weight=kept.weight if kept is not None else spec.weight,
                                     worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port,
                                     kv_events=spec.kv_events, kv_replay=spec.kv_replay, dp_size=spec.dp_size)
         await self.health.start()
@@ -111,6 +125,9 @@ class ControlPlane:
             if self.config.pd_flow == "layerwise":
                 raise
         self._sweeper = asyncio.create_task(self._sweep_loop())
+        if shared:
+            self._tasks += [asyncio.create_task(self.store.maintain(orphan=True)),
+                            asyncio.create_task(self._sync.run())]
         log.info("control plane: gRPC on port %d, HTTP on %s:%d, policy %s, %d workers",
                  self.grpc_port, self.config.http_host, self.http_port, self.config.policy,
                  len(self.config.workers))
@@ -120,6 +137,9 @@ class ControlPlane:
             self._sweeper.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server:
             await self._server.stop(grace=1.0)
         if self._runner:
@@ -130,6 +150,8 @@ class ControlPlane:
         await self.registry.stop()
         if self.placer.queue is not None:
             await self.placer.queue.stop()
+        if hasattr(self.store, "close"):
+            await self.store.close()
 
     async def _worker_removed(self, worker_id: str) -> None:
         self.predictor.forget(worker_id)
@@ -150,7 +172,9 @@ class ControlPlane:
         app = web.Application()
 
         async def health(_: web.Request) -> web.Response:
-            return web.json_response({"status": "ok"})
+            # Degraded still serves: placement goes on from memory while the store is away.
+            store_ok = getattr(self.store, "available", True) and (self._sync is None or self._sync.connected)
+            return web.json_response({"status": "ok" if store_ok else "degraded", "state_store": store_ok})
 
         async def prom(_: web.Request) -> web.Response:
             specs = self.fleet.specs()

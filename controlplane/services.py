@@ -67,7 +67,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         while handling one message is contained to it: the session, and every other
         request on it, goes on.
         """
-        session = f"s{next(self._session_ids)}-{uuid.uuid4().hex[:6]}"
+        session = f"s{next(self._session_ids)}-{uuid.uuid4().hex}"   # unique across replicas
         out: asyncio.Queue = asyncio.Queue()
         held: set[asyncio.Task] = set()
         reader = asyncio.ensure_future(self._read(request_iterator, session, out, held))

@@ -509,7 +509,7 @@ def test_state_config_and_make_store():
     cfg = ControlPlaneConfig.from_dict({"state": {"backend": "redis", "redis_url": "unix:///tmp/r.sock",
                                                   "key_prefix": "{prod}:", "replica_ttl_s": 5,
                                                   "loads_max_age_s": 0.05, "write_behind": True}})
-    store = make_store(cfg)
+    store = make_store(cfg).shared        # behind the local fallback ledger (controlplane.state.resilient)
     assert isinstance(store, RedisStore) and store.prefix == "{prod}:" and store.replica_ttl_ms == 5000
     assert store.loads_max_age_s == 0.05 and store.write_behind
     assert isinstance(make_store(ControlPlaneConfig()), MemoryStore)
@@ -564,7 +564,7 @@ async def test_control_plane_places_and_releases_through_redis(sim_both, redis_s
                                 state=StateConfig(backend="redis", redis_url=redis_server.url, key_prefix=prefix))
     plane = ControlPlane(config)
     other = RedisStore(redis_server.url, key_prefix=prefix)   # what another replica sees
-    assert isinstance(plane.store, RedisStore)
+    assert isinstance(plane.store.shared, RedisStore)   # behind the local fallback ledger
     client = None
     await plane.start()
     try:

@@ -13,6 +13,9 @@ def make_store(config) -> StateStore:
     if state is None or state.backend == "memory":
         return MemoryStore()
     from controlplane.state.redis import RedisStore
+    from controlplane.state.resilient import ResilientStore
 
-    return RedisStore(state.redis_url, key_prefix=state.key_prefix, replica_ttl_s=state.replica_ttl_s,
-                      loads_max_age_s=state.loads_max_age_s, write_behind=state.write_behind)
+    # Behind a local ledger: placement goes on from memory while Redis is away.
+    return ResilientStore(RedisStore(state.redis_url, key_prefix=state.key_prefix,
+                                     replica_ttl_s=state.replica_ttl_s, loads_max_age_s=state.loads_max_age_s,
+                                     write_behind=state.write_behind))

@@ -75,7 +75,7 @@ class SpecSync:
                 if old is None:
                     # Its heartbeats (if it sends any) go to the replica it registered with:
                     # start its clock here so this replica does not expire it at once.
-                    self.fleet.beat(spec.id, now)
+                    self.fleet.beat(spec.id, now, local=False)
                     if self.on_added is not None:
                         await self._call(self.on_added, spec)
         for spec in self.fleet.specs():
