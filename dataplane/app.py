@@ -221,7 +221,7 @@ class DataPlane:
         tracker.tokenized = time.perf_counter()
         await self._hash_prompt(req)
         tracker.matched = time.perf_counter()
-        placement = await place(self.placements, req, pb.LEG_ENTRY)
+        placement = await place(self.placements, req, pb.LEG_ENTRY, trace=tracker.trace)
         flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
         tracker.attach(req, placement, flow_name)
         if flow is None:

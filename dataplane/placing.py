@@ -11,7 +11,7 @@ _STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST:
 
 
 async def place(placements: PlacementClient, req: ClientRequest, leg: int,
-                exclude: list[str] | None = None) -> pb.Placement:
+                exclude: list[str] | None = None, trace: dict[str, str] | None = None) -> pb.Placement:
     msg = pb.PlaceRequest(request_id=req.placement_id, model=req.model, leg=leg,
                           prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
                           exclude_workers=exclude or (), block_hashes=req.block_hashes,
@@ -20,6 +20,8 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: int,
         # The control plane sends this deployment's prefill legs itself (metaserver).
         msg.body, msg.path = req.raw, req.path
         msg.engine_request_id, msg.num_prompts = req.request_id, req.num_prompts
+        if trace:
+            msg.trace_headers.update(trace)
     try:
         placement = await placements.place(msg)
     except ControlPlaneUnavailable as exc:

@@ -27,6 +27,7 @@ class PendingPrefill:
     # placed decode engine, and that engine's address when it is an IP literal.
     token: str = ""
     decode_host: str = ""
+    trace: dict[str, str] = field(default_factory=dict)   # W3C trace context for the prefill leg
     created: float = field(default_factory=time.monotonic)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     result: asyncio.Future | None = None    # set once: None = ok, str = error message

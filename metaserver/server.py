@@ -91,7 +91,7 @@ class Metaserver:
             prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
             expected=engine_request_ids(req.engine_request_id or req.request_id, req.path == CHAT_PATH,
                                         req.num_prompts),
-            block_hashes=list(req.block_hashes), token=secrets.token_urlsafe(18),
+            block_hashes=list(req.block_hashes), token=secrets.token_urlsafe(18), trace=dict(req.trace_headers),
             decode_host=_ip_literal(placement.decode.url))
         if self.table.add(entry):
             # Only the decode engine placed for this request learns the token.
@@ -175,7 +175,8 @@ class Metaserver:
                     error = placement.error_message
                     return
                 p = placement.prefill
-                status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id)
+                status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id,
+                                                           entry.trace)
                 if status == 200:
                     await self.lifecycle.report(pb.LifecycleEvent(request_id=entry.placement_id,
                                                                kind=pb.EVENT_PREFILL_DONE))
@@ -194,11 +195,12 @@ class Metaserver:
             if entry.result is not None and not entry.result.done():
                 entry.result.set_result(error)
 
-    async def _send_prefill(self, url: str, body: bytes, request_id: str) -> tuple[int, str]:
+    async def _send_prefill(self, url: str, body: bytes, request_id: str,
+                            trace: dict[str, str] | None = None) -> tuple[int, str]:
         assert self._session is not None
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **(trace or {})}
         try:
-            async with self._session.post(url, data=body, headers={
-                    "Content-Type": "application/json", "X-Request-Id": request_id}) as resp:
+            async with self._session.post(url, data=body, headers=headers) as resp:
                 data = await resp.read()
                 return resp.status, ("" if resp.status == 200 else f"{resp.status} {upstream_message(data)}")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

@@ -359,8 +359,9 @@ async def test_parallel_trace_on_both_legs(parallel_cluster: Cluster, http):
     await wait_until(c.all_idle, what="idle after the test")
 
 
-async def test_layerwise_trace_on_the_decode_leg(layerwise_cluster: Cluster, http):
-    """The data plane sends only D; P's leg is sent by the control plane's metaserver."""
+async def test_layerwise_trace_on_both_legs(layerwise_cluster: Cluster, http):
+    """The data plane sends only D; P's leg is sent by the control plane's metaserver,
+    which gets the trace context with the placement request."""
     c = layerwise_cluster
     await c.fresh()
     ttft, total, _ = await stream(http, c.url, "lc-lw", max_tokens=6,
@@ -370,6 +371,7 @@ async def test_layerwise_trace_on_the_decode_leg(layerwise_cluster: Cluster, htt
     check_stages(line, prefill_answered=False)
     check_against_client(line, ttft, total)
     assert trace_of(engine_entry(await c.sim_requests("decode-0"), "lc-lw")) == (TRACEPARENT, TRACESTATE)
+    assert trace_of(engine_entry(await c.sim_requests("prefill-0"), "lc-lw")) == (TRACEPARENT, TRACESTATE)
     await wait_until(c.all_idle, what="idle after the test")
 
 
