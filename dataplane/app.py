@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from dataplane import auth as client_auth
 from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
@@ -81,6 +82,7 @@ class DataPlaneConfig:
     access_log: bool = True        # one JSON line per request on the omni_proxy.access logger
     otel_endpoint: str = ""        # OTLP/HTTP collector: spans per request and leg ("" = off, nothing loaded)
     otel_service_name: str = "omni-proxy-dataplane"
+    api_keys: str = ""             # file of client API keys (one per line, name:key); "" = no keys needed
 
 
 def _tracing(config: DataPlaneConfig):
@@ -109,6 +111,7 @@ class DataPlane:
         self.tracing = _tracing(config) if config.otel_endpoint else None
         self.metrics = DataPlaneMetrics()
         self.upstream = Upstream(config.upstream)
+        self.api_keys = client_auth.ApiKeys(config.api_keys) if config.api_keys else None
         self.prefix = PrefixHasher()
         self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
@@ -121,7 +124,9 @@ class DataPlane:
         self.observer = Observer(self.metrics, access_log_on=config.access_log, tracing=self.tracing)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors],
+        checks = ([client_auth.middleware(self.api_keys, self.config.upstream.forward_client_auth)]
+                  if self.api_keys is not None or self.config.upstream.forward_client_auth else [])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, *checks],
                               handler_args=self.config.client.handler_args())
         guard(app, self.config.client)
         app.router.add_post(COMPLETIONS, self.generate)

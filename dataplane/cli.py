@@ -34,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=300.0,
                    help="whole prefill leg, request to answer (a timed-out P is retried elsewhere)")
     p.add_argument("--engine-api-key", default="", help="sent to engines as a Bearer token")
+    p.add_argument("--api-keys", default="", metavar="FILE",
+                   help="require client API keys (Authorization: Bearer): one per line, optionally name:key; "
+                        "re-read when the file changes")
+    p.add_argument("--forward-client-auth", action="store_true",
+                   help="send the client's Authorization header to the engines (default: never)")
     p.add_argument("--allow-client-fields", default="",
                    help="comma-separated PD-internal body fields a client may set (kv_transfer_params, "
                         "bootstrap_*); by default the data plane drops them")
@@ -74,7 +79,9 @@ def config_from_args(args: argparse.Namespace):
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   prefill_timeout_s=args.prefill_timeout,
-                                                  engine_api_key=args.engine_api_key),
+                                                  engine_api_key=args.engine_api_key,
+                                                  forward_client_auth=args.forward_client_auth),
+                          api_keys=args.api_keys,
                           access_log=args.access_log, otel_endpoint=args.otel_endpoint,
                           otel_service_name=args.otel_service_name)
     if args.node_id:

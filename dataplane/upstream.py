@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from dataplane.auth import client_authorization
 from dataplane.errors import APIError
 from engine_api.answers import upstream_message
 
@@ -26,6 +27,7 @@ class UpstreamConfig:
     prefill_timeout_s: float = 300.0
     engine_api_key: str = ""
     pool_size: int = 0            # 0 = unlimited connections per engine
+    forward_client_auth: bool = False   # send the client's Authorization instead of engine_api_key
 
 
 # Engine answers the client hears as they are (before the first byte): "too busy, come
@@ -90,6 +92,8 @@ class Upstream:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "Accept-Encoding": "identity"}
         if self.config.engine_api_key:
             headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
+        if self.config.forward_client_auth and client_authorization.get():   # only when configured
+            headers["Authorization"] = client_authorization.get()
         if trace:
             headers.update(trace)
         try:

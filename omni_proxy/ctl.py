@@ -1,135 +1,495 @@
 """``omni-ctl``: the operators' command line for a running control plane.
 
-    omni-ctl workers                      # table of workers, health and load
-    omni-ctl drain prefill-10.0.0.5-8000  # no new placements; in-flight work finishes
+    omni-ctl workers                          # workers: health, weight, drain, load, KV, hit rates
+    omni-ctl drain ID [--wait]                # no new placements; --wait returns once it is idle
     omni-ctl undrain ID | weight ID 2.5 | remove ID
-    omni-ctl add http://10.0.0.7:8000 --role decode
-    omni-ctl explain --model m --prompt-tokens 2000   # dry-run placement, with reasons
+    omni-ctl add http://10.0.0.7:8000 --role decode [--id ID] [--model M] [--replace]
+    omni-ctl stats                            # placements, errors, queue, sessions
+    omni-ctl explain --prompt "..." --tokenizer DIR   # dry-run placement: match depth, load, score
+    omni-ctl events                           # per-worker KV-event rate, gaps, last sequence
 
-The control plane address comes from --controlplane or $OMNI_CONTROLPLANE.
+The control plane address comes from --controlplane or $OMNI_CONTROLPLANE; the token (when
+the control plane requires one) from --token or $OMNI_TOKEN. --json prints typed JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
+import time
+from typing import Any
+
+EXIT_RPC_ERROR = 2
+EXIT_WAIT_TIMEOUT = 3
+
+
+def _version() -> str:
+    from omni_proxy import __version__
+
+    return __version__
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action="version", version=f"omni-ctl {_version()}")
     p.add_argument("--controlplane", default=os.environ.get("OMNI_CONTROLPLANE", "127.0.0.1:50051"),
                    help="control plane gRPC address (default $OMNI_CONTROLPLANE or 127.0.0.1:50051)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--token", default=os.environ.get("OMNI_TOKEN", ""),
+                   help="admin token, sent as 'authorization: Bearer' (default $OMNI_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print JSON (typed values) instead of tables")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call to the control plane")
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    w = sub.add_parser("workers", help="list workers")
-    w.add_argument("--model", default="")
-    for name, help_text in (("drain", "stop new placements to a worker"), ("undrain", "resume placements"),
-                            ("remove", "forget a worker")):
-        s = sub.add_parser(name, help=help_text)
-        s.add_argument("worker_id")
-    s = sub.add_parser("weight", help="set a worker's capacity weight (0 parks it)")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help_text, description=help_text)
+        # --json also after the subcommand (omni-ctl workers --json)
+        s.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+        return s
+
+    w = command("workers", "list workers: role, model, health, weight, drain, load, KV usage, hit rates, "
+                           "last error")
+    w.add_argument("--model", default="", help="only workers serving this model")
+    s = command("drain", "stop new placements to a worker; its in-flight requests finish")
+    s.add_argument("worker_id", help="the worker's full id (omni-ctl workers)")
+    s.add_argument("--wait", action="store_true", help="return once the worker has no request in flight")
+    s.add_argument("--timeout", dest="wait_timeout", type=float, default=600.0,
+                   help="with --wait: give up after this many seconds (exit status 3)")
+    s.add_argument("--poll", type=float, default=0.5, help="with --wait: seconds between checks")
+    s = command("undrain", "resume placements to a drained worker")
+    s.add_argument("worker_id")
+    s = command("remove", "forget a worker (its in-flight requests are not stopped)")
+    s.add_argument("worker_id")
+    s = command("weight", "set a worker's capacity weight: placement shares follow weights (0 parks it)")
     s.add_argument("worker_id")
     s.add_argument("weight", type=float)
-    s = sub.add_parser("add", help="add a worker by URL")
-    s.add_argument("url")
+    s = command("add", "add an engine by URL; the control plane checks it before routing to it")
+    s.add_argument("url", help="http(s)://host[:port]")
     s.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    s.add_argument("--model", default="", help="served model (default: discovered from /v1/models)")
+    s.add_argument("--weight", type=float, default=None, help="capacity weight (default 1; kept on --replace)")
+    s.add_argument("--id", default="", help="worker id (default: derived from role and URL)")
+    s.add_argument("--bootstrap-port", type=int, default=0, help="SGLang/Mooncake bootstrap port")
+    s.add_argument("--kv-events", default="", help="the engine's ZMQ KV-event endpoint (tcp://host:port)")
+    s.add_argument("--replace", action="store_true",
+                   help="overwrite a worker with the same id or URL (refused otherwise)")
+    command("stats", "placements, refusals, queue depth, data-plane sessions")
+    s = command("explain", "dry-run a placement: per candidate its prefix match depth, load and score")
     s.add_argument("--model", default="")
-    s.add_argument("--weight", type=float, default=1.0)
-    s.add_argument("--id", default="")
-    s = sub.add_parser("explain", help="dry-run a placement and show why the winner won")
-    s.add_argument("--model", default="")
-    s.add_argument("--prompt-tokens", type=int, default=100)
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="a completions prompt (text)")
+    src.add_argument("--messages", help="a JSON file with chat messages (a list, or {\"messages\": [...]})")
+    src.add_argument("--prompt-tokens", type=int, default=None, help="only a token count (no prefix match)")
+    s.add_argument("--tokenizer", default=os.environ.get("OMNI_TOKENIZER", ""),
+                   help="model directory with tokenizer.json, as the data plane's --tokenizer "
+                        "(default $OMNI_TOKENIZER)")
+    s.add_argument("--chat-template", default="", help="chat template, as the data plane's --chat-template")
     s.add_argument("--max-tokens", type=int, default=0)
     s.add_argument("--leg", choices=["entry", "prefill", "decode"], default="entry")
+    s = command("events", "per-worker KV-event rate, sequence gaps, last sequence number")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between the two samples of the rate")
 
 
-def _worker_dict(w) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(w, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+# ---------------------------------------------------------------------------------------- values
 
 
-def _print_workers(resp, as_json: bool) -> None:
-    import json
+def _enum(pb_enum, value: int, prefix: str) -> str:
+    try:
+        return pb_enum.Name(value).removeprefix(prefix).lower()
+    except ValueError:
+        return str(value)
 
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 and num >= 0 else None
+
+
+def worker_json(w) -> dict[str, Any]:
+    """One WorkerInfo as typed JSON: numbers as numbers, enums as lower-case names."""
+    from protos import omni_proxy_pb2 as pb
+
+    ld = w.load
+    return {
+        "id": w.id, "url": w.url, "role": _enum(pb.Role, w.role, "ROLE_"), "model": w.model,
+        "status": _enum(pb.WorkerStatus, w.status, "STATUS_"), "circuit": w.circuit or "closed",
+        "ejected_for_s": round(w.ejected_for_s, 3), "draining": w.draining, "weight": w.weight,
+        "source": w.source,
+        "load": {"inflight_requests": ld.inflight_requests, "inflight_tokens": ld.inflight_tokens,
+                 "prefill_tokens_pending": w.prefill_tokens_pending,
+                 "engine_running": ld.engine_running if ld.engine_running >= 0 else None,
+                 "engine_waiting": ld.engine_waiting if ld.engine_waiting >= 0 else None,
+                 "engine_kv_usage": ld.engine_kv_usage if ld.engine_kv_usage >= 0 else None,
+                 "metrics_age_s": ld.metrics_age_s if ld.metrics_age_s >= 0 else None},
+        "placements_total": w.placements_total, "failures_total": w.failures_total,
+        "cached_blocks": w.cached_blocks,
+        "predicted_hit_blocks": w.predicted_hit_blocks, "query_blocks": w.query_blocks,
+        "predicted_hit_rate": _ratio(w.predicted_hit_blocks, w.query_blocks),
+        "engine_hit_rate": _ratio(w.engine_prefix_hits, w.engine_prefix_queries),
+        "last_error": w.last_error, "labels": dict(w.labels), "bootstrap_port": w.bootstrap_port,
+        "kv_events": w.kv_events,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _console():
+    """Tables never cut: off a terminal they get a wide line ($COLUMNS wins) and wrap cells."""
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=int(os.environ.get("COLUMNS", "0") or 0) or 250, soft_wrap=False)
+
+
+def _table(title: str, columns: list[str]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, overflow="fold", no_wrap=False)
+    return table
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def print_workers(resp, as_json: bool) -> None:
     from protos import omni_proxy_pb2 as pb
 
     if as_json:
-        print(json.dumps({"policy": resp.policy, "workers": [_worker_dict(w) for w in resp.workers]}, indent=2))
+        _print_json({"policy": resp.policy, "workers": [worker_json(w) for w in resp.workers]})
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"workers (policy {resp.policy})")
-    for col in ("id", "role", "model", "status", "weight", "in-flight req", "in-flight tok",
-                "engine run/wait", "placed", "failed", "url"):
-        table.add_column(col)
+    table = _table(f"workers (policy {resp.policy})",
+                   ["id", "role", "model", "health", "weight", "drain", "load req/tok", "prefill pending",
+                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "url"])
     for w in resp.workers:
-        status = pb.WorkerStatus.Name(w.status).removeprefix("STATUS_").lower()
-        if w.draining:
-            status += " (draining)"
+        health = _enum(pb.WorkerStatus, w.status, "STATUS_")
         if w.circuit == "open":
-            status += f" (ejected {w.ejected_for_s:.0f}s)"
+            health += f", ejected {w.ejected_for_s:.0f}s"
         elif w.circuit == "half_open":
-            status += " (half open)"
-        eng = f"{w.load.engine_running}/{w.load.engine_waiting}" if w.load.engine_running >= 0 else "-"
-        table.add_row(w.id, pb.Role.Name(w.role).removeprefix("ROLE_").lower(), w.model, status,
-                      f"{w.weight:g}", str(w.load.inflight_requests), str(w.load.inflight_tokens), eng,
-                      str(w.placements_total), str(w.failures_total), w.url)
-    Console().print(table)
+            health += ", half open"
+        ld = w.load
+        eng = f"{ld.engine_running}/{ld.engine_waiting}" if ld.engine_running >= 0 else "-"
+        kv = f"{100 * ld.engine_kv_usage:.0f}%" if ld.engine_kv_usage >= 0 else "-"
+        hits = (f"{_pct(_ratio(w.predicted_hit_blocks, w.query_blocks))}/"
+                f"{_pct(_ratio(w.engine_prefix_hits, w.engine_prefix_queries))}")
+        table.add_row(w.id, _enum(pb.Role, w.role, "ROLE_"), w.model or "?", health, f"{w.weight:g}",
+                      "draining" if w.draining else "-", f"{ld.inflight_requests}/{ld.inflight_tokens}",
+                      str(w.prefill_tokens_pending), eng, kv, hits, f"{w.placements_total}/{w.failures_total}",
+                      w.last_error or "-", w.url)
+    _console().print(table)
+
+
+# ---------------------------------------------------------------------------------------- explain
+
+_CANDIDATE = re.compile(r"^(?P<mark>[* ])(?P<id>\S+) score=(?P<score>-?[\d.]+(?:e-?\d+)?|nan|-?inf) "
+                        r"\[(?P<scores>[^\]]*)\](?: match=(?P<match>\d+)/(?P<chain>\d+)blk)?"
+                        r"(?: ttft=(?P<ttft>[\d.]+)ms tpot=(?P<tpot>[\d.]+)ms)? "
+                        r"load=(?P<req>\d+)req/(?P<tok>\d+)tok/(?P<prefill>\d+)prefill$")
+_DROPPED = re.compile(r"^-(?P<id>\S+) dropped by (?P<why>.*)$")
+
+
+def parse_explanation(text: str) -> list[dict[str, Any]]:
+    """The Explain RPC's text as stages (entry, decode), each with typed candidates."""
+    stages = []
+    for i, section in enumerate(text.split(" | ") if text else []):
+        name = "entry"
+        if i:
+            name, _, section = section.partition(": ")
+        stage: dict[str, Any] = {"stage": name, "policy": "", "candidates": [], "dropped": {}, "notes": []}
+        for part in section.split("; "):
+            if part.startswith("policy="):
+                stage["policy"] = part[len("policy="):]
+                continue
+            m = _CANDIDATE.match(part)
+            if m:
+                scores = {}
+                for kv in filter(None, m["scores"].split(",")):
+                    k, _, v = kv.partition("=")
+                    try:
+                        scores[k] = float(v)
+                    except ValueError:
+                        scores[k] = v
+                stage["candidates"].append({
+                    "worker_id": m["id"], "chosen": m["mark"] == "*", "score": float(m["score"]), "scores": scores,
+                    "match_blocks": int(m["match"]) if m["match"] else None,
+                    "chain_blocks": int(m["chain"]) if m["chain"] else None,
+                    "predicted_ttft_ms": float(m["ttft"]) if m["ttft"] else None,
+                    "predicted_tpot_ms": float(m["tpot"]) if m["tpot"] else None,
+                    "inflight_requests": int(m["req"]), "inflight_tokens": int(m["tok"]),
+                    "prefill_tokens_pending": int(m["prefill"])})
+                continue
+            m = _DROPPED.match(part)
+            if m:
+                stage["dropped"][m["id"]] = m["why"]
+            elif part:
+                stage["notes"].append(part)
+        stages.append(stage)
+    return stages
+
+
+def _prompt_tokens(args, kv_hash) -> tuple[int, list[int], str]:
+    """(token count, block-hash chain, how it was counted), tokenized as the data plane does."""
+    if args.prompt is None and args.messages is None:
+        return (args.prompt_tokens if args.prompt_tokens is not None else 100), [], "given"
+    body: dict[str, Any]
+    if args.messages is not None:
+        with open(args.messages) as f:
+            data = json.load(f)
+        messages = data.get("messages") if isinstance(data, dict) else data
+        if not isinstance(messages, list):
+            raise ValueError(f"{args.messages}: expected a list of messages or {{\"messages\": [...]}}")
+        body = {"messages": messages}
+    else:
+        body = {"prompt": args.prompt}
+    if not args.tokenizer:
+        text = args.prompt if args.prompt is not None else json.dumps(body["messages"])
+        return max(len(text) // 4, 1), [], "estimated (no --tokenizer: no prefix match)"
+    import asyncio
+
+    from dataplane.prefix import PrefixHasher
+    from dataplane.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(args.tokenizer, chat_template=args.chat_template or None)
+    ids = (tok.encode_chat_request(body) if args.messages is not None
+           else tok.encode_completion_request(body)[0])
+    chain = asyncio.run(PrefixHasher().chain(kv_hash, ids, None)) if kv_hash.enabled else []
+    how = "tokenized" + ("" if kv_hash.enabled else " (the policy does not use the prefix cache)")
+    return len(ids), chain, how
+
+
+def print_explain(p, stages, prompt_tokens: int, chain: list[int], how: str, block_size: int,
+                  as_json: bool) -> None:
+    from protos import omni_proxy_pb2 as pb
+
+    chosen = {"prefill": p.prefill.worker_id or None, "decode": p.decode.worker_id or None}
+    if as_json:
+        _print_json({"flow": _enum(pb.Flow, p.flow, "FLOW_"), "chosen": chosen,
+                     "error": _enum(pb.ErrorCode, p.error, "") if p.error else None,
+                     "error_message": p.error_message or None, "prompt_tokens": prompt_tokens,
+                     "prompt_tokens_source": how, "chain_blocks": len(chain), "block_size": block_size,
+                     "stages": stages})
+        return
+    console = _console()
+    if p.error:
+        console.print(f"error: {pb.ErrorCode.Name(p.error)}: {p.error_message}")
+    else:
+        console.print(f"flow {_enum(pb.Flow, p.flow, 'FLOW_')} -> "
+                      + ", ".join(f"{k} {v}" for k, v in chosen.items() if v))
+    console.print(f"prompt: {prompt_tokens} tokens ({how}), {len(chain)} blocks hashed")
+    for st in stages:
+        table = _table(f"{st['stage']} candidates (policy {st['policy']})",
+                       ["", "worker", "score", "match blocks", "match tokens", "load req/tok", "prefill pending",
+                        "ttft/tpot ms", "scores"])
+        for c in st["candidates"]:
+            mb = c["match_blocks"]
+            table.add_row("*" if c["chosen"] else "", c["worker_id"], f"{c['score']:.3f}",
+                          "-" if mb is None else f"{mb}/{c['chain_blocks']}",
+                          "-" if mb is None else str(mb * block_size),
+                          f"{c['inflight_requests']}/{c['inflight_tokens']}", str(c["prefill_tokens_pending"]),
+                          "-" if c["predicted_ttft_ms"] is None else
+                          f"{c['predicted_ttft_ms']:.0f}/{c['predicted_tpot_ms']:.1f}",
+                          ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in c["scores"].items()))
+        for wid, why in sorted(st["dropped"].items()):
+            table.add_row("-", wid, "", "", "", "", "", "", f"dropped by {why}")
+        console.print(table)
+        for note in st["notes"]:
+            console.print(f"  {note}")
+
+
+# ---------------------------------------------------------------------------------------- stats, events
+
+
+def stats_json(s) -> dict[str, Any]:
+    return {"policy": s.policy, "workers": s.workers, "routable_workers": s.routable_workers,
+            "placements_by_leg": dict(s.placements_by_leg), "placements_by_worker": dict(s.placements_by_worker),
+            "placements_total": sum(s.placements_by_leg.values()), "errors": dict(s.errors),
+            "sessions": dict(s.sessions), "queue_depth": s.queue_depth if s.queue_depth >= 0 else None,
+            "placement_count": s.placement_count,
+            "placement_mean_ms": (1000 * s.placement_seconds_sum / s.placement_count) if s.placement_count else None,
+            "kv_hash": {"enabled": s.kv_hash.enabled, "block_size": s.kv_hash.block_size, "algo": s.kv_hash.algo,
+                        "seed": s.kv_hash.seed if s.kv_hash.seed_set else None}}
+
+
+def print_stats(s, as_json: bool) -> None:
+    d = stats_json(s)
+    if as_json:
+        _print_json(d)
+        return
+    table = _table(f"control plane (policy {s.policy})", ["what", "value"])
+    table.add_row("workers (routable)", f"{s.workers} ({s.routable_workers})")
+    table.add_row("placements", str(d["placements_total"]))
+    for leg, n in sorted(s.placements_by_leg.items()):
+        table.add_row(f"  {leg}", str(n))
+    table.add_row("refused", str(sum(s.errors.values())))
+    for code, n in sorted(s.errors.items()):
+        table.add_row(f"  {code}", str(n))
+    table.add_row("queue depth", "no queue stage" if d["queue_depth"] is None else str(d["queue_depth"]))
+    opened, closed = s.sessions.get("opened", 0), s.sessions.get("closed", 0)
+    table.add_row("data-plane sessions", f"{opened - closed} connected ({opened} opened, {closed} closed)")
+    for event, n in sorted(s.sessions.items()):
+        if event not in ("opened", "closed"):
+            table.add_row(f"  {event}", str(n))
+    if d["placement_mean_ms"] is not None:
+        table.add_row("placement time (mean)", f"{d['placement_mean_ms']:.3f} ms")
+    kh = d["kv_hash"]
+    table.add_row("prefix hashing", f"{'on' if kh['enabled'] else 'off'} (block {kh['block_size']}, {kh['algo']}, "
+                                    f"seed {kh['seed'] if kh['seed'] is not None else 'unset'})")
+    _console().print(table)
+
+
+def events_json(first, second, interval_s: float) -> list[dict[str, Any]]:
+    before = {e.worker_id: e for e in first.events}
+    out = []
+    for e in second.events:
+        c = dict(e.counters)
+        prev = before.get(e.worker_id)
+        received_before = prev.counters.get("received", 0) if prev is not None else c.get("received", 0)
+        out.append({"worker_id": e.worker_id, "exact": e.exact, "untracked_reason": e.untracked_reason or None,
+                    "rate_per_s": (c.get("received", 0) - received_before) / interval_s if interval_s > 0 else None,
+                    "received": c.get("received", 0), "gaps": c.get("gaps", 0), "replayed": c.get("replayed", 0),
+                    "resets": c.get("resets", 0), "gaps_too_large": c.get("gaps_too_large", 0),
+                    "malformed": c.get("malformed", 0), "failed": c.get("failed", 0),
+                    "last_seq": e.last_seq if e.last_seq >= 0 else None, "counters": c})
+    return out
+
+
+def print_events(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        _print_json({"workers": rows})
+        return
+    table = _table("KV events", ["worker", "tracking", "rate/s", "received", "gaps", "replayed", "resets",
+                                 "last seq", "note"])
+    for r in rows:
+        table.add_row(r["worker_id"], "exact" if r["exact"] else "approximate",
+                      "-" if r["rate_per_s"] is None else f"{r['rate_per_s']:.1f}", str(r["received"]),
+                      f"{r['gaps']} ({r['gaps_too_large']} too large)", str(r["replayed"]), str(r["resets"]),
+                      "-" if r["last_seq"] is None else str(r["last_seq"]), r["untracked_reason"] or "")
+    _console().print(table)
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+def check_url(url: str) -> str:
+    """http(s)://host[:port] (http:// added when missing), as the control plane checks it."""
+    from urllib.parse import urlsplit
+
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"not a URL: {url!r} (the port must be a number from 1 to 65535)") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or \
+            any(c.isspace() for c in text) or (parts.path not in ("", "/")) or parts.query or parts.fragment:
+        raise ValueError(f"not an engine URL: {url!r} (expected http(s)://host[:port])")
+    return text.rstrip("/")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     import grpc
 
     from protos import omni_proxy_pb2 as pb
     from protos import omni_proxy_pb2_grpc as pb_grpc
 
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    as_json = args.json
     channel = grpc.insecure_channel(args.controlplane)
     admin = pb_grpc.AdminStub(channel)
     t = args.timeout
+
+    def call(method, request):
+        return method(request, timeout=t, metadata=metadata)
+
+    def show_worker(w, what: str) -> None:
+        if as_json:
+            _print_json(worker_json(w))
+        else:
+            print(f"{w.id}: {what}")
+
     try:
         if args.action == "workers":
-            _print_workers(admin.ListWorkers(pb.ListWorkersRequest(model=args.model), timeout=t), args.json)
-        elif args.action in ("drain", "undrain"):
-            call = admin.Drain if args.action == "drain" else admin.Undrain
-            w = call(pb.WorkerRef(worker_id=args.worker_id), timeout=t).worker
-            print(json.dumps(_worker_dict(w)) if args.json else f"{w.id}: draining={w.draining}")
+            print_workers(call(admin.ListWorkers, pb.ListWorkersRequest(model=args.model)), as_json)
+        elif args.action == "drain":
+            w = call(admin.Drain, pb.WorkerRef(worker_id=args.worker_id)).worker
+            if not args.wait:
+                show_worker(w, f"draining ({w.load.inflight_requests} in flight)")
+                return 0
+            deadline = time.monotonic() + args.wait_timeout
+            while w.load.inflight_requests > 0 and time.monotonic() < deadline:
+                time.sleep(max(min(args.poll, deadline - time.monotonic()), 0.0))
+                listed = {x.id: x for x in call(admin.ListWorkers, pb.ListWorkersRequest()).workers}
+                if args.worker_id not in listed:
+                    print(f"{args.worker_id}: removed while draining", file=sys.stderr)
+                    return 1
+                w = listed[args.worker_id]
+            idle = w.load.inflight_requests == 0
+            show_worker(w, "drained, idle" if idle else
+                        f"still {w.load.inflight_requests} in flight after {args.wait_timeout:g}s")
+            return 0 if idle else EXIT_WAIT_TIMEOUT
+        elif args.action == "undrain":
+            w = call(admin.Undrain, pb.WorkerRef(worker_id=args.worker_id)).worker
+            show_worker(w, "undrained")
         elif args.action == "weight":
-            w = admin.SetWeight(pb.SetWeightRequest(worker_id=args.worker_id, weight=args.weight), timeout=t).worker
-            print(json.dumps(_worker_dict(w)) if args.json else f"{w.id}: weight={w.weight:g}")
+            w = call(admin.SetWeight, pb.SetWeightRequest(worker_id=args.worker_id, weight=args.weight)).worker
+            show_worker(w, f"weight {w.weight:g}")
         elif args.action == "remove":
-            admin.RemoveWorker(pb.WorkerRef(worker_id=args.worker_id), timeout=t)
-            print(f"{args.worker_id}: removed")
-        elif args.action == "add":
-            role = {"both": pb.ROLE_BOTH, "prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}[args.role]
-            w = admin.AddWorker(pb.RegisterRequest(url=args.url, role=role, model=args.model,
-                                                   weight=args.weight, worker_id=args.id), timeout=t).worker
-            print(json.dumps(_worker_dict(w)) if args.json else f"{w.id}: added ({w.url})")
-        elif args.action == "explain":
-            leg = {"entry": pb.LEG_ENTRY, "prefill": pb.LEG_PREFILL, "decode": pb.LEG_DECODE}[args.leg]
-            p = admin.Explain(pb.PlaceRequest(request_id="explain", model=args.model, leg=leg,
-                                              prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                                              explain=True), timeout=t)
-            if args.json:
-                from google.protobuf.json_format import MessageToDict
-
-                print(json.dumps(MessageToDict(p, preserving_proto_field_name=True)))
+            call(admin.RemoveWorker, pb.WorkerRef(worker_id=args.worker_id))
+            if as_json:
+                _print_json({"id": args.worker_id, "removed": True})
             else:
-                if p.error:
-                    print(f"error: {pb.ErrorCode.Name(p.error)}: {p.error_message}")
-                else:
-                    chosen = p.prefill.worker_id or p.decode.worker_id
-                    print(f"flow {pb.Flow.Name(p.flow).removeprefix('FLOW_').lower()} -> {chosen}")
-                for part in p.explanation.split("; "):
-                    print("  " + part)
-                return 1 if p.error else 0
+                print(f"{args.worker_id}: removed")
+        elif args.action == "add":
+            try:
+                url = check_url(args.url)
+            except ValueError as exc:
+                print(f"omni-ctl: {exc}", file=sys.stderr)
+                return EXIT_RPC_ERROR
+            role = {"both": pb.ROLE_BOTH, "prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}[args.role]
+            resp = call(admin.AddWorker, pb.RegisterRequest(
+                url=url, role=role, model=args.model, weight=args.weight or 0.0, worker_id=args.id,
+                bootstrap_port=args.bootstrap_port, kv_events=args.kv_events, replace=args.replace))
+            w = resp.worker
+            if as_json:
+                _print_json({**worker_json(w), "checked": resp.checked, "check_error": resp.check_error or None})
+            else:
+                check = ("passed its first check" if resp.checked and not resp.check_error else
+                         f"first check failed: {resp.check_error} (no placements until a check passes)"
+                         if resp.checked else "first check still running")
+                print(f"{w.id}: added ({w.url}, {_enum(pb.Role, w.role, 'ROLE_')}); {check}")
+        elif args.action == "stats":
+            print_stats(call(admin.Stats, pb.StatsRequest()), as_json)
+        elif args.action == "events":
+            first = call(admin.Stats, pb.StatsRequest())
+            start = time.monotonic()
+            time.sleep(max(args.interval, 0.0))
+            second = call(admin.Stats, pb.StatsRequest())
+            print_events(events_json(first, second, time.monotonic() - start), as_json)
+        elif args.action == "explain":
+            stats = call(admin.Stats, pb.StatsRequest())
+            try:
+                prompt_tokens, chain, how = _prompt_tokens(args, stats.kv_hash)
+            except (OSError, ValueError) as exc:
+                print(f"omni-ctl: explain: {exc}", file=sys.stderr)
+                return EXIT_RPC_ERROR
+            leg = {"entry": pb.LEG_ENTRY, "prefill": pb.LEG_PREFILL, "decode": pb.LEG_DECODE}[args.leg]
+            p = call(admin.Explain, pb.PlaceRequest(request_id="explain", model=args.model, leg=leg,
+                                                    prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
+                                                    block_hashes=chain, explain=True))
+            print_explain(p, parse_explanation(p.explanation), prompt_tokens, chain, how,
+                          stats.kv_hash.block_size or 16, as_json)
+            return 1 if p.error else 0
     except grpc.RpcError as exc:
         print(f"omni-ctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 2
+        return EXIT_RPC_ERROR
     finally:
         channel.close()
     return 0

@@ -1,0 +1,114 @@
+"""Client API keys for the data plane (``--api-keys FILE``).
+
+The file holds one key per line, optionally ``name:key`` (the name appears in logs, the key
+never); blank lines and ``#`` comments are skipped. It is re-read when its modification
+time or size changes (checked at most once a second, on request). Clients send
+``Authorization: Bearer <key>``, as with OpenAI; a missing or wrong key gets 401 with an
+OpenAI error body. ``/health`` and ``/metrics`` stay open. The client's Authorization
+header is never sent to the engines (they get ``--engine-api-key``), unless
+``--forward-client-auth``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import logging
+import os
+import time
+
+from aiohttp import web
+
+from dataplane.errors import error_response
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The client's Authorization header, set only with --forward-client-auth (dataplane.upstream reads it).
+client_authorization: contextvars.ContextVar[str] = contextvars.ContextVar("client_authorization", default="")
+RELOAD_CHECK_S = 1.0
+
+
+def parse_keys(text: str, where: str = "api keys") -> dict[str, str]:
+    """key -> name."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, key = line.rpartition(":")
+        if not sep:
+            name, key = f"key{n}", line
+        key, name = key.strip(), name.strip() or f"key{n}"
+        if not key or any(c.isspace() for c in key):
+            log.error("%s line %d: skipped (a key has no spaces)", where, n)
+            continue
+        out[key] = name
+    return out
+
+
+class ApiKeys:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._keys: dict[str, str] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._checked = 0.0
+        self.reload(force=True)
+
+    def reload(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < RELOAD_CHECK_S:
+            return
+        self._checked = now
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == self._stamp and not force:
+                return
+            with open(self.path) as f:
+                keys = parse_keys(f.read(), self.path)
+        except OSError as exc:
+            if force and self._stamp is None:
+                from omni_runtime import StartupError
+
+                raise StartupError(f"--api-keys: cannot read {self.path}: {exc.strerror or exc}") from None
+            log.error("--api-keys %s: not re-read (%s); the keys read before stay", self.path, exc.strerror or exc)
+            return
+        self._stamp = stamp
+        if self._keys and keys != self._keys:
+            log.info("--api-keys %s: reloaded, %d keys", self.path, len(keys))
+        self._keys = keys
+
+    def who(self, presented: str) -> str | None:
+        self.reload()
+        found = None
+        raw = presented.encode()
+        for key, name in self._keys.items():
+            if hmac.compare_digest(raw, key.encode()):
+                found = name
+        return found
+
+
+def presented_key(request: web.BaseRequest) -> str:
+    value = request.headers.get("Authorization", "")
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def middleware(keys: ApiKeys | None, forward: bool = False):
+    @web.middleware
+    async def require_key(request: web.Request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if forward:
+            client_authorization.set(request.headers.get("Authorization", ""))
+        if keys is None:
+            return await handler(request)
+        presented = presented_key(request)
+        if not presented or keys.who(presented) is None:
+            resp = error_response(401, "missing or invalid API key: send Authorization: Bearer <key>")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await handler(request)
+
+    return require_key
