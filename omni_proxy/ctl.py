@@ -144,12 +144,14 @@ def _console():
     return Console(width=int(os.environ.get("COLUMNS", "0") or 0) or 250, soft_wrap=False)
 
 
-def _table(title: str, columns: list[str]):
+def _table(title: str, columns: list[str], whole: dict[str, int] | None = None):
+    """Cells wrap (fold) rather than being cut; columns in ``whole`` (ids, URLs) get at least
+    that width, so an id an operator copies is never split."""
     from rich.table import Table
 
     table = Table(title=title)
     for col in columns:
-        table.add_column(col, overflow="fold", no_wrap=False)
+        table.add_column(col, overflow="fold", no_wrap=False, min_width=(whole or {}).get(col))
     return table
 
 
@@ -165,7 +167,9 @@ def print_workers(resp, as_json: bool) -> None:
         return
     table = _table(f"workers (policy {resp.policy})",
                    ["id", "role", "model", "health", "weight", "drain", "load req/tok", "prefill pending",
-                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "url"])
+                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "url"],
+                   whole={"id": max((len(w.id) for w in resp.workers), default=2),
+                          "url": max((len(w.url) for w in resp.workers), default=3)})
     for w in resp.workers:
         health = _enum(pb.WorkerStatus, w.status, "STATUS_")
         if w.circuit == "open":
@@ -284,7 +288,8 @@ def print_explain(p, stages, prompt_tokens: int, chain: list[int], how: str, blo
     for st in stages:
         table = _table(f"{st['stage']} candidates (policy {st['policy']})",
                        ["", "worker", "score", "match blocks", "match tokens", "load req/tok", "prefill pending",
-                        "ttft/tpot ms", "scores"])
+                        "ttft/tpot ms", "scores"],
+                       whole={"worker": max((len(c["worker_id"]) for c in st["candidates"]), default=6)})
         for c in st["candidates"]:
             mb = c["match_blocks"]
             table.add_row("*" if c["chosen"] else "", c["worker_id"], f"{c['score']:.3f}",
@@ -364,7 +369,8 @@ def print_events(rows: list[dict[str, Any]], as_json: bool) -> None:
         _print_json({"workers": rows})
         return
     table = _table("KV events", ["worker", "tracking", "rate/s", "received", "gaps", "replayed", "resets",
-                                 "last seq", "note"])
+                                 "last seq", "note"], whole={"worker": max((len(r["worker_id"]) for r in rows),
+                                                                           default=6)})
     for r in rows:
         table.add_row(r["worker_id"], "exact" if r["exact"] else "approximate",
                       "-" if r["rate_per_s"] is None else f"{r['rate_per_s']:.1f}", str(r["received"]),
