@@ -159,7 +159,7 @@ class Tokens:
         return found
 
     def describe(self) -> str:
-        return ", ".join(f"{s}: {len(self.scopes[s])} token(s)" if self.scopes[s] else f"{s}: open"
+        return ", ".join(f"{s}: {len(self.accepted(s))} token(s)" if self.required(s) else f"{s}: open"
                          for s in SCOPES)
 
 
