@@ -286,7 +286,8 @@ def print_explain(p, stages, prompt_tokens: int, chain: list[int], how: str, blo
                       + ", ".join(f"{k} {v}" for k, v in chosen.items() if v))
     console.print(f"prompt: {prompt_tokens} tokens ({how}), {len(chain)} blocks hashed")
     for st in stages:
-        table = _table(f"{st['stage']} candidates (policy {st['policy']})",
+        console.print(f"{st['stage']}: policy={st['policy']}, {len(st['candidates'])} candidates")
+        table = _table(f"{st['stage']} candidates",
                        ["", "worker", "score", "match blocks", "match tokens", "load req/tok", "prefill pending",
                         "ttft/tpot ms", "scores"],
                        whole={"worker": max((len(c["worker_id"]) for c in st["candidates"]), default=6)})
