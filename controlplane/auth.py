@@ -27,6 +27,7 @@ import contextvars
 import hmac
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,9 +208,25 @@ def _as_principal(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHa
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to a service whose scope needs a token when none (or a wrong one) is sent."""
 
+    LOG_EVERY_S = 10.0
+
     def __init__(self, tokens: Tokens) -> None:
         self.tokens = tokens
         self.refused = 0
+        self._logged: dict[tuple[str, bool], tuple[float, int]] = {}   # (method, had token) -> (when, suppressed)
+
+    def _log_refusal(self, method: str, peer_had_token: bool) -> None:
+        """One WARNING per method and reason every 10 s (a data plane retrying without a token
+        would otherwise write one line per attempt)."""
+        key = (method, peer_had_token)
+        now = time.monotonic()
+        last, suppressed = self._logged.get(key, (0.0, 0))
+        if last and now - last < self.LOG_EVERY_S:
+            self._logged[key] = (last, suppressed + 1)
+            return
+        self._logged[key] = (now, 0)
+        log.warning("refused %s: %s%s", method, "a wrong token" if peer_had_token else "no token",
+                    f" ({suppressed} more since the last line)" if suppressed else "")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -224,7 +241,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         name = self.tokens.who(scope, presented) if presented else None
         if name is None:
             self.refused += 1
-            log.warning("refused %s: %s", method, "a wrong token" if presented else "no token")
+            self._log_refusal(method, bool(presented))
             return _deny_handler(handler, f"{scope} calls need a valid token "
                                           f"(authorization: Bearer <token>)")
         return _as_principal(handler, name)

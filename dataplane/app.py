@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ class DataPlaneConfig:
     otel_endpoint: str = ""        # OTLP/HTTP collector: spans per request and leg ("" = off, nothing loaded)
     otel_service_name: str = "omni-proxy-dataplane"
     api_keys: str = ""             # file of client API keys (one per line, name:key); "" = no keys needed
+    # sent to the control plane as "authorization: Bearer" when it has [auth] dataplane_tokens
+    controlplane_token: str = field(default_factory=lambda: os.environ.get("OMNI_CONTROLPLANE_TOKEN", ""),
+                                    repr=False)
 
 
 def _tracing(config: DataPlaneConfig):
@@ -116,7 +120,8 @@ class DataPlane:
         self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s,
-                                          fallback_after_s=config.fallback_after_s)
+                                          fallback_after_s=config.fallback_after_s,
+                                          token=config.controlplane_token)
         self.metrics.registry.register(_ControlPlaneLink(self.placements))
         if config.access_log:
             # Access lines are INFO whatever --log-level says about the other loggers.

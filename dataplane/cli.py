@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default="", metavar="FILE",
                    help="require client API keys (Authorization: Bearer): one per line, optionally name:key; "
                         "re-read when the file changes")
+    p.add_argument("--controlplane-token", default=None,
+                   help="token for the control plane's [auth] dataplane_tokens (default $OMNI_CONTROLPLANE_TOKEN)")
     p.add_argument("--forward-client-auth", action="store_true",
                    help="send the client's Authorization header to the engines (default: never)")
     p.add_argument("--allow-client-fields", default="",
@@ -86,6 +88,8 @@ def config_from_args(args: argparse.Namespace):
                           otel_service_name=args.otel_service_name)
     if args.node_id:
         cfg.node_id = args.node_id
+    if args.controlplane_token is not None:
+        cfg.controlplane_token = args.controlplane_token
     return cfg
 
 

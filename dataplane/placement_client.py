@@ -50,8 +50,10 @@ def parse_targets(targets: str | list[str]) -> list[str]:
 class PlacementClient:
     def __init__(self, targets: str | list[str], node_id: str, *, timeout_s: float = 5.0,
                  keepalive_ms: int = CLIENT_KEEPALIVE_MS, max_buffered_reports: int = 100_000,
-                 connect_timeout_s: float = 1.0, fallback_after_s: float = 1.0) -> None:
+                 connect_timeout_s: float = 1.0, fallback_after_s: float = 1.0, token: str = "") -> None:
         self.targets = parse_targets(targets)
+        # the control plane's dataplane token ([auth] dataplane_tokens), when it asks for one
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.node_id = node_id
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -184,7 +186,8 @@ class PlacementClient:
         """The served models: from the control plane, or from the fallback list without one."""
         if self._connected.is_set():
             try:
-                return await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
+                return await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s,
+                                                   metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 if not self.fallback.known:
                     raise ControlPlaneUnavailable(exc.details() or str(exc.code())) from None
@@ -221,7 +224,7 @@ class PlacementClient:
         while self._unsent:
             queue.put_nowait(self._unsent.popleft())
         self._queue = queue
-        call = self._stub.Session(self._outgoing(queue))
+        call = self._stub.Session(self._outgoing(queue), metadata=self._metadata)
         self._call = call
         self.sessions_started += 1
         self._connected.set()

@@ -209,3 +209,25 @@ async def test_api_keys_are_reloaded_when_the_file_changes(keyed, keys_file, htt
     async with http.post(keyed.url + "/v1/completions", json=body,
                          headers={"Authorization": "Bearer key-aaa"}) as r:
         assert r.status == 401
+
+
+async def test_data_plane_sends_its_token_to_a_closed_scheduler(sim_both, http):
+    """With [auth] dataplane_tokens, a data plane without the token gets no session; with it, it serves."""
+    from omni_proxy.launcher import ProcessGroup
+
+    group = ProcessGroup()
+    try:
+        cp = group.start("controlplane", ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0",
+                                          "--worker", f"{sim_both.url},id=w", "--health-interval", "0.2"],
+                         env={**os.environ, "OMNI_DATAPLANE_TOKENS": "edge:dp-secret"})
+        good = group.start("dp-good", ["dataplane", "--port", "0", "--controlplane", cp.address,
+                                       "--controlplane-token", "dp-secret"])
+        async with http.post(good.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi",
+                                                                 "max_tokens": 1}) as r:
+            assert r.status == 200
+        bad = group.start("dp-bad", ["dataplane", "--port", "0", "--controlplane", cp.address,
+                                     "--placement-timeout", "0.5", "--fallback-after", "3600"])
+        async with http.get(bad.url + "/health") as r:
+            assert r.status == 503
+    finally:
+        group.close()
