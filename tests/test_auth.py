@@ -231,3 +231,18 @@ async def test_data_plane_sends_its_token_to_a_closed_scheduler(sim_both, http):
             assert r.status == 503
     finally:
         group.close()
+
+
+async def test_forward_client_auth_sends_the_clients_header_when_asked(http):
+    c = start_cluster({"a": "both"}, dp_args=["--forward-client-auth", "--engine-api-key", "engine-key"])
+    try:
+        for headers, seen in (({"Authorization": "Bearer client-key"}, "Bearer client-key"),
+                              ({}, "Bearer engine-key")):
+            await c.clear_sim_requests()
+            async with http.post(c.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi",
+                                                                  "max_tokens": 1}, headers=headers) as r:
+                assert r.status == 200
+            (req,) = await c.sim_requests("a")
+            assert {k.lower(): v for k, v in req["headers"].items()}.get("authorization") == seen
+    finally:
+        c.group.close()

@@ -207,3 +207,24 @@ async def test_stats_and_events(fresh, http):
     assert set(rows) == {"a", "b"} and rows["a"]["exact"] is False and rows["a"]["last_seq"] is None
     rc, out, err = await ctl(fresh, "events", "--interval", "0")
     assert rc == 0 and "approximate" in out
+
+
+async def test_changes_reach_every_data_plane_at_once(fresh, http):
+    """Two data-plane nodes: a weight and a drain set through omni-ctl hold for the very next
+    request on each (placement happens in the control plane)."""
+    dp2 = fresh.group.start("dataplane-2", ["dataplane", "--port", "0", "--controlplane", fresh.cp.address])
+    try:
+        for change, undo in ((("weight", "a", "0"), ("weight", "a", "1")), (("drain", "a"), ("undrain", "a"))):
+            rc, _, err = await ctl(fresh, *change)
+            assert rc == 0, err
+            before = (await fresh.workers())["a"].placements_total
+            for url in (fresh.url, dp2.url):
+                for i in range(5):
+                    async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": f"q{i}",
+                                                                        "max_tokens": 1}) as r:
+                        assert r.status == 200
+            assert (await fresh.workers())["a"].placements_total == before, change
+            rc, _, err = await ctl(fresh, *undo)
+            assert rc == 0, err
+    finally:
+        await asyncio.to_thread(fresh.group.stop, dp2)
