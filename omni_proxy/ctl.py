@@ -481,7 +481,12 @@ def run(args: argparse.Namespace) -> int:
             second = call(admin.Stats, pb.StatsRequest())
             print_events(events_json(first, second, time.monotonic() - start), as_json)
         elif args.action == "explain":
-            stats = call(admin.Stats, pb.StatsRequest())
+            try:
+                stats = call(admin.Stats, pb.StatsRequest())
+            except grpc.RpcError as exc:   # an older control plane: no hashing settings to read
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                stats = pb.StatsResponse()
             try:
                 prompt_tokens, chain, how = _prompt_tokens(args, stats.kv_hash)
             except (OSError, ValueError) as exc:
