@@ -30,6 +30,16 @@ Example (TOML)::
     loads_max_age_s = 0.0          # > 0: place from a local copy of the loads at most this old
     write_behind = false           # true: answer a placement before Redis confirms its charge
 
+    [auth]                         # gRPC API tokens (controlplane/auth.py); each scope open until set
+    admin_tokens = ["ops:s3cret"]  # omni-ctl; "token" or "name:token" (the name is what logs show)
+    registry_tokens = ["vllm:t0k"] # engine plugins (admin tokens work too)
+    dataplane_tokens = []          # data-plane sessions (open when empty)
+    tokens_file = "tokens.txt"     # lines: SCOPE NAME TOKEN
+
+    [discovery]                    # engines without the plugin (controlplane/discovery.py)
+    file = "workers.toml"          # [[workers]] tables, re-read when the file changes
+    interval_s = 1.0
+
     [profiles.cautious]            # a custom policy built from plugin names
     filters = [{name = "overload", max_requests = 16}]
     scorers = [{name = "least_load", weight = 1.0}]

@@ -246,3 +246,17 @@ async def test_forward_client_auth_sends_the_clients_header_when_asked(http):
             assert {k.lower(): v for k, v in req["headers"].items()}.get("authorization") == seen
     finally:
         c.group.close()
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"auth": {"admin_token": ["x"]}}, "unknown auth key"),
+    ({"admin_tokens": ["x"]}, "belongs in [auth]"),
+    ({"auth": {"admin_tokens": 5}}, "auth.admin_tokens"),
+    ({"discovery": {"interval_s": -1}}, "discovery.interval_s"),
+    ({"discovery": {"file": 3}}, "discovery.file"),
+])
+def test_auth_and_discovery_keys_are_checked(data, message):
+    from controlplane.config import ControlPlaneConfig
+
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        ControlPlaneConfig.from_dict(data)
