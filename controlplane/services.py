@@ -339,7 +339,27 @@ class AdminService(pb_grpc.AdminServicer):
                 return True, f"/v1/models: {type(exc).__name__}: {exc}"
             except Exception as exc:  # noqa: BLE001 - aiohttp client errors
                 return True, f"/v1/models: {type(exc).__name__}: {exc}"
+        if current is not None:
+            mismatch = await self._role_mismatch(current)
+            if mismatch:
+                return True, mismatch
         return True, ""
+
+    async def _role_mismatch(self, spec: WorkerSpec) -> str:
+        """SGLang says its PD role (``/get_server_info`` ``disaggregation_mode``); vLLM does not
+        expose one, so nothing is checked there."""
+        try:
+            async with self.health._session.get(spec.url + "/get_server_info") as resp:
+                if resp.status != 200:
+                    return ""
+                info = await resp.json(content_type=None)
+        except Exception:  # noqa: BLE001 - best effort: most engines have no such endpoint
+            return ""
+        mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
+        engine_role = {"prefill": Role.PREFILL, "decode": Role.DECODE, "null": Role.BOTH}.get(str(mode))
+        if engine_role is not None and engine_role is not spec.role:
+            return f"the engine runs as {engine_role.value} (disaggregation_mode={mode}), not {spec.role.value}"
+        return ""
 
     async def Drain(self, request, context):
         return await self._update(request.worker_id, context, draining=True)
