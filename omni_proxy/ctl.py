@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--controlplane", default=os.environ.get("OMNI_CONTROLPLANE", "127.0.0.1:50051"),
                    help="control plane gRPC address (default $OMNI_CONTROLPLANE or 127.0.0.1:50051)")
     p.add_argument("--token", default=os.environ.get("OMNI_TOKEN", ""),
-                   help="admin token, sent as 'authorization: Bearer' (default $OMNI_TOKEN)")
+                   help="admin token, sent as 'authorization: Bearer' (default $OMNI_TOKEN; prefer the variable: "
+                        "a flag is visible to other users in ps)")
     p.add_argument("--json", action="store_true", help="print JSON (typed values) instead of tables")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call to the control plane")
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -167,7 +168,7 @@ def print_workers(resp, as_json: bool) -> None:
         return
     table = _table(f"workers (policy {resp.policy})",
                    ["id", "role", "model", "health", "weight", "drain", "load req/tok", "prefill pending",
-                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "url"],
+                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "source", "url"],
                    whole={"id": max((len(w.id) for w in resp.workers), default=2),
                           "url": max((len(w.url) for w in resp.workers), default=3)})
     for w in resp.workers:
@@ -184,7 +185,7 @@ def print_workers(resp, as_json: bool) -> None:
         table.add_row(w.id, _enum(pb.Role, w.role, "ROLE_"), w.model or "?", health, f"{w.weight:g}",
                       "draining" if w.draining else "-", f"{ld.inflight_requests}/{ld.inflight_tokens}",
                       str(w.prefill_tokens_pending), eng, kv, hits, f"{w.placements_total}/{w.failures_total}",
-                      w.last_error or "-", w.url)
+                      w.last_error or "-", w.source, w.url)
     _console().print(table)
 
 
