@@ -113,6 +113,11 @@ class AuthConfig:
     registry_tokens: dict[str, str] = field(default_factory=dict, repr=False)
     dataplane_tokens: dict[str, str] = field(default_factory=dict, repr=False)
     tokens_file: str = ""
+    # TLS on the gRPC port (PEM files); with tls_client_ca, clients must present a certificate
+    # it signed (mutual TLS), on top of any tokens.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     def resolved(self, environ: dict[str, str] | None = None) -> "Tokens":
         """Config, tokens file and environment merged (ValueError on a bad file or variable)."""
@@ -126,6 +131,35 @@ class AuthConfig:
             if env.get(var):
                 scopes[scope].update(parse_tokens(env[var], f"${var}"))
         return Tokens(scopes)
+
+
+def _read_pem(path: str, name: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"auth.{name}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def server_credentials(cfg: AuthConfig) -> grpc.ServerCredentials | None:
+    """TLS (and mutual TLS with ``tls_client_ca``) for the gRPC port; None: plaintext."""
+    if not (cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca):
+        return None
+    if not (cfg.tls_cert and cfg.tls_key):
+        raise ValueError("auth.tls_cert and auth.tls_key go together (and tls_client_ca needs both)")
+    cert, key = _read_pem(cfg.tls_cert, "tls_cert"), _read_pem(cfg.tls_key, "tls_key")
+    ca = _read_pem(cfg.tls_client_ca, "tls_client_ca") if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """A client's side of :func:`server_credentials` (PEM file paths; ca empty: the system roots)."""
+    def read(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate and its key go together")
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                        certificate_chain=read(cert))
 
 
 class Tokens:
@@ -254,4 +288,11 @@ def caller(context) -> str:
     except Exception:   # noqa: BLE001 - an audit line must never fail the call
         peer = "?"
     name = principal.get()
-    return f"{peer} (token {name})" if name else peer
+    who = [f"token {name}"] if name else []
+    try:
+        cn = (context.auth_context() or {}).get("x509_common_name")
+        if cn:
+            who.append(f"cert {cn[0].decode('utf-8', 'replace')}")
+    except Exception:  # noqa: BLE001
+        pass
+    return f"{peer} ({', '.join(who)})" if who else peer

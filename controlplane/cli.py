@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "(default: $OMNI_ENGINE_API_KEY)")
     p.add_argument("--discovery-file", help="TOML file of [[workers]] re-read when it changes ([discovery] file)")
     p.add_argument("--tokens-file", help="gRPC API tokens, lines SCOPE NAME TOKEN ([auth] tokens_file)")
+    p.add_argument("--tls-cert", help="PEM certificate for TLS on the gRPC port ([auth] tls_cert)")
+    p.add_argument("--tls-key", help="its PEM private key ([auth] tls_key)")
+    p.add_argument("--tls-client-ca", help="PEM CA that signs client certificates: mutual TLS ([auth] tls_client_ca)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
@@ -40,7 +43,8 @@ def config_from_args(args: argparse.Namespace):
                       ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host"),
                       ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s"),
                       ("engine_api_key", "engine_api_key"), ("discovery_file", "discovery.file"),
-                      ("tokens_file", "auth.tokens_file")):
+                      ("tokens_file", "auth.tokens_file"), ("tls_cert", "auth.tls_cert"),
+                      ("tls_key", "auth.tls_key"), ("tls_client_ca", "auth.tls_client_ca")):
         value = getattr(args, attr, None)
         if value is not None:
             cfg.set(key, value, "--" + attr.replace("_", "-"))

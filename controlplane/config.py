@@ -183,6 +183,9 @@ AUTH: dict[str, Check] = {
     "registry_tokens": parse_tokens,
     "dataplane_tokens": parse_tokens,
     "tokens_file": _tokens_file,
+    "tls_cert": _tokens_file,
+    "tls_key": _tokens_file,
+    "tls_client_ca": _tokens_file,
 }
 
 

@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane import metrics
-from controlplane.auth import AuthInterceptor
+from controlplane.auth import AuthInterceptor, server_credentials
 from controlplane.config import ControlPlaneConfig
 from controlplane.discovery import DiscoveryFile
 from controlplane.health import HealthChecker
@@ -110,7 +110,9 @@ class ControlPlane:
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer, health=self.health, info=info),
                                             self._server)
-        self.grpc_port = self._server.add_insecure_port(self.config.listen)
+        creds = server_credentials(self.config.auth)      # [auth] tls_*: TLS or mutual TLS
+        self.grpc_port = (self._server.add_secure_port(self.config.listen, creds) if creds is not None
+                          else self._server.add_insecure_port(self.config.listen))
         if not self.grpc_port:
             raise OSError(f"cannot listen on {self.config.listen}")
         await self._server.start()

@@ -87,6 +87,7 @@ class DataPlaneConfig:
     # sent to the control plane as "authorization: Bearer" when it has [auth] dataplane_tokens
     controlplane_token: str = field(default_factory=lambda: os.environ.get("OMNI_CONTROLPLANE_TOKEN", ""),
                                     repr=False)
+    controlplane_tls: tuple[str, str, str] = ("", "", "")   # (CA, client cert, key) PEM paths; empty: plaintext
 
 
 def _tracing(config: DataPlaneConfig):
@@ -121,7 +122,8 @@ class DataPlane:
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s,
                                           fallback_after_s=config.fallback_after_s,
-                                          token=config.controlplane_token)
+                                          token=config.controlplane_token,
+                                          credentials=client_auth.grpc_credentials(*config.controlplane_tls))
         self.metrics.registry.register(_ControlPlaneLink(self.placements))
         if config.access_log:
             # Access lines are INFO whatever --log-level says about the other loggers.

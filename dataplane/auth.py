@@ -29,6 +29,30 @@ client_authorization: contextvars.ContextVar[str] = contextvars.ContextVar("clie
 RELOAD_CHECK_S = 1.0
 
 
+def grpc_credentials(ca: str = "", cert: str = "", key: str = ""):
+    """TLS to the control plane (PEM paths; mutual TLS with cert and key), or None: plaintext."""
+    if not (ca or cert or key):
+        return None
+    import grpc
+
+    from omni_runtime import StartupError
+
+    def read(path: str, flag: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise StartupError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+
+    if bool(cert) != bool(key):
+        raise StartupError("--controlplane-tls-cert and --controlplane-tls-key go together")
+    return grpc.ssl_channel_credentials(root_certificates=read(ca, "--controlplane-tls-ca"),
+                                        private_key=read(key, "--controlplane-tls-key"),
+                                        certificate_chain=read(cert, "--controlplane-tls-cert"))
+
+
 def parse_keys(text: str, where: str = "api keys") -> dict[str, str]:
     """key -> name."""
     out: dict[str, str] = {}

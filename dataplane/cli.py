@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "re-read when the file changes")
     p.add_argument("--controlplane-token", default=None,
                    help="token for the control plane's [auth] dataplane_tokens (default $OMNI_CONTROLPLANE_TOKEN)")
+    p.add_argument("--controlplane-tls-ca", default="", help="PEM CA of a control plane serving TLS")
+    p.add_argument("--controlplane-tls-cert", default="", help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--controlplane-tls-key", default="", help="its private key (PEM)")
     p.add_argument("--forward-client-auth", action="store_true",
                    help="send the client's Authorization header to the engines (default: never)")
     p.add_argument("--allow-client-fields", default="",
@@ -90,6 +93,7 @@ def config_from_args(args: argparse.Namespace):
         cfg.node_id = args.node_id
     if args.controlplane_token is not None:
         cfg.controlplane_token = args.controlplane_token
+    cfg.controlplane_tls = (args.controlplane_tls_ca, args.controlplane_tls_cert, args.controlplane_tls_key)
     return cfg
 
 

@@ -50,7 +50,9 @@ def parse_targets(targets: str | list[str]) -> list[str]:
 class PlacementClient:
     def __init__(self, targets: str | list[str], node_id: str, *, timeout_s: float = 5.0,
                  keepalive_ms: int = CLIENT_KEEPALIVE_MS, max_buffered_reports: int = 100_000,
-                 connect_timeout_s: float = 1.0, fallback_after_s: float = 1.0, token: str = "") -> None:
+                 connect_timeout_s: float = 1.0, fallback_after_s: float = 1.0, token: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._credentials = credentials      # TLS to the control plane; None: plaintext
         self.targets = parse_targets(targets)
         # the control plane's dataplane token ([auth] dataplane_tokens), when it asks for one
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -84,8 +86,10 @@ class PlacementClient:
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = self._channels[target] = grpc.aio.insecure_channel(
-                target, options=client_options(self._keepalive_ms))
+            channel = self._channels[target] = (
+                grpc.aio.secure_channel(target, self._credentials, options=client_options(self._keepalive_ms))
+                if self._credentials is not None else
+                grpc.aio.insecure_channel(target, options=client_options(self._keepalive_ms)))
         return channel
 
     @property

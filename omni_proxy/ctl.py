@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=os.environ.get("OMNI_TOKEN", ""),
                    help="admin token, sent as 'authorization: Bearer' (default $OMNI_TOKEN; prefer the variable: "
                         "a flag is visible to other users in ps)")
+    p.add_argument("--tls-ca", default=os.environ.get("OMNI_TLS_CA", ""),
+                   help="PEM CA of a control plane serving TLS (default $OMNI_TLS_CA)")
+    p.add_argument("--tls-cert", default=os.environ.get("OMNI_TLS_CERT", ""),
+                   help="client certificate (PEM) for mutual TLS (default $OMNI_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("OMNI_TLS_KEY", ""),
+                   help="its private key (PEM) (default $OMNI_TLS_KEY)")
     p.add_argument("--json", action="store_true", help="print JSON (typed values) instead of tables")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call to the control plane")
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -410,7 +416,21 @@ def run(args: argparse.Namespace) -> int:
 
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
     as_json = args.json
-    channel = grpc.insecure_channel(args.controlplane)
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        def read(path: str) -> bytes | None:
+            with open(path, "rb") as f:
+                return f.read()
+
+        try:
+            creds = grpc.ssl_channel_credentials(root_certificates=read(args.tls_ca) if args.tls_ca else None,
+                                                 private_key=read(args.tls_key) if args.tls_key else None,
+                                                 certificate_chain=read(args.tls_cert) if args.tls_cert else None)
+        except OSError as exc:
+            print(f"omni-ctl: TLS: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return EXIT_RPC_ERROR
+        channel = grpc.secure_channel(args.controlplane, creds)
+    else:
+        channel = grpc.insecure_channel(args.controlplane)
     admin = pb_grpc.AdminStub(channel)
     t = args.timeout
 
