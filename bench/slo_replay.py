@@ -422,6 +422,49 @@ def _group(args, label: str) -> ProcessGroup:
     return ProcessGroup(str(d))
 
 
+def predecessors(rows: list[dict]) -> dict[int, tuple[int, float, float]]:
+    """For every row whose prompt shares a prefix with an earlier row of the window: (the
+    latest such row with the deepest match, trace seconds since it arrived, match share)."""
+    last: dict[tuple, int] = {}
+    out = {}
+    for i, row in enumerate(rows):
+        h = row["hash_ids"]
+        for k in range(len(h), 0, -1):
+            j = last.get(tuple(h[:k]))
+            if j is not None:
+                out[i] = (j, (row["timestamp"] - rows[j]["timestamp"]) / 1000, k / len(h))
+                break
+        for k in range(1, len(h) + 1):
+            last[tuple(h[:k])] = i
+    return out
+
+
+def followup_affinity(run: dict, preds: dict, scale: float, close_s: float) -> dict:
+    """Share of follow-up requests (a prefix shared with an earlier request) placed on the
+    engine that served that earlier request, overall and when it arrived within
+    ``close_s`` model seconds of it (its predecessor is then likely still queued or
+    prefilling: its blocks are not in the engine's cache, nor in KV events, yet)."""
+    assign = run.get("assignment") or {}
+
+    def engine(i):
+        a = assign.get(str(i)) or {}
+        return a.get("both", a.get("prefill"))
+
+    same = total = same_close = total_close = 0
+    for i, (j, gap, _share) in preds.items():
+        ei, ej = engine(i), engine(j)
+        if ei is None or ej is None:
+            continue
+        total += 1
+        same += ei == ej
+        if gap / scale <= close_s:
+            total_close += 1
+            same_close += ei == ej
+    return {"followups": total, "same_engine": round(same / total, 3) if total else None,
+            f"followups_within_{close_s:g}s": total_close,
+            f"same_engine_within_{close_s:g}s": round(same_close / total_close, 3) if total_close else None}
+
+
 def run_once(target: Target, mode: str, rows, bodies, offsets, args, cost: Cost) -> tuple[dict, dict | None]:
     """The target's run through its router, then (when asked) its assignment replayed."""
     with _group(args, f"{target.name.replace(':', '-')}-{mode}") as group:
@@ -459,6 +502,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
             for pe in x["per_engine"]:
                 engines.setdefault(pe["engine"], []).append(pe["requests"])
         row["requests_per_engine"] = {k: round(statistics.mean(v), 1) for k, v in engines.items()}
+        aff = [x["followup_affinity"]["same_engine"] for x in rs
+               if x.get("followup_affinity", {}).get("same_engine") is not None]
+        row["followup_same_engine"] = round(statistics.mean(aff), 3) if aff else None
         row["ok_share"] = round(sum(x["ok"] for x in rs) / max(sum(x["requests"] for x in rs), 1), 4)
         rows.append(row)
     return rows
@@ -498,14 +544,16 @@ def write_markdown(path: Path, report: dict) -> None:
             continue
         lines += [f"## {mode}", "",
                   "| target | rate | path | SLO attain % | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p90 | "
-                  "hit rate % | out tok/s | ok % | requests per engine |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "hit rate % | follow-ups on predecessor's engine % | out tok/s | ok % | requests per engine |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["rate"], r["target"], r["path"])):
             lines.append(
                 f"| {r['target']} | {r['rate']} | {r['path']} | {_fmt(r['slo_attainment'], 100, 1)} | "
                 f"{_fmt(r['ttft_p50_ms'], spread=False)} | {_fmt(r['ttft_p90_ms'])} | "
                 f"{_fmt(r['ttft_p99_ms'], spread=False)} | {_fmt(r['tpot_p90_ms'], digits=1)} | "
-                f"{_fmt(r['prefix_hit_rate'], 100, 1)} | {_fmt(r['output_tok_s'], spread=False)} | "
+                f"{_fmt(r['prefix_hit_rate'], 100, 1)} | "
+                f"{'-' if r['followup_same_engine'] is None else round(r['followup_same_engine'] * 100)} | "
+                f"{_fmt(r['output_tok_s'], spread=False)} | "
                 f"{r['ok_share'] * 100:.0f} | "
                 f"{' / '.join(f'{v:g}' for v in r['requests_per_engine'].values())} |")
         lines.append("")
@@ -596,10 +644,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trace", type=Path, default=None,
                    help="the Mooncake trace (default: shared/traces/ in or next to the repository root)")
-    p.add_argument("--start", type=int, default=3000, help="first trace row")
-    p.add_argument("--requests", type=int, default=200, help="rows replayed per run")
+    p.add_argument("--start", type=int, default=3500, help="first trace row")
+    p.add_argument("--requests", type=int, default=150, help="rows replayed per run")
     p.add_argument("--rates", default="0.5,1,1.5,2", help="multipliers of --base-rate")
-    p.add_argument("--base-rate", type=float, default=1.0, help="multiplier of the trace's own arrival rate")
+    p.add_argument("--base-rate", type=float, default=0.25, help="multiplier of the trace's own arrival rate")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--modes", default="agg,pd", help="agg and/or pd")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="our control-plane policies, any names")
@@ -612,12 +660,12 @@ def parse_args(argv=None):
     p.add_argument("--decode-engines", type=int, default=2)
     p.add_argument("--max-output", type=int, default=128, help="cap on output tokens per request")
     p.add_argument("--token-scale", type=int, default=8, help="trace tokens per simulated token")
-    p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
-    p.add_argument("--prefill-tok-s", type=float, default=15000.0, help="model prefill speed, real tokens/s")
+    p.add_argument("--time-scale", type=float, default=0.5, help="wall seconds per model second")
+    p.add_argument("--prefill-tok-s", type=float, default=20000.0, help="model prefill speed, real tokens/s")
     p.add_argument("--decode-step-ms", type=float, default=12.0)
     p.add_argument("--decode-seq-ms", type=float, default=0.15)
     p.add_argument("--kv-transfer-tok-s", type=float, default=200000.0)
-    p.add_argument("--max-batched-tokens", type=int, default=8192, help="real tokens per step")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="real tokens per step (chunked prefill)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kv-pool-tokens", type=int, default=450000, help="real tokens of KV per engine")
     p.add_argument("--max-model-len", type=int, default=131072, help="real tokens")
@@ -625,6 +673,8 @@ def parse_args(argv=None):
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--max-run-seconds", type=float, default=300.0, help="wall-time bound of one run")
     p.add_argument("--poll-s", type=float, default=1.0, help="engine request-log / state sampling period")
+    p.add_argument("--close-s", type=float, default=5.0,
+                   help="follow-up affinity: a follow-up arriving within this many model seconds of its predecessor")
     p.add_argument("--cdf-rate", type=float, default=None, help="rate of the TTFT CDF plot (default: 1 or the middle)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks", help="output directory")
     p.add_argument("--name", default="slo_replay", help="output file stem")
@@ -699,6 +749,7 @@ def _main(parser, args, trace: Path, code: dict) -> int:
         bodies.append({"model": "sim-model", "prompt": prompt_for(row, args.token_scale, sim_max_len - max_tokens),
                        "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                        "user": f"slo{i}x"})
+    preds = predecessors(rows)
     t0 = rows[0]["timestamp"]
     window_s = (rows[-1]["timestamp"] - t0) / 1000
 
@@ -745,6 +796,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                     if res["ok"] < 0.5 * res["requests"]:
                         broken[(target.name, mode)] = (f"{res['ok']}/{res['requests']} requests succeeded; "
                                                        f"errors: {json.dumps(res['errors'])[:300]}")
+                    res["followup_affinity"] = followup_affinity(res, preds, args.base_rate * rate,
+                                                                 args.close_s)
                     runs.append({**meta, "path": "router", **res})
                     if rep_res is not None:
                         runs.append({**meta, "path": "replay", **rep_res})
@@ -755,7 +808,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                         f"SLO {res['slo_attainment'] * 100:5.1f}% ok {res['ok']}/{res['requests']} "
                         f"TTFT p50/p90 {res['ttft_p50_ms']}/{res['ttft_p90_ms']} TPOT p90 {res['tpot_p90_ms']} "
                         f"hit {res['prefix_hit_rate']} per-engine "
-                        f"{[pe['requests'] for pe in res['per_engine']]}{rp} ({time.time() - t_run:.0f}s)")
+                        f"{[pe['requests'] for pe in res['per_engine']]} follow-ups on predecessor's engine "
+                        f"{res['followup_affinity']['same_engine']}{rp} ({time.time() - t_run:.0f}s)")
 
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else (1.0 if 1.0 in rates else rates[len(rates) // 2])
     report = {
