@@ -22,6 +22,7 @@ from protos import omni_proxy_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 FLEET_PUSH_INTERVAL_S = 1.0
+SESSION_MAX_BATCH = 256   # answers per stream write when several are queued
 
 _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HEALTHY,
                  Health.UNHEALTHY: pb.STATUS_UNHEALTHY}
@@ -70,8 +71,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         session = f"s{next(self._session_ids)}-{uuid.uuid4().hex}"   # unique across replicas
         out: asyncio.Queue = asyncio.Queue()
         held: set[asyncio.Task] = set()
-        reader = asyncio.ensure_future(self._read(request_iterator, session, out, held))
-        yield pb.ControlPlaneMessage(info=self.info)
+        reader_batches: list[bool] = [False]   # set by the node's SessionOpen
+        reader = asyncio.ensure_future(self._read(request_iterator, session, out, held, reader_batches))
+        info = pb.SessionInfo()
+        info.CopyFrom(self.info)
+        info.batches = True
+        yield pb.ControlPlaneMessage(info=info)
         fleet_watch = asyncio.ensure_future(self._push_fleet(out))
         held.add(fleet_watch)
         try:
@@ -79,7 +84,20 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 msg = await out.get()
                 if msg is None:
                     break
-                yield msg
+                if out.empty() or not reader_batches[0]:
+                    yield msg
+                    continue
+                # Answers queued while the last write was in flight: one write for all.
+                batch, end = [msg], False
+                while len(batch) < SESSION_MAX_BATCH and not out.empty():
+                    nxt = out.get_nowait()
+                    if nxt is None:
+                        end = True
+                        break
+                    batch.append(nxt)
+                yield pb.ControlPlaneMessage(batch=pb.ControlPlaneBatch(messages=batch)) if len(batch) > 1 else msg
+                if end:
+                    break
         finally:
             reader.cancel()
             for task in held:
@@ -92,27 +110,38 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             if orphaned:
                 self._schedule_orphan_release()
 
-    async def _read(self, request_iterator, session: str, out: asyncio.Queue, held: set) -> None:
+    async def _read(self, request_iterator, session: str, out: asyncio.Queue, held: set,
+                    batches: list[bool] | None = None) -> None:
         try:
             async for msg in request_iterator:
                 body = msg.WhichOneof("body")
-                if body == "place":
-                    answer = await self._place(msg.place, session)
-                    if isinstance(answer, pb.Placement):
-                        out.put_nowait(pb.ControlPlaneMessage(placement=answer))
-                    else:
-                        task = asyncio.ensure_future(self._answer_later(msg.place, answer, out))
-                        held.add(task)
-                        task.add_done_callback(held.discard)
-                elif body == "event":
-                    await self._report(msg.event)
-                elif body == "open":
-                    node = self._nodes[session] = msg.open.node_id or "?"
-                    claimed = await self.lifecycle.claim(session, msg.open.live_requests)
-                    log.info("data plane %s connected (session %s, %d live requests claimed of %d)",
-                             node, session, claimed, len(msg.open.live_requests))
+                if body == "batch":
+                    for one in msg.batch.messages:
+                        await self._handle(one, one.WhichOneof("body"), session, out, held, batches)
+                else:
+                    await self._handle(msg, body, session, out, held, batches)
         finally:
             out.put_nowait(None)
+
+    async def _handle(self, msg: pb.DataPlaneMessage, body: str | None, session: str, out: asyncio.Queue,
+                      held: set, batches: list[bool] | None) -> None:
+        if body == "place":
+            answer = await self._place(msg.place, session)
+            if isinstance(answer, pb.Placement):
+                out.put_nowait(pb.ControlPlaneMessage(placement=answer))
+            else:
+                task = asyncio.ensure_future(self._answer_later(msg.place, answer, out))
+                held.add(task)
+                task.add_done_callback(held.discard)
+        elif body == "event":
+            await self._report(msg.event)
+        elif body == "open":
+            node = self._nodes[session] = msg.open.node_id or "?"
+            if batches is not None:
+                batches[0] = msg.open.batches
+            claimed = await self.lifecycle.claim(session, msg.open.live_requests)
+            log.info("data plane %s connected (session %s, %d live requests claimed of %d)",
+                     node, session, claimed, len(msg.open.live_requests))
 
     async def _push_fleet(self, out: asyncio.Queue) -> None:
         """Keep the data plane's fallback list current: at once, then on every change."""

@@ -33,10 +33,18 @@ log = logging.getLogger(__name__)
 
 
 _ENDINGS = frozenset({pb.EVENT_FINISHED, pb.EVENT_FAILED, pb.EVENT_CANCELLED})
+# Messages queued while the previous stream write was in flight go out as one batch (one
+# gRPC write costs far more CPU than the message in it); at most this many per write.
+MAX_BATCH = 256
 
 
 class ControlPlaneUnavailable(Exception):
     pass
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
 
 
 def parse_targets(targets: str | list[str]) -> list[str]:
@@ -79,6 +87,7 @@ class PlacementClient:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._closing = False
         self._in_fallback = False
+        self._cp_batches = False
         self.fallback = FallbackPlacer()
         # What the control plane told us about this deployment at session start.
         self.info = pb.SessionInfo()
@@ -151,8 +160,11 @@ class PlacementClient:
             self._pending[seq] = fut
             assert self._queue is not None
             self._queue.put_nowait(pb.DataPlaneMessage(place=req))
+            # A timer on the future itself, not wait_for: no extra task or timeout scope per
+            # placement on the hot path.
+            timer = loop.call_later(max(remaining, 0.001), _expire, fut)
             try:
-                placement = await asyncio.wait_for(fut, max(remaining, 0.001))
+                placement = await fut
                 if not placement.error:
                     self._live.add(req.request_id)
                 return placement
@@ -167,6 +179,7 @@ class PlacementClient:
                 self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
                 raise ControlPlaneUnavailable(f"no placement from {self.target} within {self.timeout_s}s") from None
             finally:
+                timer.cancel()
                 self._pending.pop(seq, None)
 
     def _place_locally(self, req: pb.PlaceRequest) -> pb.Placement:
@@ -224,10 +237,12 @@ class PlacementClient:
         self.target = target
         self._stub = pb_grpc.SchedulerStub(channel)
         queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id, live_requests=self._live)))
+        queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id, live_requests=self._live,
+                                                                 batches=True)))
         while self._unsent:
             queue.put_nowait(self._unsent.popleft())
         self._queue = queue
+        self._cp_batches = False   # batch only once this control plane says it reads batches
         call = self._stub.Session(self._outgoing(queue), metadata=self._metadata)
         self._call = call
         self.sessions_started += 1
@@ -240,14 +255,11 @@ class PlacementClient:
         try:
             async for msg in call:
                 body = msg.WhichOneof("body")
-                if body == "placement":
-                    fut = self._pending.get(msg.placement.seq)
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg.placement)
-                elif body == "fleet":
-                    self.fallback.update(msg.fleet)
-                elif body == "info":
-                    self.info = msg.info
+                if body == "batch":
+                    for one in msg.batch.messages:
+                        self._received(one, one.WhichOneof("body"))
+                else:
+                    self._received(msg, body)
         except grpc.aio.AioRpcError as exc:
             if not self._closing:
                 log.warning("control-plane session with %s ended: %s %s", target, exc.code().name, exc.details())
@@ -266,6 +278,17 @@ class PlacementClient:
                 if not fut.done():
                     fut.set_exception(ControlPlaneUnavailable("control-plane session ended"))
 
+    def _received(self, msg: pb.ControlPlaneMessage, body: str | None) -> None:
+        if body == "placement":
+            fut = self._pending.get(msg.placement.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.placement)
+        elif body == "fleet":
+            self.fallback.update(msg.fleet)
+        elif body == "info":
+            self.info = msg.info
+            self._cp_batches = msg.info.batches
+
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
         """Reports still queued when a session ends go out on the next one."""
         while not queue.empty():
@@ -273,10 +296,25 @@ class PlacementClient:
             if msg is not None and msg.WhichOneof("body") == "event":
                 self._unsent.append(msg)
 
-    @staticmethod
-    async def _outgoing(queue: asyncio.Queue):
+    async def _outgoing(self, queue: asyncio.Queue):
+        """The stream's writes: one message, or (the control plane reads batches) everything
+        queued meanwhile as one batch. A message taken for a write that never happens (the
+        session ended) is lost to _keep_unsent, as a single one always was."""
         while True:
             msg = await queue.get()
             if msg is None:
                 return
-            yield msg
+            if queue.empty() or not self._cp_batches:
+                yield msg
+                continue
+            batch = [msg]
+            end = False
+            while len(batch) < MAX_BATCH and not queue.empty():
+                nxt = queue.get_nowait()
+                if nxt is None:
+                    end = True
+                    break
+                batch.append(nxt)
+            yield pb.DataPlaneMessage(batch=pb.DataPlaneBatch(messages=batch)) if len(batch) > 1 else batch[0]
+            if end:
+                return

@@ -266,32 +266,44 @@ class LifecycleEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ..., streamed: _Optional[bool] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("node_id", "live_requests")
+    __slots__ = ("node_id", "live_requests", "batches")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     live_requests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., live_requests: _Optional[_Iterable[str]] = ...) -> None: ...
+    batches: bool
+    def __init__(self, node_id: _Optional[str] = ..., live_requests: _Optional[_Iterable[str]] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class DataPlaneMessage(_message.Message):
-    __slots__ = ("open", "place", "event")
+    __slots__ = ("open", "place", "event", "batch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PLACE_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     place: PlaceRequest
     event: LifecycleEvent
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., place: _Optional[_Union[PlaceRequest, _Mapping]] = ..., event: _Optional[_Union[LifecycleEvent, _Mapping]] = ...) -> None: ...
+    batch: DataPlaneBatch
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., place: _Optional[_Union[PlaceRequest, _Mapping]] = ..., event: _Optional[_Union[LifecycleEvent, _Mapping]] = ..., batch: _Optional[_Union[DataPlaneBatch, _Mapping]] = ...) -> None: ...
+
+class DataPlaneBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[DataPlaneMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[DataPlaneMessage, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash")
+    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches")
     PD_FLOW_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KV_HASH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     pd_flow: Flow
     parallel_protocol: str
     kv_hash: KVHashConfig
-    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ...) -> None: ...
+    batches: bool
+    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ...) -> None: ...
 
 class KVHashConfig(_message.Message):
     __slots__ = ("enabled", "block_size", "algo", "seed", "seed_set", "lora_key_format")
@@ -324,14 +336,22 @@ class KnownWorker(_message.Message):
     def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ControlPlaneMessage(_message.Message):
-    __slots__ = ("placement", "info", "fleet")
+    __slots__ = ("placement", "info", "fleet", "batch")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     FLEET_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
     info: SessionInfo
     fleet: FleetSnapshot
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ..., fleet: _Optional[_Union[FleetSnapshot, _Mapping]] = ...) -> None: ...
+    batch: ControlPlaneBatch
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ..., fleet: _Optional[_Union[FleetSnapshot, _Mapping]] = ..., batch: _Optional[_Union[ControlPlaneBatch, _Mapping]] = ...) -> None: ...
+
+class ControlPlaneBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ControlPlaneMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ControlPlaneMessage, _Mapping]]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -6,8 +6,9 @@ request with the text generated so far appended, and asks for the remaining toke
 do the same without the client seeing a break: the events before the recomputed one have
 already gone out, the continuation's events follow on the same response.
 
-Detection costs one substring search per chunk; the parsing below runs only on the rare
-recompute path.
+Detection costs one substring search per chunk (the relay holds back an event split
+across two reads, so a marker split there is found too); what a continuation needs is
+kept as text (``StreamText``), parsed once per 64 KiB of stream, not per chunk.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ MAX_RECOMPUTES = 3
 
 
 class Recomputed(Exception):
-    """Raised by the relay; ``forwarded`` is every byte of this attempt already sent."""
+    """Raised by the relay; ``forwarded``: what this attempt already sent (SSE bytes, or the
+    relay's ``StreamText`` of them)."""
 
-    def __init__(self, forwarded: bytes = b"", response: dict | None = None) -> None:
+    def __init__(self, forwarded: "bytes | StreamText" = b"", response: dict | None = None) -> None:
         super().__init__("the decode engine asked for a recompute")
         self.forwarded = forwarded
         self.response = response     # non-streaming: the engine's (partial) answer
@@ -44,8 +46,49 @@ def is_recomputed(choice: dict) -> bool:
     return choice.get("stop_reason") == "recomputed" or choice.get("finish_reason") == "recomputed"
 
 
-def generated_from_stream(forwarded: bytes) -> tuple[str, int]:
+class StreamText:
+    """What a continuation needs of the SSE events a PD stream already sent: their text and
+    token count, not the events. The relay adds whole events only (it holds back an event
+    split across reads); they are kept as bytes up to ``FOLD_BYTES`` and then parsed into
+    text at once, so a long stream holds a few bytes per token, and the parsing happens
+    every 64 KiB, never per chunk."""
+
+    __slots__ = ("_raw", "_size", "_parts", "tokens")
+    FOLD_BYTES = 64 * 1024
+
+    def __init__(self) -> None:
+        self._raw: list[bytes] = []
+        self._size = 0
+        self._parts: list[str] = []
+        self.tokens = 0
+
+    def add(self, events: bytes) -> None:
+        self._raw.append(events)
+        self._size += len(events)
+        if self._size >= self.FOLD_BYTES:
+            self._fold()
+
+    def _fold(self) -> None:
+        if self._raw:
+            text, tokens = _parse_events(b"".join(self._raw))
+            self._parts.append(text)
+            self.tokens += tokens
+            self._raw.clear()
+            self._size = 0
+
+    def result(self) -> tuple[str, int]:
+        self._fold()
+        return "".join(self._parts), self.tokens
+
+
+def generated_from_stream(forwarded: "bytes | StreamText") -> tuple[str, int]:
     """Text and token count the client has already received from an SSE stream."""
+    if isinstance(forwarded, StreamText):
+        return forwarded.result()
+    return _parse_events(forwarded)
+
+
+def _parse_events(forwarded: bytes) -> tuple[str, int]:
     parts: list[str] = []
     tokens = 0
     for event in forwarded.split(b"\n\n"):

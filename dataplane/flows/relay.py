@@ -15,7 +15,8 @@ from aiohttp import web
 
 from dataplane.errors import sse_error_event
 from dataplane.flows.context import FlowContext
-from dataplane.flows.recompute import RECOMPUTED, Recomputed, is_recomputed, merge_prior, prefix_before_recompute
+from dataplane.flows.recompute import (RECOMPUTED, Recomputed, StreamText, is_recomputed, merge_prior,
+                                       prefix_before_recompute)
 from dataplane.upstream import UpstreamError, read_body
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -43,8 +44,10 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
     out = ctx.out
     tracker = ctx.tracker
     events = 0
+    first = True
     watch = ctx.watch_recompute
-    kept: list[bytes] = []
+    sent = StreamText() if watch else None   # what a recompute's continuation needs
+    tail = b""                               # watching: an event not yet whole, held back
     last = before_last = b""
     try:
         if out is None:  # a recompute continuation keeps writing to the same response
@@ -53,21 +56,37 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
             await out.prepare(ctx.http)
         content = resp.content
         async for chunk in content.iter_any():
-            if not events:
+            if first:
+                first = False
                 tracker.first_token()
                 if on_first_chunk is not None:
                     on_first_chunk()
-            events += chunk.count(_EVENT_END)
             if watch:
+                # Only whole events go out, so a "recomputed" marker split across two reads
+                # is found whole in the next one, before any of its event was sent.
+                if tail:
+                    chunk, tail = tail + chunk, b""
+                events += chunk.count(_EVENT_END)
                 if RECOMPUTED in chunk:
                     before = prefix_before_recompute(chunk)
                     if before:
                         await out.write(before)
-                    kept.append(before)
-                    raise Recomputed(b"".join(kept))
-                kept.append(chunk)
+                        sent.add(before)
+                    raise Recomputed(sent)
+                end = chunk.rfind(_EVENT_END)
+                end = end + 2 if end >= 0 else 0
+                if end < len(chunk):
+                    chunk, tail = chunk[:end], chunk[end:]
+                    if not chunk:
+                        continue
+                sent.add(chunk)
+            else:
+                events += chunk.count(_EVENT_END)
             await out.write(chunk)
             before_last, last = last, chunk
+        if tail:   # the engine ended without a blank line after its last event
+            await out.write(tail)
+            before_last, last = last, tail
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
         if isinstance(exc, ConnectionResetError) or ctx.http.transport is None or ctx.http.transport.is_closing():
             tracker.cancelled()
