@@ -107,7 +107,7 @@ class ControlPlane:
                                     seed=kvc.hash_seed or "", seed_set=kvc.hash_seed is not None,
                                     lora_key_format=kvc.lora_key_format))
         pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.lifecycle, self.registry, info), self._server)
-        pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self._server)
+        pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry, info.kv_hash), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer, health=self.health, info=info),
                                             self._server)
         creds = server_credentials(self.config.auth)      # [auth] tls_*: TLS or mutual TLS

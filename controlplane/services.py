@@ -41,7 +41,7 @@ def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int 
         status=_HEALTH_TO_PB[state.health], draining=spec.draining, source=spec.source,
         placements_total=placements_total, failures_total=state.failures_total, last_error=state.last_error,
         circuit=state.circuit(now), ejected_for_s=max(state.ejected_until - now, 0.0),
-        labels=dict(spec.labels), bootstrap_port=spec.bootstrap_port,
+        labels=dict(spec.labels), bootstrap_port=spec.bootstrap_port, engine=engine_facts(spec.labels),
         load=pb.WorkerLoad(
             inflight_requests=view.load.requests, inflight_tokens=view.load.tokens,
             engine_running=eng.running, engine_waiting=eng.waiting, engine_kv_usage=eng.kv_usage,
@@ -238,15 +238,65 @@ def _spec_from_register(req: pb.RegisterRequest) -> dict:
                                  if req.heartbeat_ttl_s else 0.0))
 
 
+# The engine plugin's EngineFacts, kept in the worker's labels under "engine." (so every
+# state backend and replica has them) and shown again as WorkerInfo.engine.
+_FACTS = ("block_size", "prefix_caching", "hash_algo", "hash_seed_set", "kv_capacity_tokens",
+          "max_batched_tokens", "kv_connector", "kv_role", "engine_version")
+
+
+def engine_facts(labels) -> pb.EngineFacts | None:
+    if "engine.block_size" not in labels:
+        return None
+    out = pb.EngineFacts()
+    for name in _FACTS:
+        value = labels.get("engine." + name, "")
+        kind = type(getattr(out, name))
+        try:
+            setattr(out, name, value == "true" if kind is bool else kind(value or 0) if kind is int else value)
+        except ValueError:
+            pass
+    return out
+
+
+def hashing_mismatch(facts: pb.EngineFacts, kv: pb.KVHashConfig | None) -> str:
+    """Why an engine's prefix-cache hashing cannot match the control plane's [kv_cache]; ""."""
+    if kv is None or not kv.enabled or not facts.block_size:
+        return ""
+    wrong = []
+    if facts.block_size != kv.block_size:
+        wrong.append(f"block size {facts.block_size} (control plane [kv_cache] block_size = {kv.block_size})")
+    if facts.hash_algo and facts.hash_algo != kv.algo:
+        wrong.append(f"hash algorithm {facts.hash_algo} ([kv_cache] hash_algo = {kv.algo!r})")
+    if facts.hash_seed_set != kv.seed_set or (kv.seed_set and facts.hash_seed != kv.seed):
+        engine = "PYTHONHASHSEED set" if facts.hash_seed_set else "PYTHONHASHSEED unset"
+        wrong.append(f"{engine} ([kv_cache] hash_seed {'set' if kv.seed_set else 'unset'}"
+                     f"{', to another value' if facts.hash_seed_set and kv.seed_set else ''})")
+    if not wrong:
+        return ""
+    return ("prefix-cache hashing cannot match this control plane's, whose policy uses the prefix cache: "
+            "the engine has " + "; ".join(wrong) + ". Start the engine with the control plane's "
+            "--block-size, --prefix-caching-hash-algo and PYTHONHASHSEED, or change [kv_cache]")
+
+
 class RegistryService(pb_grpc.RegistryServicer):
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, kv_hash: pb.KVHashConfig | None = None) -> None:
         self.registry = registry
+        self.kv_hash = kv_hash           # the control plane's [kv_cache], to check engine plugins against
 
     async def Register(self, request, context):
         try:
             spec = _spec_from_register(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.HasField("engine"):
+            why = hashing_mismatch(request.engine, self.kv_hash)
+            if why:
+                log.warning("registry: refused %s (%s): %s", request.url, request.model or "?", why)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            facts = {f.name: v for f, v in request.engine.ListFields() if f.name != "hash_seed"}
+            facts.setdefault("block_size", 0)
+            spec["labels"].update({f"engine.{k}": str(v).lower() if isinstance(v, bool) else str(v)
+                                   for k, v in facts.items()})
         spec["heartbeat_ttl_s"] = spec["heartbeat_ttl_s"] or self.registry.heartbeat_ttl_s
         worker = await self.registry.add(**spec, source="registry")
         return pb.RegisterResponse(worker_id=worker.id, heartbeat_interval_s=self.registry.heartbeat_interval_s)

@@ -135,7 +135,25 @@ def worker_json(w) -> dict[str, Any]:
         "engine_hit_rate": _ratio(w.engine_prefix_hits, w.engine_prefix_queries),
         "last_error": w.last_error, "labels": dict(w.labels), "bootstrap_port": w.bootstrap_port,
         "kv_events": w.kv_events,
+        "engine": ({"block_size": w.engine.block_size, "prefix_caching": w.engine.prefix_caching,
+                    "hash_algo": w.engine.hash_algo or None, "hash_seed_set": w.engine.hash_seed_set,
+                    "kv_capacity_tokens": w.engine.kv_capacity_tokens,
+                    "max_batched_tokens": w.engine.max_batched_tokens,
+                    "kv_connector": w.engine.kv_connector or None, "kv_role": w.engine.kv_role or None,
+                    "version": w.engine.engine_version or None} if w.HasField("engine") else None),
     }
+
+
+def engine_cell(w) -> str:
+    """The engine plugin's facts in a few words: block size, hashing, KV tokens, batch, connector."""
+    if not w.HasField("engine"):
+        return "-"
+    e = w.engine
+    parts = [f"blk {e.block_size}", f"{e.hash_algo or '?'}{' seeded' if e.hash_seed_set else ''}",
+             f"KV {e.kv_capacity_tokens} tok", f"batch {e.max_batched_tokens}"]
+    if e.kv_connector:
+        parts.append(f"{e.kv_connector} {e.kv_role}".strip())
+    return ", ".join(parts)
 
 
 def _pct(x: float | None) -> str:
@@ -174,7 +192,7 @@ def print_workers(resp, as_json: bool) -> None:
         return
     table = _table(f"workers (policy {resp.policy})",
                    ["id", "role", "model", "health", "weight", "drain", "load req/tok", "prefill pending",
-                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "source", "url"],
+                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "source", "engine", "url"],
                    whole={"id": max((len(w.id) for w in resp.workers), default=2),
                           "url": max((len(w.url) for w in resp.workers), default=3)})
     for w in resp.workers:
@@ -191,7 +209,7 @@ def print_workers(resp, as_json: bool) -> None:
         table.add_row(w.id, _enum(pb.Role, w.role, "ROLE_"), w.model or "?", health, f"{w.weight:g}",
                       "draining" if w.draining else "-", f"{ld.inflight_requests}/{ld.inflight_tokens}",
                       str(w.prefill_tokens_pending), eng, kv, hits, f"{w.placements_total}/{w.failures_total}",
-                      w.last_error or "-", w.source, w.url)
+                      w.last_error or "-", w.source, engine_cell(w), w.url)
     _console().print(table)
 
 

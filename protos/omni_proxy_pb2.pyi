@@ -114,7 +114,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., engine_running: _Optional[int] = ..., engine_waiting: _Optional[int] = ..., engine_kv_usage: _Optional[float] = ..., metrics_age_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks", "circuit", "ejected_for_s", "prefill_tokens_pending", "predicted_hit_blocks", "query_blocks", "engine_prefix_hits", "engine_prefix_queries")
+    __slots__ = ("id", "url", "role", "model", "weight", "status", "draining", "load", "source", "placements_total", "failures_total", "last_error", "labels", "bootstrap_port", "kv_events", "cached_blocks", "circuit", "ejected_for_s", "prefill_tokens_pending", "predicted_hit_blocks", "query_blocks", "engine_prefix_hits", "engine_prefix_queries", "engine")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class WorkerInfo(_message.Message):
     QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     id: str
     url: str
     role: Role
@@ -168,7 +169,32 @@ class WorkerInfo(_message.Message):
     query_blocks: int
     engine_prefix_hits: float
     engine_prefix_queries: float
-    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., circuit: _Optional[str] = ..., ejected_for_s: _Optional[float] = ..., prefill_tokens_pending: _Optional[int] = ..., predicted_hit_blocks: _Optional[int] = ..., query_blocks: _Optional[int] = ..., engine_prefix_hits: _Optional[float] = ..., engine_prefix_queries: _Optional[float] = ...) -> None: ...
+    engine: EngineFacts
+    def __init__(self, id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., status: _Optional[_Union[WorkerStatus, str]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., source: _Optional[str] = ..., placements_total: _Optional[int] = ..., failures_total: _Optional[int] = ..., last_error: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., kv_events: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., circuit: _Optional[str] = ..., ejected_for_s: _Optional[float] = ..., prefill_tokens_pending: _Optional[int] = ..., predicted_hit_blocks: _Optional[int] = ..., query_blocks: _Optional[int] = ..., engine_prefix_hits: _Optional[float] = ..., engine_prefix_queries: _Optional[float] = ..., engine: _Optional[_Union[EngineFacts, _Mapping]] = ...) -> None: ...
+
+class EngineFacts(_message.Message):
+    __slots__ = ("block_size", "prefix_caching", "hash_algo", "hash_seed", "hash_seed_set", "kv_capacity_tokens", "max_batched_tokens", "kv_connector", "kv_role", "engine_version")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_SET_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    prefix_caching: bool
+    hash_algo: str
+    hash_seed: str
+    hash_seed_set: bool
+    kv_capacity_tokens: int
+    max_batched_tokens: int
+    kv_connector: str
+    kv_role: str
+    engine_version: str
+    def __init__(self, block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., hash_seed_set: _Optional[bool] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_connector: _Optional[str] = ..., kv_role: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms", "trace_headers")
@@ -378,7 +404,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size", "replace")
+    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size", "replace", "engine")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +424,7 @@ class RegisterRequest(_message.Message):
     KV_REPLAY_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     url: str
     role: Role
     model: str
@@ -410,7 +437,8 @@ class RegisterRequest(_message.Message):
     kv_replay: str
     dp_size: int
     replace: bool
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ..., replace: _Optional[bool] = ...) -> None: ...
+    engine: EngineFacts
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ..., replace: _Optional[bool] = ..., engine: _Optional[_Union[EngineFacts, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")

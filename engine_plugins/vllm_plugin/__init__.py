@@ -1,0 +1,92 @@
+"""omni-proxy's vLLM plugin: the engine registers itself with the control plane.
+
+Installed with the ``omni-proxy`` package, it is found through vLLM's
+``vllm.general_plugins`` entry point ``omni_proxy`` (``VLLM_PLUGINS=omni_proxy`` selects it
+when a deployment lists its plugins). vLLM calls :func:`register` in every process it starts
+(API server, engine core, workers), several times at most once each. It does something only
+when ``OMNI_CONTROLPLANE`` is set, and only in the API server process: the one that imported
+vLLM's HTTP entry point (``vllm.entrypoints.launchers.api_server.entry``). There it wraps
+``build_and_serve``, which runs once the engines have started: it learns the engine's
+facts (``facts.py``: served names, bound port, block size, hashing, KV events, DP size, KV
+connector and role, KV capacity, max batched tokens) and starts the registration agent
+(``agent.py``) on a daemon thread. When the server's shutdown task ends, or at exit, the
+agent deregisters.
+
+Environment: ``OMNI_CONTROLPLANE`` (host:port, comma-separated for several replicas),
+``OMNI_ROLE`` (both | prefill | decode; default from the KV connector's kv_role),
+``OMNI_ADVERTISE_URL``, ``OMNI_WORKER_ID``, ``OMNI_TOKEN``, ``OMNI_KV_EVENTS``,
+``OMNI_KV_REPLAY`` (``none``: announce no events), ``OMNI_WEIGHT``, ``OMNI_LABELS``
+(``k=v,k=v``), ``OMNI_HEARTBEAT_TTL_S``, ``OMNI_TLS_CA`` / ``OMNI_TLS_CERT`` / ``OMNI_TLS_KEY``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+
+log = logging.getLogger("omni_proxy.vllm_plugin")
+
+_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+_state: dict = {"patched": False, "agent": None}
+
+
+def register() -> None:
+    """vLLM's general-plugin hook. Never raises."""
+    try:
+        _register()
+    except Exception:  # noqa: BLE001 - a plugin must not stop the engine
+        log.exception("omni-proxy plugin: not active")
+
+
+def _register() -> None:
+    if _state["patched"]:
+        return
+    from engine_plugins.vllm_plugin.agent import Settings
+
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:
+        log.error("omni-proxy plugin: %s; this engine will not register", exc)
+        _state["patched"] = True
+        return
+    if settings is None:
+        return
+    entry = sys.modules.get(_ENTRY)
+    if entry is None or not hasattr(entry, "build_and_serve"):
+        return                        # an engine-core or worker process, or not `vllm serve`
+    real = entry.build_and_serve
+    if getattr(real, "_omni_proxy", False):
+        _state["patched"] = True
+        return
+
+    async def build_and_serve(engine_client, listen_address, sock, args, *rest, **kwargs):
+        task = await real(engine_client, listen_address, sock, args, *rest, **kwargs)
+        try:
+            _start(settings, engine_client, args, sock, task)
+        except Exception:  # noqa: BLE001
+            log.exception("omni-proxy plugin: could not start registration")
+        return task
+
+    build_and_serve._omni_proxy = True
+    entry.build_and_serve = build_and_serve
+    _state["patched"] = True
+    log.info("omni-proxy plugin: will register with %s once the server is up", ",".join(settings.controlplanes))
+
+
+def _start(settings, engine_client, args, sock, task) -> None:
+    from engine_plugins.vllm_plugin.agent import Agent
+    from engine_plugins.vllm_plugin.facts import facts_from_vllm
+
+    if _state["agent"] is not None:
+        return
+    facts = facts_from_vllm(getattr(engine_client, "vllm_config", None), args, sock)
+    agent = Agent(settings, facts).start()
+    _state["agent"] = agent
+    atexit.register(agent.stop)
+    if hasattr(task, "add_done_callback"):
+        # The HTTP server stopped (SIGTERM/SIGINT): leave the fleet before the engines shut down.
+        import threading
+
+        task.add_done_callback(lambda _t: threading.Thread(target=agent.stop, daemon=True,
+                                                            name="omni-proxy-deregister").start())

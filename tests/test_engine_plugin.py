@@ -1,0 +1,321 @@
+"""The vLLM engine plugin's registration agent against an in-process control plane.
+
+A stand-in engine (aiohttp on 127.0.0.1: /health, /metrics with vLLM's metric names) plays the
+engine; the agent runs on its own thread as it does inside vLLM's API server. Checked:
+registration with the engine's facts (shown again in ListWorkers), heartbeats carrying the
+engine's running/waiting, re-registration after a control-plane restart (known=false),
+deregistration on stop, refusal of an engine whose prefix-cache hashing cannot match the
+control plane's [kv_cache] (INVALID_ARGUMENT, one ERROR line), retries while no control plane
+answers, several control-plane addresses, environment parsing and the plugin's process guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import types
+
+import grpc
+import pytest
+from aiohttp import web
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.kvcache.manager import KVCacheConfig
+from controlplane.server import ControlPlane
+from engine_plugins import vllm_plugin
+from engine_plugins.vllm_plugin.agent import Agent, EngineFacts, Settings, build_request, public_endpoint, read_load
+from protos import omni_proxy_pb2 as pb
+from protos import omni_proxy_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
+
+
+class StandInEngine:
+    def __init__(self) -> None:
+        self.running, self.waiting, self.healthy = 3, 1, True
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> "StandInEngine":
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _health(self, request):
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request):
+        return web.Response(text=(
+            "# HELP vllm:num_requests_running x\n"
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.running}.0\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {self.waiting}.0\n'))
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def facts_for(engine: StandInEngine, **kw) -> EngineFacts:
+    base = dict(host="127.0.0.1", port=engine.port, models=["tiny"], block_size=16, prefix_caching=True,
+                hash_algo="sha256", hash_seed=None, kv_capacity_tokens=16 * 1000, max_batched_tokens=2048,
+                kv_connector="NixlConnector", kv_role="kv_producer", engine_version="vllm test")
+    base.update(kw)
+    return EngineFacts(**base)
+
+
+async def start_cp(port: int = 0, **config) -> ControlPlane:
+    plane = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", heartbeat_interval_s=0.2,
+                                            heartbeat_ttl_s=5.0, **config))
+    await plane.start()
+    return plane
+
+
+async def list_workers(address: str) -> list[pb.WorkerInfo]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return list((await pb_grpc.AdminStub(ch).ListWorkers(pb.ListWorkersRequest())).workers)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def engine():
+    eng = await StandInEngine().start()
+    yield eng
+    await eng.stop()
+
+
+async def stop_agent(agent: Agent) -> bool:
+    return await asyncio.to_thread(agent.stop)
+
+
+async def test_register_heartbeat_deregister(engine):
+    plane = await start_cp()
+    address = f"127.0.0.1:{plane.grpc_port}"
+    settings = Settings(controlplanes=[address], worker_id="eng-1", labels={"zone": "a"}, weight=2.0)
+    agent = Agent(settings, facts_for(engine)).start()
+    try:
+        async def registered():
+            return any(w.id == "eng-1" for w in await list_workers(address))
+        await wait_until(registered, what="the engine registered")
+        (w,) = [w for w in await list_workers(address) if w.id == "eng-1"]
+        assert w.role == pb.ROLE_PREFILL                  # from kv_role kv_producer
+        assert w.model == "tiny" and w.source == "registry" and w.weight == 2.0
+        assert w.url == f"http://127.0.0.1:{engine.port}"
+        assert w.labels["zone"] == "a"
+        assert w.HasField("engine")
+        assert (w.engine.block_size, w.engine.hash_algo, w.engine.hash_seed_set) == (16, "sha256", False)
+        assert (w.engine.kv_capacity_tokens, w.engine.max_batched_tokens) == (16000, 2048)
+        assert (w.engine.kv_connector, w.engine.kv_role, w.engine.prefix_caching) == ("NixlConnector", "kv_producer", True)
+
+        async def load_reported():
+            eng = plane.registry.fleet.engine("eng-1")
+            return agent.heartbeats >= 2 and eng.running == 3 and eng.waiting == 1
+        await wait_until(load_reported, what="heartbeats with the engine's running/waiting")
+        engine.running, engine.waiting = 5, 0
+
+        async def load_changed():
+            eng = plane.registry.fleet.engine("eng-1")
+            return (eng.running, eng.waiting) == (5, 0)
+        await wait_until(load_changed, what="the new load")
+
+        assert await stop_agent(agent)
+        assert not any(w.id == "eng-1" for w in await list_workers(address)), "deregistered on stop"
+        assert agent.registrations == 1
+    finally:
+        agent.stop()
+        await plane.stop()
+
+
+async def test_waits_for_engine_health(engine):
+    engine.healthy = False
+    plane = await start_cp()
+    address = f"127.0.0.1:{plane.grpc_port}"
+    agent = Agent(Settings(controlplanes=[address], worker_id="late"), facts_for(engine)).start()
+    try:
+        await asyncio.sleep(1.5)
+        assert agent.registrations == 0 and not any(w.id == "late" for w in await list_workers(address))
+        engine.healthy = True
+
+        async def registered():
+            return agent.registrations == 1
+        await wait_until(registered, what="registration once /health answers")
+    finally:
+        await stop_agent(agent)
+        await plane.stop()
+
+
+async def test_retries_while_down_and_reregisters_after_restart(engine):
+    port = free_port()
+    agent = Agent(Settings(controlplanes=[f"127.0.0.1:{port}"], worker_id="eng-r", rpc_timeout_s=1.0),
+                  facts_for(engine, kv_role="")).start()
+    plane = None
+    try:
+        await asyncio.sleep(2.0)                     # several attempts against nothing
+        assert agent.registrations == 0 and agent.last_error
+        plane = await start_cp(port)
+
+        async def registered():
+            return agent.registrations == 1 and any(w.id == "eng-r" for w in await list_workers(f"127.0.0.1:{port}"))
+        await wait_until(registered, timeout=40, what="registration once the control plane is up")
+        (w,) = await list_workers(f"127.0.0.1:{port}")
+        assert w.role == pb.ROLE_BOTH                     # no KV connector: both
+
+        await plane.stop()                           # restart: the new one knows nothing
+        plane = await start_cp(port)
+
+        async def reregistered():
+            return agent.registrations >= 2 and any(w.id == "eng-r" for w in await list_workers(f"127.0.0.1:{port}"))
+        await wait_until(reregistered, timeout=40, what="registration again after the restart")
+    finally:
+        await stop_agent(agent)
+        if plane is not None:
+            await plane.stop()
+
+
+async def test_second_address_used_when_first_is_down(engine):
+    plane = await start_cp()
+    dead = f"127.0.0.1:{free_port()}"
+    agent = Agent(Settings(controlplanes=[dead, f"127.0.0.1:{plane.grpc_port}"], worker_id="eng-2",
+                           rpc_timeout_s=1.0), facts_for(engine)).start()
+    try:
+        async def registered():
+            return agent.registrations == 1
+        await wait_until(registered, timeout=20, what="registration with the second address")
+    finally:
+        await stop_agent(agent)
+        await plane.stop()
+
+
+@pytest.mark.parametrize("engine_kw, words", [
+    (dict(block_size=32), "block size 32"),
+    (dict(hash_algo="xxhash"), "hash algorithm xxhash"),
+    (dict(hash_seed="0"), "PYTHONHASHSEED set"),
+])
+async def test_hashing_mismatch_refused(engine, caplog, engine_kw, words):
+    plane = await start_cp(policy="cache_aware", kv_cache=KVCacheConfig(block_size=16, hash_algo="sha256"))
+    address = f"127.0.0.1:{plane.grpc_port}"
+    agent = Agent(Settings(controlplanes=[address], worker_id="bad"), facts_for(engine, **engine_kw),
+                  refused_retry_s=60).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="omni_proxy.vllm_plugin"):
+            async def refused():
+                return bool(agent.refused)
+            await wait_until(refused, what="the refusal")
+        assert "INVALID_ARGUMENT" in agent.refused and words in agent.refused
+        assert agent.registrations == 0 and not await list_workers(address)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "REFUSED" in errors[0] and words in errors[0]
+    finally:
+        await stop_agent(agent)
+        await plane.stop()
+
+
+async def test_matching_hashing_accepted_with_prefix_policy(engine):
+    plane = await start_cp(policy="cache_aware", kv_cache=KVCacheConfig(block_size=16, hash_algo="sha256",
+                                                                        hash_seed="0"))
+    address = f"127.0.0.1:{plane.grpc_port}"
+    agent = Agent(Settings(controlplanes=[address], worker_id="good"), facts_for(engine, hash_seed="0")).start()
+    try:
+        async def registered():
+            return agent.registrations == 1
+        await wait_until(registered, what="registration")
+        (w,) = await list_workers(address)
+        assert w.engine.hash_seed_set and "engine.hash_seed" not in w.labels   # the seed itself is not kept
+    finally:
+        await stop_agent(agent)
+        await plane.stop()
+
+
+async def test_token_sent_as_bearer(engine):
+    plane = await start_cp()
+    seen = []
+
+    class Spy(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            seen.append(dict(details.invocation_metadata or ()).get("authorization"))
+            return await continuation(details)
+
+    server = grpc.aio.server(interceptors=[Spy()])
+    pb_grpc.add_RegistryServicer_to_server(__import__("controlplane.services", fromlist=["x"]).RegistryService(
+        plane.registry), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    agent = Agent(Settings(controlplanes=[f"127.0.0.1:{port}"], worker_id="tok", token="s3cret"),
+                  facts_for(engine)).start()
+    try:
+        async def registered():
+            return agent.registrations == 1
+        await wait_until(registered, what="registration")
+        assert seen and all(v == "Bearer s3cret" for v in seen)
+    finally:
+        await stop_agent(agent)
+        await server.stop(None)
+        await plane.stop()
+
+
+def test_settings_from_env():
+    assert Settings.from_env({}) is None
+    s = Settings.from_env({"OMNI_CONTROLPLANE": "a:1, b:2", "OMNI_ROLE": "Decode", "OMNI_LABELS": "k=v,x=y",
+                           "OMNI_WEIGHT": "3", "OMNI_KV_EVENTS": "tcp://10.0.0.1:5557"})
+    assert s.controlplanes == ["a:1", "b:2"] and s.role == "decode" and s.labels == {"k": "v", "x": "y"}
+    assert s.weight == 3.0 and s.kv_events == "tcp://10.0.0.1:5557" and s.kv_replay is None
+    for bad in ({"OMNI_ROLE": "chef"}, {"OMNI_LABELS": "novalue"}, {"OMNI_WEIGHT": "x"}):
+        with pytest.raises(ValueError):
+            Settings.from_env({"OMNI_CONTROLPLANE": "a:1", **bad})
+
+
+def test_request_derivation():
+    facts = EngineFacts(host="0.0.0.0", port=8000, models=["m", "m-alias"], block_size=16, hash_algo="sha256",
+                        kv_events="tcp://*:5557", kv_replay="tcp://*:5558", kv_role="kv_consumer", dp_size=2)
+    req = build_request(Settings(controlplanes=["cp:50051"], advertise_url="http://10.1.2.3:8000"), facts)
+    assert req.url == "http://10.1.2.3:8000" and req.role == pb.ROLE_DECODE and req.model == "m"
+    assert req.kv_events == "tcp://10.1.2.3:5557" and req.kv_replay == "tcp://10.1.2.3:5558" and req.dp_size == 2
+    assert req.labels["served_models"] == "m,m-alias"
+    req = build_request(Settings(controlplanes=["cp:50051"], advertise_url="http://h:1", role="both",
+                                 kv_events="none"), facts)
+    assert req.role == pb.ROLE_BOTH and req.kv_events == "" and req.kv_replay == ""
+    assert public_endpoint("ipc:///tmp/x", "http://h:1") == "ipc:///tmp/x"
+    assert public_endpoint("tcp://10.0.0.9:5557", "http://h:1") == "tcp://10.0.0.9:5557"
+    # no advertised URL and a wildcard bind: this host's address toward the control plane
+    req = build_request(Settings(controlplanes=["127.0.0.1:50051"]), facts)
+    assert req.url == "http://127.0.0.1:8000"
+
+
+async def test_read_load(engine):
+    assert await asyncio.to_thread(read_load, f"http://127.0.0.1:{engine.port}") == (3, 1)
+    assert await asyncio.to_thread(read_load, f"http://127.0.0.1:{free_port()}") == (-1, -1)
+
+
+def test_plugin_only_patches_the_api_server(monkeypatch):
+    """No OMNI_CONTROLPLANE, or a process without vLLM's HTTP entry module: nothing happens."""
+    monkeypatch.setattr(vllm_plugin, "_state", {"patched": False, "agent": None})
+    monkeypatch.delenv("OMNI_CONTROLPLANE", raising=False)
+    fake = types.ModuleType(vllm_plugin._ENTRY)
+
+    async def build_and_serve(*a, **k):
+        return None
+    fake.build_and_serve = build_and_serve
+    monkeypatch.setitem(sys.modules, vllm_plugin._ENTRY, fake)
+    vllm_plugin.register()
+    assert fake.build_and_serve is build_and_serve
+    monkeypatch.setenv("OMNI_CONTROLPLANE", "127.0.0.1:1")
+    monkeypatch.delitem(sys.modules, vllm_plugin._ENTRY)
+    vllm_plugin.register()                       # engine core / worker: no entry module
+    assert not vllm_plugin._state["patched"]
+    monkeypatch.setitem(sys.modules, vllm_plugin._ENTRY, fake)
+    vllm_plugin.register()
+    vllm_plugin.register()                       # loaded again: patched once
+    assert fake.build_and_serve is not build_and_serve and fake.build_and_serve._omni_proxy
+    monkeypatch.setenv("OMNI_ROLE", "chef")      # bad settings: logged, never raised
+    monkeypatch.setattr(vllm_plugin, "_state", {"patched": False, "agent": None})
+    vllm_plugin.register()
