@@ -16,6 +16,7 @@ from controlplane.discovery import DiscoveryFile
 from controlplane.health import HealthChecker
 from controlplane.kvcache.manager import KVCache
 from controlplane.fleet import Fleet
+from controlplane.grpc_guard import MalformedMessageGuard
 from controlplane.lifecycle import BreakerConfig, Lifecycle
 from controlplane.placement import PlacementStats, Placer
 from controlplane.prediction import Predictor
@@ -95,8 +96,9 @@ class ControlPlane:
             await self.discovery.start()
 
         tokens = self.config.auth.resolved()
-        self._server = grpc.aio.server(options=server_options(),
-                                       interceptors=[AuthInterceptor(tokens)] if tokens.enabled else None)
+        self._server = grpc.aio.server(options=server_options(),   # malformed messages: INVALID_ARGUMENT
+                                       interceptors=[*([AuthInterceptor(tokens)] if tokens.enabled else []),
+                                                     MalformedMessageGuard()])
         if tokens.enabled:
             log.info("gRPC API tokens: %s", tokens.describe())
         kvc = self.config.kv_cache
