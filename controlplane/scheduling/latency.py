@@ -61,31 +61,9 @@ class PredictedLatencyScorer:
         ttft_t = ctx.ttft_slo_s or self.ttft_target_s
         tpot_t = ctx.tpot_slo_s or self.tpot_target_s
         costs = []
-        # predict() inlined (same arithmetic, same entries in ctx.predicted): once per candidate.
-        predicted, model = ctx.predicted, ctx.predictor.model
-        prefills = ctx.leg != "decode"
-        prompt, block, held = ctx.prompt_tokens, ctx.block_size, ctx.match_blocks.get
         for w in workers:
+            ttft, tpot = predict(ctx, w)
             spec = w.spec
-            wid = spec.id
-            got = predicted.get(wid)
-            if got is None:
-                m = model(wid)
-                role = spec.role
-                if prefills and role is not Role.DECODE:
-                    uncached = prompt - held(wid, 0) * block
-                    line = m.ttft
-                    ttft = line.a + line.b * (w.load.prefill_tokens + (uncached if uncached > 0 else 0))
-                else:
-                    ttft = 0.0
-                if role is not Role.PREFILL:
-                    line = m.tpot
-                    tpot = line.a + line.b * (w.load.requests + 1)
-                else:
-                    tpot = 0.0
-                predicted[wid] = (ttft, tpot)
-            else:
-                ttft, tpot = got
             weight = spec.weight
             costs.append((ttft / ttft_t + tpot / tpot_t) / (weight if weight > 1e-9 else 1e-9))
         best = min(costs, default=0.0)
