@@ -360,6 +360,23 @@ def run(args) -> dict:
         cp = group.start("controlplane", ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0",
                                           "--policy", "round_robin", "--worker", engine_urls[0],
                                           "--worker", engine_urls[1], "--log-level", "WARNING"])
+        if args.baseline_tree:
+            # The same two processes from another checkout (e.g. before an optimisation),
+            # with its own control plane, so both sides speak that tree's protocol.
+            env = {"PYTHONPATH": str(Path(args.baseline_tree).resolve())}
+            here = os.getcwd()
+            os.chdir(args.baseline_tree)   # python -m puts the cwd first on sys.path
+            bcp = group.start("controlplane-baseline", ["controlplane", "--listen", "127.0.0.1:0", "--http-port",
+                                                        "0", "--policy", "round_robin", "--worker", engine_urls[0],
+                                                        "--worker", engine_urls[1], "--log-level", "WARNING"],
+                              env=env)
+            bdp = group.start("dataplane-baseline", ["dataplane", "--port", "0", "--controlplane", bcp.address,
+                                                     "--log-level", "WARNING",
+                                                     *([] if args.access_log else ["--no-access-log"])], env=env)
+            os.chdir(here)
+            targets["omni-baseline"] = ([bdp.port], process_tree(bdp.proc.pid) + process_tree(bcp.proc.pid))
+            parts["omni-baseline"] = {"dataplane": process_tree(bdp.proc.pid),
+                                      "controlplane": process_tree(bcp.proc.pid)}
         dp_counts = [1] + ([args.dp_workers] if args.dp_workers > 1 else [])
         for n in dp_counts:
             name = "omni" if n == 1 else f"omni-w{n}"
@@ -430,6 +447,8 @@ def summarize(results: dict) -> dict:
                         "ttfb_p50_ms": t["ttfb_p50_ms"], "add_ttfb_p50_ms": t["ttfb_p50_ms"] - d["ttfb_p50_ms"],
                         "proxy_cpu_us": t["proxy_cpu_us"], "engine_cpu_us": t["engine_cpu_us"],
                         "errors": t["errors"]}
+                for part, v in (t.get("parts_cpu_us") or {}).items():
+                    vals[f"{part}_cpu_us"] = v
                 for k, v in vals.items():
                     per.setdefault(k, []).append(v)
             if per:
@@ -460,11 +479,17 @@ def markdown(results: dict, summary: dict, command: str) -> str:
                   "| target | req/s | ratio vs direct | added p50 ms | added p99 ms | TTFB p50 ms | added TTFB ms "
                   "| proxy CPU us/req | engine CPU us/req |",
                   "|---|---|---|---|---|---|---|---|---|"]
+        split = []
         for name, s in summary[key].items():
             lines.append(f"| {name} | {s['rps']['median']:.0f} | {_fmt(s, 'ratio')} | {_fmt(s, 'add_p50_ms')} | "
                          f"{_fmt(s, 'add_p99_ms')} | {_fmt(s, 'ttfb_p50_ms')} | {_fmt(s, 'add_ttfb_p50_ms')} | "
                          f"{_fmt(s, 'proxy_cpu_us', 0)} | {_fmt(s, 'engine_cpu_us', 0)} |")
+            if "dataplane_cpu_us" in s:
+                split.append(f"{name}: data plane {_fmt(s, 'dataplane_cpu_us', 0)}, control plane "
+                             f"{_fmt(s, 'controlplane_cpu_us', 0)} us/req")
         lines.append("")
+        if split:
+            lines += ["CPU split: " + "; ".join(split) + ".", ""]
     if results.get("skipped"):
         lines += ["Not run: " + "; ".join(f"{k}: {v[:200]}" for k, v in results["skipped"].items()), ""]
     return "\n".join(lines)
@@ -507,6 +532,8 @@ def main() -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=PEERS, help="peers not to run")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="our data plane's access log (default on, as deployed)")
+    p.add_argument("--baseline-tree", default="", help="also run data plane + control plane from this "
+                   "checkout (target omni-baseline), e.g. a git worktree of an earlier commit")
     p.add_argument("--max-seconds", type=float, default=1500)
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "overhead"))
     p.add_argument("--pause-for-profile", action="store_true", help=argparse.SUPPRESS)

@@ -67,7 +67,9 @@ class Upstream:
                                          keepalive_timeout=60, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                         sock_read=self.config.read_timeout_s)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+        # No cookie jar: engine cookies are never a client's business (nor shared between
+        # clients), and an empty jar still costs a filter and an update per leg.
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
                                               auto_decompress=False, skip_auto_headers=("User-Agent",))
 
     async def close(self) -> None:
