@@ -117,6 +117,8 @@ class Metaserver:
             data = orjson.loads(await http.read())
         except orjson.JSONDecodeError:
             return _error(400, "body is not valid JSON")
+        except web.HTTPRequestEntityTooLarge as exc:   # JSON like every other answer here
+            return _error(413, exc.text or "body too large")
         if not isinstance(data, dict) or not isinstance(data.get("request_id"), str):
             return _error(400, "expected a JSON object with a string request_id")
         entry, child = None, ""
