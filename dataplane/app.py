@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dataplane import auth as client_auth
+from dataplane.admission import Admission, AdmissionConfig, AdmissionMetrics
 from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
@@ -21,6 +22,7 @@ from dataplane.intake import read_client_body
 from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
                                        generated_from_stream)
 from dataplane.hygiene import sanitize_client_id
+from dataplane.loopwatch import LoopWatch
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.observe import ACCESS_LOGGER, Observer, current_request_id, install_request_id_filter, trace_headers
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
@@ -88,6 +90,7 @@ class DataPlaneConfig:
     controlplane_token: str = field(default_factory=lambda: os.environ.get("OMNI_CONTROLPLANE_TOKEN", ""),
                                     repr=False)
     controlplane_tls: tuple[str, str, str] = ("", "", "")   # (CA, client cert, key) PEM paths; empty: plaintext
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)   # in-flight limit, queue, rate limits
 
 
 def _tracing(config: DataPlaneConfig):
@@ -125,6 +128,13 @@ class DataPlane:
                                           token=config.controlplane_token,
                                           credentials=client_auth.grpc_credentials(*config.controlplane_tls))
         self.metrics.registry.register(_ControlPlaneLink(self.placements))
+        self.loopwatch = LoopWatch(self.metrics.registry)   # event-loop stalls on /metrics
+        try:
+            self.admission = Admission(config.admission)
+        except ValueError as exc:
+            from omni_runtime import StartupError
+            raise StartupError(str(exc)) from None
+        self.metrics.registry.register(AdmissionMetrics(self.admission))
         if config.access_log:
             # Access lines are INFO whatever --log-level says about the other loggers.
             logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
@@ -153,8 +163,10 @@ class DataPlane:
                 self.config.tokenizer, chat_template=self.config.chat_template or None))
         await self.upstream.start()
         await self.placements.start()
+        self.loopwatch.start()
 
     async def _cleanup(self, app: web.Application) -> None:
+        self.loopwatch.stop()
         await self.placements.close()
         await self.upstream.close()
         if self.tracing is not None:    # flush the last spans, off the event loop
@@ -212,6 +224,8 @@ class DataPlane:
             code = 499
             raise
         finally:
+            if http.get("omni_admitted"):
+                self.admission.release()
             self.metrics.inflight_requests -= 1
             try:
                 self.observer.complete(tracker, route, code, "" if tracker.req is not None else
@@ -226,6 +240,8 @@ class DataPlane:
                             allowed_fields=self.config.allowed_client_fields)
         tracker.req = req
         current_request_id.set(req.request_id)   # on every log line about this request
+        await self.admission.admit(http, req, self.api_keys)   # 429 when over a limit; released in generate()
+        http["omni_admitted"] = True
         req.ttft_slo_ms = slo_header(http.headers, "X-SLO-TTFT-Ms")
         req.tpot_slo_ms = slo_header(http.headers, "X-SLO-TPOT-Ms")
         await self._resolve_model(req)

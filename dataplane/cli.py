@@ -55,6 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle client keep-alive connection stays open")
     p.add_argument("--max-header-bytes", type=int, default=8190,
                    help="longest request line or header field (431 beyond)")
+    p.add_argument("--max-inflight", type=int, default=4096,
+                   help="requests in progress at once in this process; more wait in the admission queue")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="requests waiting for a slot (by priority, then arrival); beyond: 429 with Retry-After")
+    p.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request may wait for a slot before a 429")
+    p.add_argument("--rate-limits", default="", metavar="FILE",
+                   help="per-client token buckets (TOML: [default] and [keys.NAME] with requests_per_s, burst, "
+                        "prompt_tokens_per_s, prompt_tokens_burst); over the limit: 429 with Retry-After")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON line per request on the omni_proxy.access logger (default: on)")
     p.add_argument("--otel-endpoint", default="",
@@ -89,6 +98,10 @@ def config_from_args(args: argparse.Namespace):
                           api_keys=args.api_keys,
                           access_log=args.access_log, otel_endpoint=args.otel_endpoint,
                           otel_service_name=args.otel_service_name)
+    from dataplane.admission import AdmissionConfig
+
+    cfg.admission = AdmissionConfig(max_inflight=args.max_inflight, max_queued=args.max_queued,
+                                    queue_timeout_s=args.queue_timeout, rate_limits=args.rate_limits)
     if args.node_id:
         cfg.node_id = args.node_id
     if args.controlplane_token is not None:
