@@ -57,6 +57,30 @@ if [ ! -f "$STAMP" ]; then
     echo "install_vllm: venv ready after ${SECONDS} s" >&2
 fi
 
+# omni-proxy's vLLM plugin (tests/test_vllm_plugin.py), registered under vLLM's entry point
+# group as a production install would (`pip install omni-proxy` adds the same entry point,
+# `omni_proxy`). Here the entry point names a small shim instead of the package: the code
+# comes from whichever checkout runs the test (it puts its root on the engine's PYTHONPATH),
+# and the shim does nothing where none is on the path, so other vLLM tests see no plugin.
+# Rewritten on every run (a few small files; idempotent).
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+DIST="$SITE/omni_proxy_vllm_plugin_shim-0.1.dist-info"
+mkdir -p "$DIST"
+cat > "$SITE/omni_proxy_vllm_plugin_shim.py" <<'PY'
+"""omni-proxy's vLLM plugin, for tests: the real one when a checkout is on PYTHONPATH, else nothing."""
+
+
+def register():
+    try:
+        from engine_plugins.vllm_plugin import register as real
+    except ImportError:
+        return
+    real()
+PY
+printf 'Metadata-Version: 2.1\nName: omni-proxy-vllm-plugin-shim\nVersion: 0.1\n' > "$DIST/METADATA"
+printf '[vllm.general_plugins]\nomni_proxy = omni_proxy_vllm_plugin_shim:register\n' > "$DIST/entry_points.txt"
+printf 'omni_proxy_vllm_plugin_shim.py,,\nomni_proxy_vllm_plugin_shim-0.1.dist-info/METADATA,,\nomni_proxy_vllm_plugin_shim-0.1.dist-info/entry_points.txt,,\nomni_proxy_vllm_plugin_shim-0.1.dist-info/RECORD,,\n' > "$DIST/RECORD"
+
 # Rebuilt when the builder changes or the venv was reinstalled.
 MSTAMP="$MODEL/.omni-proxy-$( (cat "$BUILDER"; echo "$STAMP") | sha256sum | cut -c1-16)"
 if [ ! -f "$MSTAMP" ]; then

@@ -9,8 +9,9 @@ vLLM's HTTP entry point (``vllm.entrypoints.launchers.api_server.entry``). There
 ``build_and_serve``, which runs once the engines have started: it learns the engine's
 facts (``facts.py``: served names, bound port, block size, hashing, KV events, DP size, KV
 connector and role, KV capacity, max batched tokens) and starts the registration agent
-(``agent.py``) on a daemon thread. When the server's shutdown task ends, or at exit, the
-agent deregisters.
+(``agent.py``) on a daemon thread. On SIGTERM/SIGINT the agent deregisters before vLLM
+drains its engine (its ``engine_client.shutdown``), or, failing that, when
+the server returns or at exit.
 
 Environment: ``OMNI_CONTROLPLANE`` (host:port, comma-separated for several replicas),
 ``OMNI_ROLE`` (both | prefill | decode; default from the KV connector's kv_role),
@@ -25,7 +26,7 @@ import atexit
 import logging
 import sys
 
-log = logging.getLogger("omni_proxy.vllm_plugin")
+log = logging.getLogger("vllm.omni_proxy")  # under "vllm": vLLM's log handlers and format
 
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 _state: dict = {"patched": False, "agent": None}
@@ -61,12 +62,20 @@ def _register() -> None:
         return
 
     async def build_and_serve(engine_client, listen_address, sock, args, *rest, **kwargs):
-        task = await real(engine_client, listen_address, sock, args, *rest, **kwargs)
+        # Runs once the engines are up (the KV block count is known) and the socket is
+        # bound; the real one serves until the server shuts down.
+        agent = None
         try:
-            _start(settings, engine_client, args, sock, task)
+            agent = _start(settings, engine_client, args, sock)
         except Exception:  # noqa: BLE001
             log.exception("omni-proxy plugin: could not start registration")
-        return task
+        try:
+            return await real(engine_client, listen_address, sock, args, *rest, **kwargs)
+        finally:
+            if agent is not None:
+                import asyncio
+
+                await asyncio.to_thread(agent.stop)
 
     build_and_serve._omni_proxy = True
     entry.build_and_serve = build_and_serve
@@ -74,19 +83,26 @@ def _register() -> None:
     log.info("omni-proxy plugin: will register with %s once the server is up", ",".join(settings.controlplanes))
 
 
-def _start(settings, engine_client, args, sock, task) -> None:
+def _start(settings, engine_client, args, sock):
     from engine_plugins.vllm_plugin.agent import Agent
     from engine_plugins.vllm_plugin.facts import facts_from_vllm
 
     if _state["agent"] is not None:
-        return
+        return None
     facts = facts_from_vllm(getattr(engine_client, "vllm_config", None), args, sock)
     agent = Agent(settings, facts).start()
     _state["agent"] = agent
     atexit.register(agent.stop)
-    if hasattr(task, "add_done_callback"):
-        # The HTTP server stopped (SIGTERM/SIGINT): leave the fleet before the engines shut down.
-        import threading
-
-        task.add_done_callback(lambda _t: threading.Thread(target=agent.stop, daemon=True,
-                                                            name="omni-proxy-deregister").start())
+    # SIGTERM/SIGINT: vLLM's API server stops its engine client first (draining in-flight
+    # requests for --shutdown-timeout), then the HTTP server. Leave the fleet before that, so
+    # that no new request is placed here while the engine drains.
+    real_shutdown = getattr(engine_client, "shutdown", None)
+    if callable(real_shutdown):
+        def shutdown(*a, **k):
+            agent.stop()
+            return real_shutdown(*a, **k)
+        try:
+            engine_client.shutdown = shutdown
+        except (AttributeError, TypeError):
+            pass
+    return agent
