@@ -207,7 +207,7 @@ async def test_hashing_mismatch_refused(engine, caplog, engine_kw, words):
     agent = Agent(Settings(controlplanes=[address], worker_id="bad"), facts_for(engine, **engine_kw),
                   refused_retry_s=60).start()
     try:
-        with caplog.at_level(logging.ERROR, logger="omni_proxy.vllm_plugin"):
+        with caplog.at_level(logging.ERROR, logger="vllm.omni_proxy"):
             async def refused():
                 return bool(agent.refused)
             await wait_until(refused, what="the refusal")

@@ -35,7 +35,7 @@ import grpc
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
-log = logging.getLogger("omni_proxy.vllm_plugin")
+log = logging.getLogger("vllm.omni_proxy")  # under "vllm": vLLM's log handlers and format
 
 ROLES = {"both": pb.ROLE_BOTH, "prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 _WILDCARD = {"", "*", "0.0.0.0", "::", "[::]"}
