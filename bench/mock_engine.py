@@ -65,8 +65,13 @@ MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model",
                                                  "owned_by": "mock"}]}).encode()
 
 
+# /server_info, /get_model_info, /get_server_info (SGLang's; smg reads the model name there)
+INFO = json.dumps({"model_path": MODEL, "served_model_name": MODEL, "tokenizer_path": MODEL,
+                   "is_generation": True}).encode()
+
+
 def _get_answer(path: bytes) -> bytes:
-    body = MODELS if path.startswith(b"/v1/models") else (b"" if path.startswith(b"/metrics") else b"{}")
+    body = MODELS if path.startswith(b"/v1/models") else (b"" if path.startswith(b"/metrics") else INFO)
     ctype = b"text/plain" if path.startswith(b"/metrics") else b"application/json"
     return (b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\n\r\n" + body)

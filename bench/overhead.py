@@ -95,6 +95,38 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
+def loop_lag(url: str) -> dict | None:
+    """The data plane's event-loop lag histogram (cumulative bucket counts) and its 10 s
+    max, from /metrics; None where it has none."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    buckets, peak = {}, None
+    for line in text.splitlines():
+        if line.startswith("omni_dp_event_loop_lag_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("omni_dp_event_loop_lag_max_seconds "):
+            peak = float(line.rsplit(" ", 1)[1])
+    return {"buckets": buckets, "max_10s": peak} if buckets else None
+
+
+def lag_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Ticks over 5 ms in the cell, and the bucket its longest stall fell in (ms)."""
+    if not before or not after:
+        return None
+    delta = {le: after["buckets"][le] - before["buckets"].get(le, 0.0) for le in after["buckets"]}
+    total = delta.get("+Inf", 0.0)
+    over5 = total - delta.get("0.005", 0.0)
+    bounds = sorted((float(le), n) for le, n in delta.items() if le != "+Inf")
+    longest = next((b * 1000 for b, n in bounds if n >= total), float("inf"))
+    return {"ticks": total, "ticks_over_5ms": over5, "longest_le_ms": longest,
+            "max_10s_ms": (after["max_10s"] or 0.0) * 1000}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -418,13 +450,19 @@ def run(args) -> dict:
                         results["rounds"].append(rnd)
                         return results
                     ports, pids = targets[name]
+                    watch = name in ("omni", "omni-baseline")   # one process: its /metrics is the one loop
+                    before = loop_lag(f"http://127.0.0.1:{ports[0]}") if watch else None
                     res = asyncio.run(run_cell(ports, stream, conc, args.seconds, args.warm, pids, engine_pids,
                                                args.tokens, parts.get(name)))
+                    if watch:
+                        res["loop_lag"] = lag_delta(before, loop_lag(f"http://127.0.0.1:{ports[0]}"))
                     rnd.setdefault(key, {})[name] = res
                     log(f"round {r + 1}/{args.rounds} {key:11s} {name:13s} {res['rps']:8.0f} req/s "
                         f"p50 {res['p50_ms']:6.2f} ms ttfb {res['ttfb_p50_ms']:6.2f} ms "
                         f"proxy {res['proxy_cpu_us']:6.0f} us/req engines {res['engine_cpu_us']:5.0f} us/req"
                         + "".join(f" {k} {v:.0f}" for k, v in res["parts_cpu_us"].items())
+                        + (f" loop stall <= {res['loop_lag']['longest_le_ms']:.0f} ms"
+                           if res.get("loop_lag") else "")
                         + (f" errors {res['errors']}" if res["errors"] else ""))
             results["rounds"].append(rnd)
     return results
@@ -449,6 +487,9 @@ def summarize(results: dict) -> dict:
                         "errors": t["errors"]}
                 for part, v in (t.get("parts_cpu_us") or {}).items():
                     vals[f"{part}_cpu_us"] = v
+                if t.get("loop_lag"):
+                    vals["loop_stall_le_ms"] = t["loop_lag"]["longest_le_ms"]
+                    vals["loop_ticks_over_5ms"] = t["loop_lag"]["ticks_over_5ms"]
                 for k, v in vals.items():
                     per.setdefault(k, []).append(v)
             if per:
@@ -486,7 +527,10 @@ def markdown(results: dict, summary: dict, command: str) -> str:
                          f"{_fmt(s, 'proxy_cpu_us', 0)} | {_fmt(s, 'engine_cpu_us', 0)} |")
             if "dataplane_cpu_us" in s:
                 split.append(f"{name}: data plane {_fmt(s, 'dataplane_cpu_us', 0)}, control plane "
-                             f"{_fmt(s, 'controlplane_cpu_us', 0)} us/req")
+                             f"{_fmt(s, 'controlplane_cpu_us', 0)} us/req"
+                             + (f", longest event-loop stall <= {s['loop_stall_le_ms']['max']:.0f} ms "
+                                f"({s['loop_ticks_over_5ms']['max']:.0f} of ~{100 * (results['args']['seconds'] + results['args']['warm']):.0f} "
+                                "10-ms ticks over 5 ms)" if "loop_stall_le_ms" in s else ""))
         lines.append("")
         if split:
             lines += ["CPU split: " + "; ".join(split) + ".", ""]
