@@ -319,3 +319,83 @@ def test_plugin_only_patches_the_api_server(monkeypatch):
     monkeypatch.setenv("OMNI_ROLE", "chef")      # bad settings: logged, never raised
     monkeypatch.setattr(vllm_plugin, "_state", {"patched": False, "agent": None})
     vllm_plugin.register()
+
+
+def _vllm_config(**cache):
+    ns = types.SimpleNamespace
+    return ns(cache_config=ns(**{"block_size": 32, "num_gpu_blocks": 100, "enable_prefix_caching": True,
+                                 "prefix_caching_hash_algo": "sha256", **cache}),
+              kv_events_config=ns(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
+                                  replay_endpoint="tcp://*:5558"),
+              kv_transfer_config=ns(kv_connector="NixlConnector", kv_role="kv_consumer"),
+              parallel_config=ns(data_parallel_size=2), scheduler_config=ns(max_num_batched_tokens=4096),
+              model_config=ns(served_model_name="m", model="/models/m"))
+
+
+def test_facts_from_vllm_config(monkeypatch):
+    from engine_plugins.vllm_plugin.facts import facts_from_vllm
+
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        facts = facts_from_vllm(_vllm_config(), types.SimpleNamespace(host="0.0.0.0", port=0, served_model_name=None),
+                                sock)
+        assert facts.port == sock.getsockname()[1] and facts.models == ["m"]
+    finally:
+        sock.close()
+    assert (facts.block_size, facts.kv_capacity_tokens, facts.max_batched_tokens) == (32, 3200, 4096)
+    assert (facts.hash_algo, facts.hash_seed, facts.prefix_caching) == ("sha256", "7", True)
+    assert (facts.kv_events, facts.kv_replay, facts.dp_size) == ("tcp://*:5557", "tcp://*:5558", 2)
+    assert (facts.kv_connector, facts.kv_role) == ("NixlConnector", "kv_consumer")
+    req = build_request(Settings(controlplanes=["cp:1"], advertise_url="http://10.0.0.2:8000"), facts)
+    assert req.role == pb.ROLE_DECODE and req.kv_events == "tcp://10.0.0.2:5557" and req.engine.hash_seed == "7"
+    empty = facts_from_vllm(None, types.SimpleNamespace(port=8000, served_model_name=["a", "b"]))
+    assert empty.models == ["a", "b"] and empty.block_size == 0 and empty.kv_events == ""
+
+
+async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
+    """The wrapped build_and_serve registers while the server runs; the engine client's
+    shutdown (vLLM's SIGTERM path) deregisters before the real shutdown runs."""
+    plane = await start_cp()
+    address = f"127.0.0.1:{plane.grpc_port}"
+    monkeypatch.setattr(vllm_plugin, "_state", {"patched": False, "agent": None})
+    monkeypatch.setenv("OMNI_CONTROLPLANE", address)
+    monkeypatch.setenv("OMNI_WORKER_ID", "wrapped")
+    fake = types.ModuleType(vllm_plugin._ENTRY)
+    stop_serving = asyncio.Event()
+    order = []
+
+    async def build_and_serve(engine_client, listen_address, sock, args, **kwargs):
+        await stop_serving.wait()                 # vLLM's serves until shutdown
+        return "shutdown-task"
+    fake.build_and_serve = build_and_serve
+    monkeypatch.setitem(sys.modules, vllm_plugin._ENTRY, fake)
+    vllm_plugin.register()
+
+    class Client:
+        vllm_config = _vllm_config(block_size=16, num_gpu_blocks=10)
+
+        def shutdown(self, timeout=None):
+            order.append(("shutdown", "wrapped" in plane.registry.fleet))
+
+    client = Client()
+    client.vllm_config.kv_events_config.enable_kv_cache_events = False
+    args = types.SimpleNamespace(host="127.0.0.1", port=engine.port, served_model_name=["tiny"])
+    serving = asyncio.ensure_future(fake.build_and_serve(client, "", None, args))
+    try:
+        async def registered():
+            return "wrapped" in plane.registry.fleet
+        await wait_until(registered, what="registration from the wrapped build_and_serve")
+        (w,) = await list_workers(address)
+        assert w.engine.kv_capacity_tokens == 160 and w.role == pb.ROLE_DECODE and w.model == "tiny"
+        await asyncio.to_thread(client.shutdown, timeout=0)
+        assert order == [("shutdown", False)], "deregistered before the engine client's shutdown ran"
+        stop_serving.set()
+        assert await serving == "shutdown-task"
+    finally:
+        stop_serving.set()
+        agent = vllm_plugin._state["agent"]
+        if agent is not None:
+            await stop_agent(agent)
+        await plane.stop()
