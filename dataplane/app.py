@@ -23,7 +23,6 @@ from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation,
                                        generated_from_stream)
 from dataplane.hygiene import sanitize_client_id
 from dataplane.loopwatch import LoopWatch
-from dataplane.loopwatch import LoopWatch
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.observe import ACCESS_LOGGER, Observer, current_request_id, install_request_id_filter, trace_headers
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
@@ -130,7 +129,6 @@ class DataPlane:
                                           credentials=client_auth.grpc_credentials(*config.controlplane_tls))
         self.metrics.registry.register(_ControlPlaneLink(self.placements))
         self.loopwatch = LoopWatch(self.metrics.registry)   # event-loop stalls on /metrics
-        self.loopwatch = LoopWatch(self.metrics.registry)   # event-loop stalls on /metrics
         try:
             self.admission = Admission(config.admission)
         except ValueError as exc:
@@ -166,10 +164,8 @@ class DataPlane:
         await self.upstream.start()
         await self.placements.start()
         self.loopwatch.start()
-        self.loopwatch.start()
 
     async def _cleanup(self, app: web.Application) -> None:
-        self.loopwatch.stop()
         self.loopwatch.stop()
         await self.placements.close()
         await self.upstream.close()
