@@ -96,11 +96,14 @@ def load_rate_limits(path: str) -> tuple[Limit | None, dict[str, Limit]]:
     unknown = sorted(set(data) - {"default", "keys"})
     if unknown:
         raise ValueError(f"--rate-limits {path}: unknown tables {unknown} (allowed: default, keys)")
-    default = parse_limit(data["default"], "default") if "default" in data else None
     keys = data.get("keys", {})
     if not isinstance(keys, dict):
         raise ValueError(f"--rate-limits {path}: keys must be a table of tables")
-    return default, {str(name): parse_limit(t, f"keys.{name}") for name, t in keys.items()}
+    try:
+        default = parse_limit(data["default"], "default") if "default" in data else None
+        return default, {str(name): parse_limit(t, f"keys.{name}") for name, t in keys.items()}
+    except ValueError as exc:
+        raise ValueError(f"--rate-limits {path}: {exc}") from None
 
 
 def client_identity(http: web.Request, api_keys=None) -> str:
