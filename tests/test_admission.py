@@ -164,3 +164,19 @@ def test_rate_limit_file(tmp_path):
             load_rate_limits(str(f))
     with pytest.raises(ValueError, match="--rate-limits"):
         load_rate_limits(str(tmp_path / "missing.toml"))
+
+
+def test_client_identity():
+    from dataplane.admission import client_identity
+
+    class Keys:
+        def who(self, presented):
+            return "alice" if presented == "sk-a" else None
+
+    r = FakeRequest({"Authorization": "Bearer sk-a"}, remote="10.0.0.9")
+    assert client_identity(r, Keys()) == "alice"
+    assert client_identity(r).startswith("key-") and len(client_identity(r)) == 16
+    assert client_identity(FakeRequest({"Authorization": "Bearer sk-b"}), Keys()).startswith("key-")
+    assert client_identity(FakeRequest(remote="10.0.0.9")) == "ip-10.0.0.9"
+    r["api_key_name"] = "bob"     # an auth middleware that records the name wins
+    assert client_identity(r, Keys()) == "bob"
