@@ -399,3 +399,39 @@ async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
         if agent is not None:
             await stop_agent(agent)
         await plane.stop()
+
+
+async def test_plugin_hooks_older_vllm_init_app_state(monkeypatch, engine):
+    """vLLM before the launchers package (what vLLM-Ascend pins): init_app_state(engine_client,
+    vllm_config, state, args) in vllm.entrypoints.openai.api_server is wrapped instead."""
+    plane = await start_cp()
+    address = f"127.0.0.1:{plane.grpc_port}"
+    monkeypatch.setattr(vllm_plugin, "_state", {"patched": False, "agent": None})
+    monkeypatch.setenv("OMNI_CONTROLPLANE", address)
+    monkeypatch.setenv("OMNI_WORKER_ID", "legacy")
+    monkeypatch.delitem(sys.modules, vllm_plugin._ENTRY, raising=False)
+    legacy = types.ModuleType(vllm_plugin._LEGACY)
+
+    async def init_app_state(engine_client, vllm_config, state, args):
+        state.ready = True
+    legacy.init_app_state = init_app_state
+    monkeypatch.setitem(sys.modules, vllm_plugin._LEGACY, legacy)
+    vllm_plugin.register()
+    assert legacy.init_app_state is not init_app_state
+    config = _vllm_config(block_size=16, num_gpu_blocks=4)
+    config.kv_events_config.enable_kv_cache_events = False
+    config.kv_transfer_config = None
+    state = types.SimpleNamespace()
+    await legacy.init_app_state(types.SimpleNamespace(), config, state,
+                                types.SimpleNamespace(host="127.0.0.1", port=engine.port, served_model_name=None))
+    try:
+        assert state.ready
+
+        async def registered():
+            return "legacy" in plane.registry.fleet
+        await wait_until(registered, what="registration through the older vLLM hook")
+        (w,) = await list_workers(address)
+        assert w.engine.kv_capacity_tokens == 64 and w.role == pb.ROLE_BOTH and w.model == "m"
+    finally:
+        await stop_agent(vllm_plugin._state["agent"])
+        await plane.stop()

@@ -6,7 +6,8 @@ when a deployment lists its plugins). vLLM calls :func:`register` in every proce
 (API server, engine core, workers), several times at most once each. It does something only
 when ``OMNI_CONTROLPLANE`` is set, and only in the API server process: the one that imported
 vLLM's HTTP entry point (``vllm.entrypoints.launchers.api_server.entry``). There it wraps
-``build_and_serve``, which runs once the engines have started: it learns the engine's
+``build_and_serve`` (older vLLM: ``vllm.entrypoints.openai.api_server.init_app_state``),
+which runs once the engines have started: it learns the engine's
 facts (``facts.py``: served names, bound port, block size, hashing, KV events, DP size, KV
 connector and role, KV capacity, max batched tokens) and starts the registration agent
 (``agent.py``) on a daemon thread. On SIGTERM/SIGINT the agent deregisters before vLLM
@@ -29,6 +30,9 @@ import sys
 log = logging.getLogger("vllm.omni_proxy")  # under "vllm": vLLM's log handlers and format
 
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+# vLLM before the launchers package (e.g. the versions vLLM-Ascend pins): the API server's
+# run_server_worker calls this module's init_app_state once the engine client exists.
+_LEGACY = "vllm.entrypoints.openai.api_server"
 _state: dict = {"patched": False, "agent": None}
 
 
@@ -55,7 +59,10 @@ def _register() -> None:
         return
     entry = sys.modules.get(_ENTRY)
     if entry is None or not hasattr(entry, "build_and_serve"):
-        return                        # an engine-core or worker process, or not `vllm serve`
+        legacy = sys.modules.get(_LEGACY)
+        if legacy is not None and hasattr(legacy, "init_app_state"):
+            _patch_legacy(legacy, settings)
+        return                        # else an engine-core or worker process, or not `vllm serve`
     real = entry.build_and_serve
     if getattr(real, "_omni_proxy", False):
         _state["patched"] = True
@@ -83,13 +90,36 @@ def _register() -> None:
     log.info("omni-proxy plugin: will register with %s once the server is up", ",".join(settings.controlplanes))
 
 
-def _start(settings, engine_client, args, sock):
+def _patch_legacy(module, settings) -> None:
+    real = module.init_app_state
+    if getattr(real, "_omni_proxy", False):
+        _state["patched"] = True
+        return
+
+    async def init_app_state(engine_client, *rest, **kwargs):
+        result = await real(engine_client, *rest, **kwargs)
+        try:
+            values = [*rest, *kwargs.values()]
+            config = next((v for v in values if hasattr(v, "cache_config")), None)
+            args = next((v for v in values if hasattr(v, "port") and hasattr(v, "host")), None)
+            _start(settings, engine_client, args, None, vllm_config=config)
+        except Exception:  # noqa: BLE001
+            log.exception("omni-proxy plugin: could not start registration")
+        return result
+
+    init_app_state._omni_proxy = True
+    module.init_app_state = init_app_state
+    _state["patched"] = True
+    log.info("omni-proxy plugin: will register with %s once the server is up", ",".join(settings.controlplanes))
+
+
+def _start(settings, engine_client, args, sock, *, vllm_config=None):
     from engine_plugins.vllm_plugin.agent import Agent
     from engine_plugins.vllm_plugin.facts import facts_from_vllm
 
     if _state["agent"] is not None:
         return None
-    facts = facts_from_vllm(getattr(engine_client, "vllm_config", None), args, sock)
+    facts = facts_from_vllm(vllm_config or getattr(engine_client, "vllm_config", None), args, sock)
     agent = Agent(settings, facts).start()
     _state["agent"] = agent
     atexit.register(agent.stop)
