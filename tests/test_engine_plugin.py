@@ -366,7 +366,7 @@ async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
     stop_serving = asyncio.Event()
     order = []
 
-    async def build_and_serve(engine_client, listen_address, sock, args, **kwargs):
+    async def build_and_serve(engine_client, listen_address, sock, args, peer_loads=None, **kwargs):
         await stop_serving.wait()                 # vLLM's serves until shutdown
         return "shutdown-task"
     fake.build_and_serve = build_and_serve
@@ -382,7 +382,10 @@ async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
     client = Client()
     client.vllm_config.kv_events_config.enable_kv_cache_events = False
     args = types.SimpleNamespace(host="127.0.0.1", port=engine.port, served_model_name=["tiny"])
-    serving = asyncio.ensure_future(fake.build_and_serve(client, "", None, args))
+    other = asyncio.ensure_future(fake.build_and_serve(client, "", None, args, ([0, 0], 1)))
+    await asyncio.sleep(0.2)
+    assert vllm_plugin._state["agent"] is None, "a second API server (client index 1) does not register"
+    serving = asyncio.ensure_future(fake.build_and_serve(client, "", None, args, ([0, 0], 0)))
     try:
         async def registered():
             return "wrapped" in plane.registry.fleet
@@ -392,7 +395,7 @@ async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
         await asyncio.to_thread(client.shutdown, timeout=0)
         assert order == [("shutdown", False)], "deregistered before the engine client's shutdown ran"
         stop_serving.set()
-        assert await serving == "shutdown-task"
+        assert await serving == "shutdown-task" and await other == "shutdown-task"
     finally:
         stop_serving.set()
         agent = vllm_plugin._state["agent"]

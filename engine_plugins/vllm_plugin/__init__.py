@@ -72,8 +72,12 @@ def _register() -> None:
         # Runs once the engines are up (the KV block count is known) and the socket is
         # bound; the real one serves until the server shuts down.
         agent = None
+        peer_loads = rest[0] if rest else kwargs.get("peer_loads")
         try:
-            agent = _start(settings, engine_client, args, sock)
+            # --api-server-count > 1: every API server runs this on the same port; the
+            # first one (client index 0) registers the engine.
+            if not (isinstance(peer_loads, tuple) and len(peer_loads) == 2 and peer_loads[1]):
+                agent = _start(settings, engine_client, args, sock)
         except Exception:  # noqa: BLE001
             log.exception("omni-proxy plugin: could not start registration")
         try:
