@@ -7,7 +7,8 @@ It never raises into the engine and never blocks it: every gRPC call has a deadl
 on this thread. Heartbeats carry the engine's running/waiting requests (read from its own
 ``/metrics``), at the interval the control plane answered. A heartbeat answered
 ``known=false`` (the control plane restarted, or expired us) registers again; a heartbeat
-that fails moves on to the next control plane and registers there. ``stop()`` deregisters
+that fails goes to the next control plane next time (registering there only if it answers
+known=false). ``stop()`` deregisters
 (bounded by a deadline) and ends the thread.
 
 A registration refused with INVALID_ARGUMENT or FAILED_PRECONDITION (for example block size
@@ -244,6 +245,7 @@ class Agent:
         self._stub: pb_grpc.RegistryStub | None = None
         self._stop = threading.Event()
         self._stopped = threading.Event()
+        self._hb_failing = False
         self._lock = threading.Lock()    # one RPC at a time: the thread or stop()
         self._thread: threading.Thread | None = None
         self._metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
@@ -394,12 +396,18 @@ class Agent:
                                                                 waiting=waiting),
                                             timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
+                # Keep the registration: the next heartbeat goes to the next address (replicas
+                # share the fleet) and registers again only if that one answers known=false.
                 self.last_error = _describe(exc)
-                log.warning("omni-proxy: heartbeat to %s failed: %s; registering again", self._address,
-                            self.last_error)
-                self.worker_id = ""
+                if not self._hb_failing:
+                    log.warning("omni-proxy: heartbeat to %s failed: %s; trying the next control plane",
+                                self._address, self.last_error)
+                self._hb_failing = True
                 self._next_cp()
                 return
+            if self._hb_failing:
+                log.info("omni-proxy: heartbeats answered again by %s", self._address)
+                self._hb_failing = False
             self.heartbeats += 1
             if not resp.known:
                 log.warning("omni-proxy: control plane %s does not know worker %s (restarted?); registering again",
