@@ -438,3 +438,21 @@ async def test_plugin_hooks_older_vllm_init_app_state(monkeypatch, engine):
     finally:
         await stop_agent(vllm_plugin._state["agent"])
         await plane.stop()
+
+
+async def test_refused_by_one_address_registers_with_the_next(engine, caplog):
+    bad = await start_cp(policy="cache_aware", kv_cache=KVCacheConfig(block_size=64))
+    good = await start_cp()
+    agent = Agent(Settings(controlplanes=[f"127.0.0.1:{bad.grpc_port}", f"127.0.0.1:{good.grpc_port}"],
+                           worker_id="moved"), facts_for(engine), refused_retry_s=60).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="vllm.omni_proxy"):
+            async def registered():
+                return agent.registrations == 1
+            await wait_until(registered, timeout=10, what="registration with the second address")
+        assert "moved" in good.registry.fleet and "moved" not in bad.registry.fleet
+        assert any("REFUSED" in r.getMessage() and "block size 16" in r.getMessage() for r in caplog.records)
+    finally:
+        await stop_agent(agent)
+        await bad.stop()
+        await good.stop()

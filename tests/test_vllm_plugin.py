@@ -7,6 +7,8 @@ engine gets this checkout on its PYTHONPATH and the OMNI_* variables, nothing el
 160-block KV pool, prefix caching with sha256 and PYTHONHASHSEED=0, KV events on ipc://)
 behind a control plane whose cache_aware policy uses the prefix cache with the same
 hashing, and a data plane. Checked:
+  * a control plane listed first whose [kv_cache] block size differs refuses the engine, which
+    logs why (one ERROR line) and registers with the next address;
   * the engine registers: ListWorkers and ``omni-ctl workers`` show it with the role,
     model, block size, hashing, KV capacity (160 x 32 tokens) and max batched tokens it runs
     with, source ``registry``, its KV-event endpoint, and its heartbeats carry its load;
@@ -66,6 +68,12 @@ async def test_vllm_registers_serves_drains_and_deregisters(tmp_path):
     try:
         cp = group.start("controlplane", ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0",
                                            "--http-port", "0", "--health-interval", "0.5"])
+        # Listed first: a control plane whose [kv_cache] block size differs. It refuses the
+        # engine, which logs why and registers with the next address.
+        bad_cfg = tmp_path / "controlplane-bad.toml"
+        bad_cfg.write_text(cfg.read_text().replace(f"block_size = {BLOCK_SIZE}", "block_size = 16"))
+        bad = group.start("controlplane-bad", ["controlplane", "--config", str(bad_cfg), "--listen",
+                                               "127.0.0.1:0", "--http-port", "0"])
         dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address,
                                        "--read-timeout", "120", "--placement-timeout", "30"])
         events = f"ipc://{tmp_path}/kv-events.sock"
@@ -76,7 +84,7 @@ async def test_vllm_registers_serves_drains_and_deregisters(tmp_path):
                                           "--prefix-caching-hash-algo", "sha256",
                                           "--num-gpu-blocks-override", str(GPU_BLOCKS)),
                               extra_env={"PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT),
-                                         "OMNI_CONTROLPLANE": cp.address, "OMNI_WORKER_ID": WORKER_ID,
+                                         "OMNI_CONTROLPLANE": f"{bad.address},{cp.address}", "OMNI_WORKER_ID": WORKER_ID,
                                          "OMNI_LABELS": "test=vllm-plugin", "VLLM_PLUGINS": "omni_proxy"})
         await asyncio.to_thread(wait_healthy, [server])
         started = time.monotonic()
@@ -125,6 +133,9 @@ async def test_vllm_registers_serves_drains_and_deregisters(tmp_path):
         await asyncio.to_thread(server.proc.wait, 60)
         log = server.log_path.read_text(errors="replace")
         assert "omni-proxy: registered with" in log and "omni-proxy: deregistered worker" in log, server.describe()
+        refusal = next(line for line in log.splitlines() if "REFUSED this engine" in line)
+        assert bad.address in refusal and "block size 32 (control plane [kv_cache] block_size = 16)" in refusal
+        print(refusal)
     finally:
         group.close()
         if server is not None:

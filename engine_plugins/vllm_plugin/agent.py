@@ -13,8 +13,9 @@ known=false). ``stop()`` deregisters
 
 A registration refused with INVALID_ARGUMENT or FAILED_PRECONDITION (for example block size
 or hash algorithm that cannot match the control plane's ``[kv_cache]``) is logged as one
-ERROR line with the control plane's message, then tried again every ``refused_retry_s``
-(60 s) in case the control plane's configuration changes.
+ERROR line with the control plane's message. The next address is tried at once; once all
+have refused, all are tried again every ``refused_retry_s`` (60 s), in case a control
+plane's configuration changes.
 """
 
 from __future__ import annotations
@@ -362,12 +363,15 @@ class Agent:
                 code = exc.code() if hasattr(exc, "code") else None
                 self.last_error = _describe(exc)
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    n = len(self.settings.controlplanes)
                     if self.refused != self.last_error:
-                        log.error("omni-proxy: control plane %s REFUSED this engine (%s): %s; not registered, "
-                                  "trying again every %.0f s", address, self.request.url, exc.details(),
-                                  self.refused_retry_s)
+                        log.error("omni-proxy: control plane %s REFUSED this engine (%s): %s; not registered%s",
+                                  address, self.request.url, exc.details(),
+                                  "" if n == 1 else ", trying the next address")
                     self.refused = self.last_error
-                    return self.refused_retry_s
+                    # The next address at once; once every one has refused, every refused_retry_s.
+                    self._next_cp()
+                    return self.refused_retry_s if self._cp % n == 0 else 0.0
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     log.error("omni-proxy: control plane %s refused the token (OMNI_TOKEN): %s", address,
                               exc.details())
