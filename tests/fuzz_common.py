@@ -17,14 +17,15 @@ from hypothesis import HealthCheck, settings
 EXAMPLES = int(os.environ.get("OMNI_FUZZ_EXAMPLES", "0") or 0) or None
 
 
-def examples(default: int) -> int:
-    return EXAMPLES if EXAMPLES is not None else default
+def examples(default: int, scale: int = 1) -> int:
+    return EXAMPLES * scale if EXAMPLES is not None else default
 
 
-def fuzz_settings(default: int, **kw):
-    """Hypothesis settings for a fuzz test: no example database, no deadline, no health
-    checks (inputs go to real processes, so timing varies with the machine's load)."""
-    return settings(max_examples=examples(default), deadline=None, database=None,
+def fuzz_settings(default: int, *, scale: int = 1, **kw):
+    """Hypothesis settings for a fuzz test (``default`` examples, or ``scale`` times
+    $OMNI_FUZZ_EXAMPLES): no example database, no deadline, no health checks (inputs go to
+    real processes, so timing varies with the machine's load)."""
+    return settings(max_examples=examples(default, scale), deadline=None, database=None,
                     suppress_health_check=list(HealthCheck), **kw)
 
 

@@ -317,7 +317,7 @@ def test_random_bytes_on_every_method(cluster, channel):
     before = _cp_log(cluster).count("controlplane.grpc_guard")
     refused = 0
 
-    @fuzz_settings(200)
+    @fuzz_settings(200, scale=4)
     @given(which=st.sampled_from(METHODS), data=garbage)
     def run(which, data):
         nonlocal refused
