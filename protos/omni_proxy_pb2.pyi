@@ -86,16 +86,20 @@ EVENT_CANCELLED: EventKind
 EVENT_LEG_FAILED: EventKind
 
 class Endpoint(_message.Message):
-    __slots__ = ("worker_id", "url", "role", "bootstrap_port")
+    __slots__ = ("worker_id", "url", "role", "bootstrap_port", "dp_rank", "dp_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     url: str
     role: Role
     bootstrap_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
+    dp_rank: int
+    dp_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., bootstrap_port: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("inflight_requests", "inflight_tokens", "engine_running", "engine_waiting", "engine_kv_usage", "metrics_age_s")
