@@ -50,6 +50,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 PEERS = ("vllm-router", "sglang-router", "smg")
 PEER_VERSIONS = {"vllm-router": "0.1.17", "sglang-router": "0.3.2", "smg": "1.13.0"}
 CONCURRENCY = (1, 32, 128)
+NOTES_MARK = "<!-- analysis: kept across reruns -->"
 
 
 def log(msg: str) -> None:
@@ -601,7 +602,11 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
     md = markdown(results, summary, command)
-    out.with_suffix(".md").write_text(md)
+    md_path = out.with_suffix(".md")
+    old = md_path.read_text() if md_path.exists() else ""
+    if NOTES_MARK in old:   # hand-written analysis below the mark survives a rerun
+        md = md + "\n" + old[old.index(NOTES_MARK):]
+    md_path.write_text(md)
     try:
         plot(summary, out.with_suffix(".png"))
     except Exception as exc:   # noqa: BLE001 - plots are a convenience
