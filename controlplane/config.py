@@ -122,6 +122,7 @@ KV_CACHE: dict[str, Check] = {
     "approx_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
     "replay_timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=600),
     "max_replay_gap": lambda x, f: v.int_range(x, f, 1, 10_000_000),
+    "snapshot_interval_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=3600),
 }
 
 STATE_BACKENDS = ("memory", "redis")

@@ -68,6 +68,7 @@ class ControlPlane:
         self.discovery: DiscoveryFile | None = None
         self._tasks: list[asyncio.Task] = []
         self._sync: SpecSync | None = None
+        self.kv_snapshots = None      # KVSnapshots with the Redis store (kvcache/persist.py)
 
     async def start(self) -> None:
         self.registry.on_added = None  # config workers are checked together by health.start()
@@ -86,6 +87,11 @@ class ControlPlane:
                                     weight=kept.weight if kept is not None else spec.weight,
                                     worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port,
                                     kv_events=spec.kv_events, kv_replay=spec.kv_replay, dp_size=spec.dp_size)
+        if shared and self.config.kv_cache.snapshot_interval_s > 0:
+            # KV index snapshots (kvcache/persist.py): warm from the newest before serving
+            from controlplane.kvcache.persist import KVSnapshots
+            self.kv_snapshots = KVSnapshots(self.kv, self.store, self.config.kv_cache.snapshot_interval_s)
+            await self.kv_snapshots.load_newest(self.fleet.specs())
         await self.health.start()
         for spec in self.fleet.specs():
             await self.kv.watch(spec)
@@ -132,6 +138,8 @@ class ControlPlane:
         if shared:
             self._tasks += [asyncio.create_task(self.store.maintain(orphan=True)),
                             asyncio.create_task(self._sync.run())]
+            if self.kv_snapshots is not None:
+                self._tasks.append(asyncio.create_task(self.kv_snapshots.run()))
         log.info("control plane: gRPC on port %d, HTTP on %s:%d, policy %s, %d workers",
                  self.grpc_port, self.config.http_host, self.http_port, self.config.policy,
                  len(self.config.workers))
@@ -144,6 +152,8 @@ class ControlPlane:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kv_snapshots is not None:
+            await self.kv_snapshots.close()   # a last snapshot, before the index is dropped
         if self._server:
             await self._server.stop(grace=1.0)
         if self._runner:

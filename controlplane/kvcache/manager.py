@@ -45,6 +45,7 @@ class KVCacheConfig:
     approx_ttl_s: float = 120.0         # approximate mode: how long a routed prefix counts
     replay_timeout_s: float = 2.0
     max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP   # wider sequence gaps reset the worker instead
+    snapshot_interval_s: float = 3.0    # Redis store: index snapshot period (kvcache/persist.py); 0 = off
 
 
 def _offset_port(endpoint: str, rank: int) -> str:
@@ -82,6 +83,8 @@ class KVCache:
         self._wrong_block_size: dict[str, int] = {}
         # per-worker counters kept here rather than in a subscriber (exported with theirs)
         self._counters: dict[str, dict[str, int]] = {}
+        # (worker, dp rank) -> topic -> last seq a loaded snapshot had seen (kvcache/persist.py)
+        self.resume_seqs: dict[tuple[str, int], dict[bytes, int]] = {}
 
     # ------------------------------------------------------------------ subscriptions
 
@@ -105,6 +108,9 @@ class KVCache:
                                         replay_timeout_s=self.config.replay_timeout_s,
                                         max_replay_gap=self.config.max_replay_gap, on_failed=self._on_failed)
                 subs.append(sub)
+                resume = self.resume_seqs.pop((worker.id, rank), None)
+                if resume and source.replay_endpoint:
+                    sub._last.update(resume)   # a loaded snapshot: replay what it missed (persist.py)
                 await sub.start()
         except Exception as exc:  # noqa: BLE001 - zmq raises its own types for bad endpoints
             for sub in subs:

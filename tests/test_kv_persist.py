@@ -1,0 +1,202 @@
+"""KV-index snapshots in Redis (controlplane/kvcache/persist.py): a restarted control plane
+answers with the same predicted hits, with a real redis-server and in-process control planes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import socket
+import time
+import uuid
+
+import pytest
+
+from controlplane.config import ControlPlaneConfig, StateConfig, WorkerSpec as WorkerConfig
+from controlplane.kvcache.events import BlockStored
+from controlplane.kvcache.manager import KVCache, KVCacheConfig
+from controlplane.kvcache import persist
+from controlplane.server import ControlPlane
+from controlplane.workers import Role
+from protos import omni_proxy_pb2 as pb
+from tests.redis_fixtures import redis_server  # noqa: F401 (fixture)
+
+BS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(sim, redis, prefix: str, *, workers=("w", "e"), interval: float = 0.2, backend: str = "redis"):
+    port = _free_port()
+    specs = {"w": WorkerConfig(url=sim.url, role=Role.BOTH, id="w"),
+             # an event-fed worker: nothing publishes there, its index is fed by hand
+             "e": WorkerConfig(url=sim.url + "/", role=Role.BOTH, id="e", kv_events=f"tcp://127.0.0.1:{port}")}
+    cfg = ControlPlaneConfig(listen="127.0.0.1:0", workers=[specs[w] for w in workers], policy="cache_aware",
+                             state=StateConfig(backend=backend, redis_url=redis.url if redis else "", key_prefix=prefix))
+    cfg.kv_cache.snapshot_interval_s = interval
+    cfg.kv_cache.block_size = BS
+    return cfg
+
+
+def _chain(rng: random.Random, n: int) -> list[int]:
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def _stored(hashes, parent=None) -> BlockStored:
+    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent, token_ids=(), block_size=BS)
+
+
+def _match_of(explanation: str) -> list[str]:
+    return re.findall(r"match=\d+/\d+blk", explanation)
+
+
+async def _feed(plane: ControlPlane, rng: random.Random) -> tuple[list[list[int]], list[int]]:
+    """Event-fed blocks on "e" (ranks 0 and 1), routed chains to "w" through placement."""
+    exact_chains = [_chain(rng, 20) for _ in range(5)]
+    for i, c in enumerate(exact_chains):
+        plane.kv.exact.apply("e", i % 2, [_stored(c[:12]), _stored(c[12:], c[11])])
+    routed = _chain(rng, 30)
+    for i in range(3):
+        p = await plane.placer.place(pb.PlaceRequest(request_id=f"r{i}-{uuid.uuid4().hex[:6]}", leg=pb.LEG_ENTRY,
+                                                     prompt_tokens=30 * BS, max_tokens=4,
+                                                     block_hashes=routed[:10 * (i + 1)]))
+        assert not p.error, p
+    return exact_chains, routed
+
+
+async def _answers(plane: ControlPlane, chains: list[list[int]]) -> tuple[list[dict], list[list[str]]]:
+    specs = plane.fleet.specs()
+    matches = [plane.kv.match(c, specs) for c in chains]
+    dry = []
+    for c in chains:
+        p = await plane.placer.place(pb.PlaceRequest(request_id="dry", leg=pb.LEG_ENTRY, prompt_tokens=len(c) * BS,
+                                                     max_tokens=4, block_hashes=c), dry_run=True)
+        dry.append(_match_of(p.explanation))
+    return matches, dry
+
+
+async def test_a_restarted_control_plane_has_the_same_predicted_hits(sim_both, redis_server):
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rng = random.Random(1)
+    a = ControlPlane(_config(sim_both, redis_server, prefix))
+    await a.start()
+    try:
+        exact_chains, routed = await _feed(a, rng)
+        probes = exact_chains + [routed, routed[:15], exact_chains[0][:5] + [1, 2]]
+        before = await _answers(a, probes)
+        assert before[0][0] == {"e": 20} and before[0][5] == {"w": 30}
+        assert before[0][6] == {"w": 15}
+        # the periodic writer runs on its own
+        await asyncio.sleep(0.6)
+        assert a.kv_snapshots.writes >= 1 and a.kv_snapshots.last_bytes > 0
+    finally:
+        await a.stop()
+    b = ControlPlane(_config(sim_both, redis_server, prefix))
+    await b.start()
+    try:
+        after = await _answers(b, probes)
+        assert after == before
+        assert b.kv.exact.blocks_by_worker() == {"e": 100}
+    finally:
+        await b.stop()
+
+
+async def test_a_removed_worker_is_not_loaded(sim_both, redis_server):
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rng = random.Random(2)
+    a = ControlPlane(_config(sim_both, redis_server, prefix))
+    await a.start()
+    try:
+        exact_chains, routed = await _feed(a, rng)
+    finally:
+        await a.stop()
+    # the next control plane's fleet has "w" only ("e" was removed from the config and the store)
+    from controlplane.state.redis import RedisStore
+    store = RedisStore(redis_server.url, key_prefix=prefix)
+    await store.remove_spec("e")
+    await store.close()
+    b = ControlPlane(_config(sim_both, redis_server, prefix, workers=("w",)))
+    await b.start()
+    try:
+        assert b.fleet.get("e") is None
+        assert b.kv.exact.size() == 0 and b.kv.exact.workers() == []
+        assert b.kv.match(routed, b.fleet.specs()) == {"w": 30}
+    finally:
+        await b.stop()
+
+
+async def test_a_corrupt_snapshot_is_ignored_with_one_log_line(sim_both, redis_server, caplog):
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    a = ControlPlane(_config(sim_both, redis_server, prefix))
+    await a.start()
+    try:
+        await _feed(a, random.Random(3))
+        rid = a.store.replica_id
+    finally:
+        await a.stop()
+    import redis.asyncio as aioredis
+    r = aioredis.Redis.from_url(redis_server.url)
+    blob = await r.get(f"{prefix}kv:snap:{rid}")
+    await r.set(f"{prefix}kv:snap:{rid}", blob[:-9] + b"\x00" * 9)     # flipped bytes: bad checksum
+    await r.aclose()
+    caplog.set_level(logging.INFO, logger="controlplane.kvcache.persist")
+    b = ControlPlane(_config(sim_both, redis_server, prefix))
+    await b.start()
+    try:
+        lines = [r for r in caplog.records if r.name == "controlplane.kvcache.persist"]
+        assert len(lines) == 1 and "ignored" in lines[0].getMessage(), [r.getMessage() for r in lines]
+        assert b.kv.exact.size() == 0 and b.kv.approx.size() == 0
+    finally:
+        await b.stop()
+
+
+async def test_memory_store_writes_no_snapshots(sim_both):
+    plane = ControlPlane(_config(sim_both, None, "", backend="memory"))
+    await plane.start()
+    try:
+        assert plane.kv_snapshots is None
+    finally:
+        await plane.stop()
+
+
+async def test_the_subscriber_resumes_from_the_saved_sequence():
+    """A loaded snapshot hands each rank's last seq to its subscriber when it can replay."""
+    from controlplane.workers import WorkerSpec
+    kv = KVCache(KVCacheConfig(block_size=BS))
+    header = {"ts": time.time(), "buckets": [], "hashing": persist.hashing_of(kv),
+              "seqs": {"e": {"0": {"": 41}}, "gone": {"0": {"": 7}}}}
+    e = WorkerSpec(id="e", url="http://x", role=Role.BOTH, model="m", kv_events=f"tcp://127.0.0.1:{_free_port()}",
+                   kv_replay=f"tcp://127.0.0.1:{_free_port()}")
+    persist.load(kv, header, [], [e])
+    assert kv.resume_seqs == {("e", 0): {b"": 41}}
+    await kv.watch(e)
+    try:
+        assert kv._subscribers["e"][0]._last == {b"": 41}
+    finally:
+        await kv.stop()
+
+
+async def test_dump_and_load_round_trip_keeps_routing_age():
+    kv = KVCache(KVCacheConfig(block_size=BS, approx_ttl_s=100.0))
+    from controlplane.workers import WorkerSpec
+    w = WorkerSpec(id="w", url="http://x", role=Role.BOTH, model="m")
+    rng = random.Random(4)
+    chain = _chain(rng, 8)
+    kv.placed(w, chain, 0)
+    blob = await persist.dump(kv)
+    header, runs = persist.parse(blob)
+    fresh = KVCache(KVCacheConfig(block_size=BS, approx_ttl_s=100.0))
+    persist.load(fresh, header, runs, [w], now=header["ts"] + 50)
+    assert fresh.match(chain, [w]) == {"w": 8}
+    start = fresh._approx_expiry[0][1]
+    assert abs((time.monotonic() - start) - 50) < 1.0          # it keeps its age: 50 s left
+    too_old = KVCache(KVCacheConfig(block_size=BS, approx_ttl_s=100.0))
+    persist.load(too_old, header, runs, [w], now=header["ts"] + 150)
+    assert too_old.match(chain, [w]) == {}
+    with pytest.raises(persist.CorruptSnapshot):
+        persist.parse(blob[:20])
