@@ -42,7 +42,12 @@ ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECOD
 def _endpoint(worker: WorkerView) -> pb.Endpoint:
     spec = worker.spec
     return pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
-                       bootstrap_port=spec.bootstrap_port)
+                       bootstrap_port=spec.bootstrap_port, dp_size=spec.dp_size if spec.dp_size > 1 else 0)
+
+
+def rank_key(worker_id: str, dp_rank: int) -> str:
+    """The ledger key of one DP rank's load (charged beside the worker's own total)."""
+    return f"{worker_id}#{dp_rank}"
 
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
@@ -192,6 +197,15 @@ class Placer:
             out.flow = flow
             out.decode.CopyFrom(self._endpoint(chosen))
             charges.append((chosen, "decode"))
+        ranks: dict[str, int] = {}
+        for w, _ in charges:
+            if w.spec.dp_size > 1 and w.spec.id not in ranks:
+                ranks[w.spec.id], why = await self._rank(w, chain)
+                for ep in (out.prefill, out.decode):
+                    if ep.worker_id == w.spec.id:
+                        ep.dp_rank = ranks[w.spec.id]
+                if explain:
+                    explanation += f" | {w.spec.id} dp_rank {ranks[w.spec.id]} ({why})"
         out.explanation = explanation
         if dry_run:
             return out
@@ -206,6 +220,8 @@ class Placer:
             uncached = ctx.uncached_tokens(wid) if computes else 0
             charge_list.append(Charge(worker_id=wid, leg=charge_leg, tokens=prompt if charge_leg == "prefill" else total,
                                       prefill_tokens=uncached))
+            if wid in ranks:   # the rank's own load, released with the worker's (see rank_key)
+                charge_list.append(dataclasses.replace(charge_list[-1], worker_id=rank_key(wid, ranks[wid])))
             if computes:
                 notes["work_ahead_tokens"] = w.load.prefill_tokens + uncached
                 notes["predicted_ttft_s"] = ctx.predicted.get(wid, (0.0, 0.0))[0]
@@ -230,12 +246,24 @@ class Placer:
             if chain and charge_leg != "decode":
                 # The worker that computes the prompt is the one whose cache counts.
                 depth = ctx.match_blocks.get(wid, 0)
-                self.kv.placed(worker.spec, chain, depth)
+                self.kv.placed(worker.spec, chain, depth, ranks.get(wid, 0))
                 stats.predicted_hit_blocks[wid] += depth
                 stats.query_blocks[wid] += len(chain)
         if flow == pb.FLOW_LAYERWISE and leg == "entry" and self.on_layerwise is not None:
             self.on_layerwise(req, out)
         return out
+
+    async def _rank(self, worker: WorkerView, chain: list[int]) -> tuple[int, str]:
+        """The DP rank of a data-parallel worker: the deepest prefix match among its ranks,
+        ties to the rank with the least load in the ledger (requests, then tokens), then the
+        lowest rank. Returns (rank, a short reason for explanations)."""
+        spec = worker.spec
+        depths = self.kv.rank_depths(chain, worker) if chain and self.kv is not None else {}
+        loads = await self.store.loads([rank_key(spec.id, r) for r in range(spec.dp_size)])
+        best = min(range(spec.dp_size), key=lambda r: (-depths.get(r, 0), loads[rank_key(spec.id, r)].requests,
+                                                      loads[rank_key(spec.id, r)].tokens, r))
+        load = loads[rank_key(spec.id, best)]
+        return best, f"prefix {depths.get(best, 0)} blocks, {load.requests} requests, {load.tokens} tokens"
 
     def _endpoint(self, worker: WorkerView) -> pb.Endpoint:
         """The worker's endpoint message, built once per spec (specs are immutable; callers

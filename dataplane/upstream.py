@@ -50,6 +50,11 @@ def _retry_after(resp: aiohttp.ClientResponse) -> dict[str, str] | None:
     return {"Retry-After": value} if _RETRY_AFTER.fullmatch(value) else None
 
 
+def dp_rank(endpoint) -> int:
+    """The DP rank placement chose on a data-parallel worker's endpoint; -1 when there is none."""
+    return endpoint.dp_rank if endpoint.dp_size > 1 else -1
+
+
 def _timed_out(worker_id: str, url: str) -> UpstreamError:
     # upstream_status 504, not 0: a slow engine is not an unreachable one, so the control
     # plane counts a failure but does not take the worker out of rotation.
@@ -81,12 +86,13 @@ class Upstream:
 
     async def open(self, worker_id: str, url: str, body: bytes, request_id: str,
                    timeout: aiohttp.ClientTimeout | None = None,
-                   trace: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+                   trace: dict[str, str] | None = None, dp_rank: int = -1) -> aiohttp.ClientResponse:
         """POST a leg and return the response once its status is 200.
 
         Engine 4xx answers are the client's fault and pass through with their status;
         anything else the engine or the network does wrong becomes an UpstreamError.
         ``trace``: W3C trace-context headers for this leg (``RequestTracker.leg``).
+        ``dp_rank`` >= 0: the engine's data-parallel rank, as vLLM's ``X-data-parallel-rank``.
         """
         assert self._session is not None
         # Identity: the relay passes engine bytes on as they are, so they must not be
@@ -98,6 +104,8 @@ class Upstream:
             headers["Authorization"] = client_authorization.get()
         if trace:
             headers.update(trace)
+        if dp_rank >= 0:
+            headers["X-data-parallel-rank"] = str(dp_rank)
         try:
             resp = await self._session.post(url, data=body, headers=headers,
                                             **({"timeout": timeout} if timeout is not None else {}))

@@ -292,12 +292,23 @@ class KVCache:
         q.append((number, now, array("Q")))
         return number
 
-    def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int) -> None:
-        """For workers without events, remember the routed prefix; for the others, keep the
-        matched prefix recent in the index."""
+    def rank_depths(self, chain: Sequence[int], worker: WorkerSpec | WorkerView) -> dict[int, int]:
+        """Per DP rank of ``worker``, the leading blocks of ``chain`` that rank holds (0 omitted):
+        from its events when tracked exactly, else from the prefixes routed to each rank."""
+        if not chain:
+            return {}
+        index = self.exact if self.tracked_exactly(worker) else self.approx
+        keys = [(worker.id, r) for r in range(max(worker.spec.dp_size if isinstance(worker, WorkerView)
+                                                  else worker.dp_size, 1))]
+        return {key[1]: depth for key, depth in index.match_depths(chain, keys).items()}
+
+    def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int,
+               dp_rank: int = 0) -> None:
+        """For workers without events, remember the routed prefix (per DP rank); for the others,
+        keep the matched prefix recent in the index."""
         if chain and not self.tracked_exactly(worker):
             bucket = self._bucket(time.monotonic())
-            changed = self.approx.route((worker.id, 0), chain, bucket, predicted_depth)
+            changed = self.approx.route((worker.id, dp_rank), chain, bucket, predicted_depth)
             if changed:
                 q = self._approx_expiry
                 number, start, blocks = q[-1]

@@ -67,7 +67,9 @@ class MemoryStore:
             return None
         keep = []
         for c in record.charges:
-            if (not leg or c.leg == leg) and (not worker_id or c.worker_id == worker_id):
+            # A worker's release takes its DP-rank charges ("worker#rank") with it.
+            if (not leg or c.leg == leg) and (not worker_id or c.worker_id == worker_id
+                                              or c.worker_id.startswith(worker_id + "#")):
                 self._drop(c)
             else:
                 keep.append(c)

@@ -225,7 +225,7 @@ local rk = P .. 'rec:' .. rid
 if redis.call('EXISTS', rk) == 0 then return result(false) end
 local keep, changed = {}, false
 for _, c in ipairs(charges_of(rk)) do
-  if (leg == '' or c[2] == leg) and (wid == '' or c[1] == wid) then
+  if (leg == '' or c[2] == leg) and (wid == '' or c[1] == wid or string.sub(c[1], 1, #wid + 1) == wid .. '#') then
     drop(c); changed = true
   else
     table.insert(keep, c)

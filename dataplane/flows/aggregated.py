@@ -17,7 +17,7 @@ from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.placing import place
 from dataplane.retry import retry_after_s
-from dataplane.upstream import UpstreamError
+from dataplane.upstream import UpstreamError, dp_rank
 from dataplane.tracking import LEG_WHOLE
 from protos import omni_proxy_pb2 as pb
 
@@ -30,7 +30,8 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     while True:
         try:
             resp = await ctx.upstream.open(worker.worker_id, worker.url + ctx.req.path, ctx.req.raw,
-                                           ctx.req.request_id, trace=ctx.tracker.leg(LEG_WHOLE, worker.worker_id))
+                                           ctx.req.request_id, trace=ctx.tracker.leg(LEG_WHOLE, worker.worker_id),
+                                           dp_rank=dp_rank(worker))
             break
         except UpstreamError as exc:
             # Nothing has reached the client yet: another worker may still serve it.

@@ -15,6 +15,7 @@ from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.tracking import LEG_WHOLE
+from dataplane.upstream import dp_rank
 from protos import omni_proxy_pb2 as pb
 
 
@@ -24,5 +25,5 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     kv = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": placement.metaserver_url}
     resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path,
                                    with_fields(req, {"kv_transfer_params": kv}), req.request_id,
-                                   trace=ctx.tracker.leg(LEG_WHOLE, decode.worker_id))
+                                   trace=ctx.tracker.leg(LEG_WHOLE, decode.worker_id), dp_rank=dp_rank(decode))
     return await relay(ctx, resp, decode.worker_id)

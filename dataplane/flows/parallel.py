@@ -24,7 +24,7 @@ from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
-from dataplane.upstream import UpstreamError, read_body
+from dataplane.upstream import UpstreamError, dp_rank, read_body
 from engine_api.bodies import prefill_body
 from protos import omni_proxy_pb2 as pb
 
@@ -33,12 +33,21 @@ log = logging.getLogger(__name__)
 DEFAULT_BOOTSTRAP_PORT = 8998   # SGLang's disaggregation_bootstrap_port default
 
 
-def new_room() -> int:
-    return secrets.randbits(63)
+def new_room(dp_size: int = 1, dp_rank: int = 0) -> int:
+    """A random 63-bit room; with a data-parallel P, one with ``room % dp_size == dp_rank``
+    (SGLang sends the prompt to P rank ``bootstrap_room % dp_size``, and D expects it there)."""
+    room = secrets.randbits(63)
+    if dp_size > 1:
+        room -= room % dp_size - dp_rank
+        if room >= 1 << 63:
+            room -= dp_size
+    return room
 
 
-def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str) -> tuple[bytes, bytes]:
-    """The (P, D) bodies for this protocol."""
+def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str,
+           decode: pb.Endpoint | None = None) -> tuple[bytes, bytes]:
+    """The (P, D) bodies for this protocol. With data-parallel workers (SGLang), each side's
+    body names its rank in ``routed_dp_rank`` and the room selects P's rank."""
     req = ctx.req
     host = urlsplit(prefill.url).hostname or ""
     port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
@@ -49,25 +58,33 @@ def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str) -> tuple[bytes
             "bootstrap_server_host": host, "bootstrap_server_port": port}})
         return p_body, d_body
     n = req.num_prompts
+    p_rank, d_rank = dp_rank(prefill), dp_rank(decode) if decode is not None else -1
+    room_of = (lambda: new_room(prefill.dp_size, p_rank)) if p_rank >= 0 else new_room
     if n > 1:  # a batch: one room per prompt, fields as lists of that length
         fields = {"bootstrap_host": [host] * n, "bootstrap_port": [port] * n,
-                  "bootstrap_room": [new_room() for _ in range(n)]}
+                  "bootstrap_room": [room_of() for _ in range(n)]}
     else:
-        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room()}
-    body = with_fields(req, fields)
-    return body, body
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room_of()}
+    if p_rank < 0 and d_rank < 0:
+        body = with_fields(req, fields)
+        return body, body
+    p_body = with_fields(req, {**fields, "routed_dp_rank": p_rank}) if p_rank >= 0 else with_fields(req, fields)
+    d_body = with_fields(req, {**fields, "routed_dp_rank": d_rank}) if d_rank >= 0 else with_fields(req, fields)
+    return p_body, d_body
 
 
 async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     req = ctx.req
     prefill, decode = placement.prefill, placement.decode
-    p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang")
+    p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang", decode)
     open_p = asyncio.ensure_future(ctx.upstream.open(prefill.worker_id, prefill.url + req.path, p_body,
                                                      req.request_id, timeout=ctx.upstream.prefill_timeout(),
-                                                     trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id)))
+                                                     trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id),
+                                                     dp_rank=dp_rank(prefill)))
     open_d = asyncio.ensure_future(ctx.upstream.open(decode.worker_id, decode.url + req.path, d_body,
                                                      req.request_id,
-                                                     trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id)))
+                                                     trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id),
+                                                     dp_rank=dp_rank(decode)))
     try:
         done, _ = await asyncio.wait({open_p, open_d}, return_when=asyncio.FIRST_COMPLETED)
         if open_p in done and open_p.exception() is not None:

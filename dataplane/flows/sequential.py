@@ -22,7 +22,7 @@ from dataplane.flows.relay import relay
 from dataplane.placing import place
 from dataplane.retry import retry_after_s
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
-from dataplane.upstream import UpstreamError, read_body
+from dataplane.upstream import UpstreamError, dp_rank, read_body
 from engine_api.bodies import PULL_PREFILL_KV_PARAMS, prefill_body
 from protos import omni_proxy_pb2 as pb
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[str, Any]:
     resp = await ctx.upstream.open(prefill.worker_id, prefill.url + ctx.req.path, body, ctx.req.request_id,
                                    timeout=ctx.upstream.prefill_timeout(),
-                                   trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id))
+                                   trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id), dp_rank=dp_rank(prefill))
     data = await read_body(prefill.worker_id, resp)
     try:
         kv_params = orjson.loads(data).get("kv_transfer_params")
@@ -73,7 +73,8 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     while True:
         try:
             resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path, body, req.request_id,
-                                           trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id))
+                                           trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id),
+                                           dp_rank=dp_rank(decode))
             break
         except UpstreamError as exc:
             # P still holds the KV until a D reads it: another D can pull it as well.
