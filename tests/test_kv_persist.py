@@ -200,3 +200,32 @@ async def test_dump_and_load_round_trip_keeps_routing_age():
     assert too_old.match(chain, [w]) == {}
     with pytest.raises(persist.CorruptSnapshot):
         persist.parse(blob[:20])
+
+
+async def test_snapshots_of_gone_replicas_are_pruned_and_other_hashing_is_not_loaded(redis_server):
+    from controlplane.state.redis import RedisStore
+    from controlplane.workers import WorkerSpec
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    w = WorkerSpec(id="w", url="http://x", role=Role.BOTH, model="m")
+    old_store = RedisStore(redis_server.url, key_prefix=prefix, replica_id="old")
+    new_store = RedisStore(redis_server.url, key_prefix=prefix, replica_id="new")
+    kv = KVCache(KVCacheConfig(block_size=BS))
+    kv.placed(w, _chain(random.Random(5), 4), 0)
+    old = persist.KVSnapshots(kv, old_store, 1.0)
+    new = persist.KVSnapshots(kv, new_store, 1.0)
+    try:
+        assert await old.save() > 0
+        # the same index under another block size: refused, and nothing else to load
+        other = persist.KVSnapshots(KVCache(KVCacheConfig(block_size=BS * 2)), new_store, 1.0)
+        assert await other.load_newest([w]) is None and other.kv.approx.size() == 0
+        await other.close(final=False)
+        await new_store.heartbeat()          # "new" is alive; "old" never heart-beat: gone
+        assert await new.save() > 0
+        assert await new.redis.zrange(f"{prefix}kv:snaps", 0, -1) == [b"new"]
+        assert await new.redis.exists(f"{prefix}kv:snap:old") == 0
+        assert await new.save() == 0         # unchanged: not written again
+    finally:
+        await old.close(final=False)
+        await new.close(final=False)
+        await old_store.close()
+        await new_store.close()

@@ -11,7 +11,10 @@ index changed since the last write, a replica writes its whole index as one bina
     P kv:snaps               zset    replica id -> wall-clock time of its snapshot
 
 One key per replica: replicas never overwrite each other and no lock is needed. A stopping
-replica writes a last snapshot, so a clean restart loses nothing.
+replica writes a last snapshot, so a clean restart loses nothing. After each write a replica
+deletes the snapshots older than its own of replicas whose heartbeat key (``P alive:<id>``,
+see ``state/redis.py``) is gone, so restarts (a new replica id each) do not pile them up;
+an unchanged index only has its key's expiry renewed.
 
 **Loading.** At start, after the fleet is known and before the subscribers start and the gRPC
 server serves, the newest snapshot (by its ``kv:snaps`` time) is loaded into the empty index;
@@ -253,6 +256,7 @@ class KVSnapshots:
         self.replica_id = store.replica_id
         prefix = store.prefix
         self._k_snap, self._k_index = prefix + "kv:snap:", prefix + "kv:snaps"
+        self._k_alive = prefix + "alive:"          # RedisStore's heartbeat keys
         self.redis = binary_client(store)
         self._written: tuple | None = None
         self._failing = False
@@ -310,7 +314,30 @@ class KVSnapshots:
         self._written = version
         self.last_bytes = len(blob)
         self.writes += 1
+        await self._prune()
         return len(blob)
+
+    async def _prune(self) -> None:
+        """Delete the snapshots of replicas that are gone (no heartbeat key) and older than
+        this one's: a new replica id per process must not leave a snapshot per restart."""
+        ours = await self.redis.zscore(self._k_index, self.replica_id)
+        if ours is None:
+            return
+        others = [(r.decode() if isinstance(r, bytes) else r, score)
+                  for r, score in await self.redis.zrange(self._k_index, 0, -1, withscores=True)]
+        others = [r for r, score in others if r != self.replica_id and score < ours]
+        if not others:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for r in others:
+                pipe.exists(self._k_alive + r)
+            alive = await pipe.execute()
+        gone = [r for r, up in zip(others, alive) if not up]
+        if gone:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(self._k_index, *gone)
+                pipe.delete(*[self._k_snap + r for r in gone])
+                await pipe.execute()
 
     async def run(self) -> None:
         while True:
