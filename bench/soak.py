@@ -366,8 +366,12 @@ def markdown(r: dict) -> str:
     ]
     for name, p in r["processes"].items():
         lines.append(f"| {name} | {p['rss_start_mib']} | {p['rss_end_mib']} | {p['restarts']} |")
-    lines += ["", "A restarted process's end figure is its new instance's.", "",
-              "Clean errors by status and message:", ""]
+    lines += ["", "A restarted process's end figure is its new instance's: compare the data planes, which "
+              "no fault restarts.", "",
+              "Clean errors by status and message. The PD pair has one prefill and one decode engine, so a "
+              "fault on either has no other worker to retry on and reaches the client as its status (429/503 "
+              "with the engine's message, other 5xx as 502, a stall past `--read-timeout` as 504); faults on "
+              "the aggregated engines are mostly retried on the other one.", ""]
     for k, v in r["clean_errors_by_status"].items():
         lines.append(f"- {v} x `{k}`")
     if r["lost_or_hung_samples"]:
@@ -394,6 +398,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:3] == ["--markdown-from", sys.argv[2] if len(sys.argv) > 2 else ""]:
+        src = Path(sys.argv[2])   # re-render OUT.md from a saved OUT.json
+        src.with_suffix(".md").write_text(markdown(json.loads(src.read_text())))
+        return 0
     args = parse_args(argv)
     report = Soak(args).run()
     out = Path(args.out)
