@@ -391,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--access-log", action="store_true", help="keep the data planes' access log on")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "soak"),
                    help="write OUT.json and OUT.md (default docs/benchmarks/soak)")
+    p.add_argument("--markdown-from", default="", metavar="JSON", help="only rewrite the .md beside a saved .json")
     args = p.parse_args(argv)
     if not 0 < args.minutes <= 60 or not 0 < args.rate <= 200:
         p.error("--minutes must be in (0, 60] and --rate in (0, 200]")
@@ -398,11 +399,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:3] == ["--markdown-from", sys.argv[2] if len(sys.argv) > 2 else ""]:
-        src = Path(sys.argv[2])   # re-render OUT.md from a saved OUT.json
+    args = parse_args(argv)
+    if args.markdown_from:   # re-render OUT.md from a saved OUT.json, without running
+        src = Path(args.markdown_from)
         src.with_suffix(".md").write_text(markdown(json.loads(src.read_text())))
         return 0
-    args = parse_args(argv)
     report = Soak(args).run()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
