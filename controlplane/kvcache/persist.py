@@ -103,14 +103,16 @@ def _seqs(kv: KVCache) -> dict[str, dict[str, dict[str, int]]]:
 async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> bytes:
     """The index as one snapshot (see the module docstring)."""
     exact, approx = kv.exact, kv.approx
-    # One consistent copy, without awaiting: keys and values in LRU order, the slots' owners,
-    # the routing buckets and the sequence numbers of the same moment.
+    # Consistent copies, each without awaiting: the event-fed index's keys and values in LRU
+    # order, its slots' owners and the sequence numbers of the same moment; then (after a
+    # yield, halving the longest stall) the routed index with its routing buckets.
     e_keys, e_vals, e_owner = list(exact._holders), list(exact._holders.values()), list(exact._key_of)
-    a_keys, a_vals, a_owner = list(approx._holders), list(approx._holders.values()), list(approx._key_of)
+    seqs = _seqs(kv)
     wall = time.time() if now is None else now
+    await asyncio.sleep(0)
+    a_keys, a_vals, a_owner = list(approx._holders), list(approx._holders.values()), list(approx._key_of)
     offset = wall - time.monotonic()
     buckets = [(number, start + offset) for number, start, _ in kv._approx_expiry]
-    seqs = _seqs(kv)
     bucket_pos = {number: i for i, (number, _) in enumerate(buckets)}
 
     runs: dict[tuple[str, int, int], array] = {}   # (kind slot index, slot, bucket) -> hashes
@@ -156,8 +158,15 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
         parts.append(arr)
     header = json.dumps({"ts": wall, "hashing": hashing_of(kv), "buckets": [w for _, w in buckets],
                          "runs": entries, "seqs": seqs}, separators=(",", ":")).encode()
-    body = b"".join(a.tobytes() for a in parts)
-    return b"".join((MAGIC, _U32.pack(len(header)), header, _U32.pack(zlib.crc32(body)), body))
+    body, crc, done = bytearray(), 0, 0
+    for arr in parts:                 # copied in pieces, yielding between them
+        body += arr
+        crc = zlib.crc32(memoryview(arr).cast("B"), crc)
+        done += len(arr)
+        if done >= 8 * chunk:
+            done = 0
+            await asyncio.sleep(0)
+    return b"".join((MAGIC, _U32.pack(len(header)), header, _U32.pack(crc), body))
 
 
 def parse(blob: bytes) -> tuple[dict[str, Any], list[tuple[str, str, int, int, array]]]:
