@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64, help="running batch size cap (default 64)")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="per-step token budget; longer prompts prefill in chunks (default 8192)")
+    s.add_argument("--dp-size", type=int, default=1,
+                   help="data-parallel ranks in this process (vLLM --data-parallel-size; default 1)")
     s.add_argument("--max-model-len", type=int, default=32768, help="default 32768")
     s.add_argument("--default-max-tokens", type=int, default=16,
                    help="max_tokens when a request gives none (default 16)")
@@ -126,6 +128,7 @@ def config_from_args(args: argparse.Namespace):
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in ("0", ""),
         tokenize_us_per_char=args.tokenize_us_per_char, tokenize_workers=args.tokenize_workers,
+        dp_size=args.dp_size,
         **_kv_events_kwargs(args),
     )
     if args.engine_id:

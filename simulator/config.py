@@ -70,6 +70,11 @@ class SimConfig:
     # only, ``tokenize_workers`` prompts at a time (vLLM's async tokenizer runs one thread).
     tokenize_us_per_char: float = 0.4
     tokenize_workers: int = 1
+    # Data parallelism (vLLM --data-parallel-size): this many ranks in one process, each with
+    # its own scheduler and KV pool; a request names its rank by the X-data-parallel-rank
+    # header (vLLM) or routed_dp_rank / data_parallel_rank in the body (SGLang), else round robin.
+    # Rank r publishes KV events on the endpoint's port + r, its batches carrying the rank.
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -83,7 +88,7 @@ class SimConfig:
                      "metaserver_timeout_s", "tokenize_us_per_char"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("tokenize_workers", "kv_events_buffer_steps", "kv_events_hwm"):
+        for name in ("tokenize_workers", "kv_events_buffer_steps", "kv_events_hwm", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         from kvhash.hashing import HASH_ALGOS

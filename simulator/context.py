@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,6 +70,36 @@ class SimContext:
     http: aiohttp.ClientSession | None = None
     # Handlers parked in a KV-transfer wait (room hold, fetch, metaserver, long-poll).
     _kv_waits: set[asyncio.Task] = field(default_factory=set, repr=False)
+    # Data parallelism (cfg.dp_size > 1): every rank's engine (ranks[0] is ``engine``), the
+    # other ranks' KV event publishers, and the round robin of requests that name no rank.
+    ranks: list[Engine] = field(default_factory=list)
+    rank_publishers: list = field(default_factory=list)
+    _next_rank: list[int] = field(default_factory=lambda: [0], repr=False)
+
+    def for_rank(self, rank: int) -> "SimContext":
+        """This context as DP rank ``rank`` sees it (the same shared state, that rank's engine)."""
+        return self if rank == 0 or not self.ranks else dataclasses.replace(self, engine=self.ranks[rank])
+
+    def pick_rank(self, headers, body) -> int:
+        """vLLM's ``X-data-parallel-rank`` header, else SGLang's ``routed_dp_rank`` /
+        ``data_parallel_rank`` body fields, else round robin. ValueError when out of range."""
+        size = self.cfg.dp_size
+        named = headers.get("X-data-parallel-rank")
+        if named is None and isinstance(body, dict):
+            named = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+        if named is None:
+            if size <= 1:
+                return 0
+            rank = self._next_rank[0] % size
+            self._next_rank[0] = rank + 1
+            return rank
+        try:
+            rank = int(named)
+        except (TypeError, ValueError):
+            raise ValueError(f"data parallel rank must be an integer, got {named!r}") from None
+        if not 0 <= rank < size:
+            raise ValueError(f"data_parallel_rank {rank} is out of range [0, {size})")
+        return rank
 
     @contextmanager
     def kv_wait(self) -> Iterator[None]:
@@ -96,11 +128,16 @@ class SimContext:
     def create(cls, cfg: SimConfig) -> "SimContext":
         metrics = SimMetrics(cfg)
         engine = Engine(cfg, observer=metrics)
-        metrics.watch(engine)
+        metrics.watch(engine)   # (DP ranks > 0: request metrics count, engine gauges are rank 0's)
         rooms = BootstrapRooms()
+        ranks = [engine] + [Engine(cfg, observer=metrics) for _ in range(cfg.dp_size - 1)] if cfg.dp_size > 1 else []
         return cls(cfg=cfg, engine=engine, metrics=metrics, leases=KvLeaseTable(engine, cfg.kv_lease_s, rooms),
-                   rooms=rooms, port=cfg.port,
+                   rooms=rooms, port=cfg.port, ranks=ranks,
                    tokenizer=TokenizerModel(cfg.tokenize_us_per_char, cfg.tokenize_workers))
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.ranks or [self.engine]
 
     def start_kv_events(self) -> None:
         """Open the ZMQ publisher (if configured) and feed it the engine's events."""
@@ -110,12 +147,36 @@ class SimContext:
             self.kv_events = KvEventPublisher(self.cfg)
             self.kv_events.start()
             self.engine.set_event_sink(self.kv_events.publish)
+            for rank in range(1, len(self.ranks)):   # vLLM: rank r publishes on port + r
+                cfg = dataclasses.replace(
+                    self.cfg, kv_events_endpoint=_offset_port(self.cfg.kv_events_endpoint, rank),
+                    kv_events_replay_endpoint=_offset_port(self.cfg.kv_events_replay_endpoint, rank))
+                pub = KvEventPublisher(cfg)
+                pub.dp_rank = rank
+                pub.start()
+                self.ranks[rank].set_event_sink(pub.publish)
+                self.rank_publishers.append(pub)
 
     async def stop_kv_events(self) -> None:
         if self.kv_events is not None:
-            self.engine.set_event_sink(None)
+            for e in self.engines:
+                e.set_event_sink(None)
             await self.kv_events.close()
             self.kv_events = None
+        for pub in self.rank_publishers:
+            await pub.close()
+        self.rank_publishers.clear()
+
+
+def _offset_port(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's ``offset_endpoint_port``: tcp port + rank (port 0 stays 0: any free port)."""
+    if not endpoint:
+        return endpoint
+    m = re.fullmatch(r"(tcp://.*:)(\d+)", endpoint)
+    if m:
+        port = int(m.group(2))
+        return f"{m.group(1)}{port + rank if port else 0}"
+    return f"{endpoint}_dp{rank}"
 
 
 SIM = web.AppKey("sim", SimContext)

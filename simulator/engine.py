@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvhash.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
 from omni_runtime import cancel_and_wait
@@ -108,6 +108,7 @@ class HeldKv:
     """A finished prefill's blocks, kept for a decode node until ``Engine.release_held``."""
 
     blocks: list[KVBlock]
+    owner: Any = None   # the Engine (DP rank) whose pool the blocks belong to
 
     @property
     def block_ids(self) -> list[int]:
@@ -254,6 +255,9 @@ class Engine:
     def release_held(self, held: HeldKv) -> None:
         """A prefill node's KV lease ended (pulled or expired): the blocks are freed (and stay
         cached, evictable). Safe to call more than once."""
+        if held.owner is not None and held.owner is not self:   # another DP rank's blocks
+            held.owner.release_held(held)
+            return
         blocks, held.blocks = held.blocks, []
         if blocks:
             self._held_blocks -= len(blocks)
@@ -461,7 +465,7 @@ class Engine:
         running list is compacted by the step (or by abort)."""
         if req.status == RUNNING:
             if req.hold_kv is not None and reason != "abort":
-                held = HeldKv(req.blocks)
+                held = HeldKv(req.blocks, self)
                 req.blocks = []
                 self._held_blocks += len(held.blocks)
                 req.hold_kv(req, held)

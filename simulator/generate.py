@@ -67,9 +67,18 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         bad_json = None
     base_id = _base_request_id(request, body)
     headers = {"X-Request-Id": base_id}
-    ctx.log.record(request.path, base_id, body, request.headers)
+    try:
+        rank = ctx.pick_rank(request.headers, body)
+    except ValueError as exc:
+        rank, bad_rank = 0, str(exc)
+    else:
+        bad_rank = ""
+    ctx.log.record(request.path, base_id, body, request.headers, dp_rank=rank)
     if bad_json is not None:
         return error_response(400, f"Invalid JSON body: {bad_json}", headers=headers)
+    if bad_rank:
+        return error_response(400, bad_rank, headers=headers)
+    ctx = ctx.for_rank(rank)
     try:
         parsed = parse_request(kind, body, ctx.cfg)
     except ApiError as exc:

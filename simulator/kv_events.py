@@ -140,6 +140,7 @@ class KvEventPublisher:
         self._task: asyncio.Task | None = None
         self.endpoint: str = cfg.kv_events_endpoint
         self.replay_endpoint: str | None = cfg.kv_events_replay_endpoint
+        self.dp_rank = 0   # put in every batch, as vLLM's publisher of that DP rank does
 
     @property
     def batches_published(self) -> int:
@@ -176,7 +177,8 @@ class KvEventPublisher:
         """One batch (one engine step); numbered, sent and kept for replay."""
         if self._pub is None or not events:
             return
-        payload = encode_batch(encode_events(events, fmt=self.fmt, int_hashes=self.cfg.kv_events_int_hashes))
+        payload = encode_batch(encode_events(events, fmt=self.fmt, int_hashes=self.cfg.kv_events_int_hashes),
+                               data_parallel_rank=self.dp_rank)
         seq = self._seq
         self._seq += 1
         try:

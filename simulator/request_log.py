@@ -11,9 +11,11 @@ class RequestLog:
     def __init__(self, maxlen: int = 200) -> None:
         self._entries: deque[dict[str, Any]] = deque(maxlen=maxlen)
 
-    def record(self, path: str, request_id: str, body: Any, headers: Any = None) -> None:
-        """``headers``: the request's headers, kept with lower-case names (last value wins)."""
-        entry = {"path": path, "request_id": request_id, "body": body, "received_at": time.time()}
+    def record(self, path: str, request_id: str, body: Any, headers: Any = None, dp_rank: int = 0) -> None:
+        """``headers``: the request's headers, kept with lower-case names (last value wins);
+        ``dp_rank``: the data-parallel rank that served it (0 without data parallelism)."""
+        entry = {"path": path, "request_id": request_id, "body": body, "received_at": time.time(),
+                 "dp_rank": dp_rank}
         if headers is not None:
             entry["headers"] = {k.lower(): v for k, v in headers.items()}
         self._entries.append(entry)

@@ -69,20 +69,23 @@ def _require_api_key(key: str):
 async def _on_startup(app: web.Application) -> None:
     ctx = app[SIM]
     ctx.start_kv_events()
-    ctx.engine.start()
+    for engine in ctx.engines:
+        engine.start()
     ctx.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
 
 
 async def _on_shutdown(app: web.Application) -> None:
     # Ends open streams and KV-transfer waits now instead of letting shutdown wait them out.
-    app[SIM].engine.abort_all()
+    for engine in app[SIM].engines:
+        engine.abort_all()
     app[SIM].cancel_kv_waits()
 
 
 async def _on_cleanup(app: web.Application) -> None:
     ctx = app[SIM]
     ctx.leases.clear()
-    await ctx.engine.stop()
+    for engine in ctx.engines:
+        await engine.stop()
     await ctx.stop_kv_events()
     if ctx.http is not None:
         await ctx.http.close()
@@ -106,7 +109,8 @@ async def serve(cfg: SimConfig, ready_file: str | None) -> None:
     try:
         await wait_for_stop_signal()
     finally:
-        ctx.engine.abort_all()
+        for engine in ctx.engines:
+            engine.abort_all()
         ctx.cancel_kv_waits()
         await runner.cleanup()
 
@@ -115,7 +119,7 @@ async def serve(cfg: SimConfig, ready_file: str | None) -> None:
 
 async def health(request: web.Request) -> web.Response:
     ctx = request.app[SIM]
-    if not ctx.faults.healthy or ctx.engine.dead:
+    if not ctx.faults.healthy or any(e.dead for e in ctx.engines):
         return web.Response(status=503)
     return web.Response(status=200)
 
@@ -132,8 +136,8 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def load(request: web.Request) -> web.Response:
-    engine = request.app[SIM].engine
-    return json_response({"server_load": engine.num_running + engine.num_waiting})
+    engines = request.app[SIM].engines
+    return json_response({"server_load": sum(e.num_running + e.num_waiting for e in engines)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -144,7 +148,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's (dev-mode) route: ``{"success": false}`` while blocks are in use, unless
     ``?reset_running_requests=true`` preempts the running requests first."""
     flag = request.query.get("reset_running_requests", "false").lower() in ("1", "true", "yes")
-    ok = request.app[SIM].engine.reset_prefix_cache(reset_running_requests=flag)
+    ok = all([e.reset_prefix_cache(reset_running_requests=flag) for e in request.app[SIM].engines])
     return json_response({"success": ok})
 
 
@@ -257,6 +261,13 @@ def state_snapshot(ctx: SimContext) -> dict:
         "busy_s": round(t.busy_s, 6),
         "faults": ctx.faults.snapshot(),
         "config": dataclasses.asdict(ctx.cfg),
+        # Data parallelism: the top-level engine figures above are rank 0's; each rank's here.
+        "dp_ranks": [{"rank": r, "running": e.num_running, "waiting": e.num_waiting,
+                      "requests_total": e.totals.requests, "used_blocks": e.used_blocks,
+                      "prefix_cache_hits_tokens": e.totals.prefix_cache_hits,
+                      "kv_events_port": (ctx.kv_events.port if r == 0 else ctx.rank_publishers[r - 1].port)
+                      if ctx.kv_events and r <= len(ctx.rank_publishers) else None}
+                     for r, e in enumerate(ctx.engines)],
     }
 
 

@@ -1,0 +1,171 @@
+"""DP-rank-aware placement in process: rank choice by prefix depth then load, the ledger per
+rank, endpoints and explanations naming the rank, parallel PD rooms, the simulator's ranks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from controlplane.fleet import Fleet
+from controlplane.kvcache.events import BlockStored
+from controlplane.kvcache.manager import KVCache, KVCacheConfig
+from controlplane.lifecycle import Lifecycle
+from controlplane.placement import PlacementStats, Placer, rank_key
+from controlplane.scheduling import build_profile
+from controlplane.state import MemoryStore
+from controlplane.workers import Health, HealthState, Role, WorkerSpec
+from dataplane.flows.parallel import new_room
+from protos import omni_proxy_pb2 as pb
+from tests.redis_fixtures import redis_server  # noqa: F401 - fixture
+
+
+def spec(wid, role=Role.BOTH, **kw):
+    return WorkerSpec(id=wid, url=f"http://{wid}", role=role, model="m", **kw)
+
+
+async def placer_of(*specs, policy="cache_aware", flow="sequential", store=None):
+    store, fleet = store or MemoryStore(), Fleet()
+    for s in specs:
+        await store.put_spec(s)
+        fleet.put(s)
+        fleet.set_state(s.id, HealthState(health=Health.HEALTHY))
+    stats = PlacementStats.new()
+    placer = Placer(store, fleet, build_profile(policy), pd_flow=flow, stats=stats)
+    placer.kv = KVCache(KVCacheConfig(approx_ttl_s=60))
+    return placer, store, Lifecycle(store, fleet, stats)
+
+
+def entry(rid, chain=(), tokens=64, **kw):
+    return pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=tokens,
+                           block_hashes=list(chain), **kw)
+
+
+async def rank_loads(store, wid, n):
+    loads = await store.loads([rank_key(wid, r) for r in range(n)])
+    return [loads[rank_key(wid, r)].requests for r in range(n)]
+
+
+async def test_single_rank_workers_are_unchanged():
+    placer, store, _ = await placer_of(spec("a"))
+    p = await placer.place(entry("r1"))
+    assert p.decode.dp_size == 0 and p.decode.dp_rank == 0
+    assert [c.worker_id for c in (await store.get("r1")).charges] == ["a"]
+
+
+async def test_concurrent_requests_spread_over_ranks_and_release_with_the_worker():
+    placer, store, life = await placer_of(spec("a", dp_size=4), policy="least_load")
+    got = Counter()
+    for i in range(8):
+        p = await placer.place(entry(f"r{i}"))
+        assert p.decode.dp_size == 4
+        got[p.decode.dp_rank] += 1
+    assert got == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert await rank_loads(store, "a", 4) == [2, 2, 2, 2]
+    assert (await store.loads(["a"]))["a"].requests == 8   # the worker's totals are kept as before
+    await life.report(pb.LifecycleEvent(request_id="r0", kind=pb.EVENT_FINISHED))
+    assert await rank_loads(store, "a", 4) == [1, 2, 2, 2]
+    # A failed leg releases the worker's charge and its rank's with it.
+    await life.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_LEG_FAILED, worker_id="a"))
+    assert await rank_loads(store, "a", 4) == [1, 1, 2, 2]
+    assert (await store.loads(["a"]))["a"].requests == 6
+    # The next request goes to a least-loaded rank.
+    assert (await placer.place(entry("r9"))).decode.dp_rank == 0
+
+
+async def test_repeated_prefix_goes_to_the_same_rank_routed_mode():
+    placer, store, _ = await placer_of(spec("a", dp_size=2))
+    chain = [11, 12, 13, 14]
+    first = (await placer.place(entry("c1", chain))).decode.dp_rank
+    # Load the other rank less, then more: the prefix wins over load.
+    for i in range(3):
+        p = await placer.place(entry(f"c{i + 2}", chain + [100 + i]))
+        assert p.decode.dp_rank == first
+    other = (await placer.place(entry("x", [99, 98]))).decode.dp_rank
+    assert other == 1 - first    # no match anywhere: the least-loaded rank
+    assert placer.kv.rank_depths(chain, spec("a", dp_size=2)) == {first: 4}
+
+
+async def test_exact_events_per_rank_choose_the_deepest_rank():
+    a = spec("a", dp_size=2, kv_events="tcp://x:5557")
+    placer, store, _ = await placer_of(a)
+    placer.kv.exact.apply("a", 1, [BlockStored(block_hashes=(1, 2, 3), parent_block_hash=None,
+                                               token_ids=(), block_size=16)])
+    placer.kv.exact.apply("a", 0, [BlockStored(block_hashes=(1,), parent_block_hash=None,
+                                               token_ids=(), block_size=16)])
+    p = await placer.place(entry("r1", [1, 2, 3, 4], explain=True))
+    assert p.decode.dp_rank == 1
+    assert "a dp_rank 1 (prefix 3 blocks" in p.explanation
+    # Ties on depth go to the least-loaded rank.
+    placer.kv.exact.apply("a", 0, [BlockStored(block_hashes=(2, 3), parent_block_hash=1,
+                                               token_ids=(), block_size=16)])
+    assert (await placer.place(entry("r2", [1, 2, 3, 4]))).decode.dp_rank == 0
+    assert await rank_loads(store, "a", 2) == [1, 1]
+
+
+async def test_parallel_pd_endpoints_carry_each_sides_rank():
+    p_spec, d_spec = spec("p", Role.PREFILL, dp_size=4), spec("d", Role.DECODE, dp_size=2)
+    placer, store, _ = await placer_of(p_spec, d_spec, policy="least_load", flow="parallel")
+    seen = set()
+    for i in range(4):
+        out = await placer.place(entry(f"r{i}"))
+        assert out.prefill.worker_id == "p" and out.prefill.dp_size == 4 and out.decode.dp_size == 2
+        seen.add((out.prefill.dp_rank, out.decode.dp_rank))
+    assert {r for r, _ in seen} == {0, 1, 2, 3} and {r for _, r in seen} == {0, 1}
+    assert await rank_loads(store, "p", 4) == [1, 1, 1, 1]
+
+
+def test_rooms_select_the_prefill_rank():
+    for size in (2, 3, 8):
+        for rank in range(size):
+            for _ in range(50):
+                room = new_room(size, rank)
+                assert 0 <= room < 2 ** 63 and room % size == rank
+
+
+def test_parallel_bodies_name_ranks_and_room():
+    import orjson
+
+    from dataplane.flows.parallel import bodies
+    from dataplane.requests import ClientRequest
+
+    raw = b'{"model":"m","prompt":"hi"}'
+    req = ClientRequest(path="/v1/completions", raw=raw, body=orjson.loads(raw), model="m", stream=False,
+                        max_tokens=0, prompt_tokens=1, request_id="x", placement_id="x")
+
+    class Ctx:
+        pass
+    Ctx.req = req
+    p = pb.Endpoint(worker_id="p", url="http://10.0.0.1:8000", bootstrap_port=8998, dp_size=4, dp_rank=3)
+    d = pb.Endpoint(worker_id="d", url="http://10.0.0.2:8000", dp_size=2, dp_rank=1)
+    p_body, d_body = bodies(Ctx, p, "sglang", d)
+    pj, dj = orjson.loads(p_body), orjson.loads(d_body)
+    assert pj["routed_dp_rank"] == 3 and dj["routed_dp_rank"] == 1
+    assert pj["bootstrap_room"] == dj["bootstrap_room"] and pj["bootstrap_room"] % 4 == 3
+    assert p_body.startswith(raw[:-1])   # appended, not re-encoded
+    # Without data parallelism: one body, no rank field, as before.
+    p1, d1 = bodies(Ctx, pb.Endpoint(worker_id="p", url="http://h:1"), "sglang", pb.Endpoint(worker_id="d"))
+    assert p1 == d1 and "routed_dp_rank" not in orjson.loads(p1)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_stores_release_rank_charges_with_the_worker(kind, redis_server):
+    from controlplane.state import Charge, RequestRecord
+    from controlplane.state.redis import RedisStore
+
+    store = MemoryStore() if kind == "memory" else RedisStore(redis_server.url, key_prefix=f"dp{id(kind)}:")
+    try:
+        rec = RequestRecord(request_id="r", model="m", prompt_tokens=10, max_tokens=5, session="s")
+        await store.reserve(rec, (Charge("p", "prefill", 10, 10), Charge("p#2", "prefill", 10, 10),
+                                  Charge("d", "decode", 15), Charge("d#1", "decode", 15)))
+        loads = await store.loads(["p", "p#2", "d", "d#1"])
+        assert [loads[k].requests for k in ("p", "p#2", "d", "d#1")] == [1, 1, 1, 1]
+        await store.release("r", worker_id="p")
+        loads = await store.loads(["p", "p#2", "d", "d#1", "p#"])
+        assert [loads[k].requests for k in ("p", "p#2", "d", "d#1")] == [0, 0, 1, 1]
+        await store.end("r")
+        loads = await store.loads(["d", "d#1"])
+        assert loads["d"].requests == 0 and loads["d#1"].requests == 0 and loads["d#1"].tokens == 0
+    finally:
+        if kind != "memory":
+            await store.close()
