@@ -99,6 +99,7 @@ class Placer:
         self.predictor = predictor or Predictor()
         self.block_size = block_size
         self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
+        self._rank_turn: dict[str, int] = {}   # per DP worker: the rank that wins the next full tie
         # The fleet's least-loaded order follows the ledger: told by the store on every change
         # when the store can (MemoryStore), else by this placer whenever it reads or charges a load.
         listeners = getattr(store, "load_listeners", None)
@@ -255,13 +256,19 @@ class Placer:
 
     async def _rank(self, worker: WorkerView, chain: list[int]) -> tuple[int, str]:
         """The DP rank of a data-parallel worker: the deepest prefix match among its ranks,
-        ties to the rank with the least load in the ledger (requests, then tokens), then the
-        lowest rank. Returns (rank, a short reason for explanations)."""
+        ties to the rank with the least load in the ledger (requests, then tokens), then in turn
+        (a rotating start, so new prefixes on an idle worker spread over its ranks).
+        Returns (rank, a short reason for explanations)."""
         spec = worker.spec
+        size = spec.dp_size
         depths = self.kv.rank_depths(chain, worker) if chain and self.kv is not None else {}
-        loads = await self.store.loads([rank_key(spec.id, r) for r in range(spec.dp_size)])
-        best = min(range(spec.dp_size), key=lambda r: (-depths.get(r, 0), loads[rank_key(spec.id, r)].requests,
-                                                      loads[rank_key(spec.id, r)].tokens, r))
+        loads = await self.store.loads([rank_key(spec.id, r) for r in range(size)])
+        start = self._rank_turn.get(spec.id, 0)
+        best = min(range(size), key=lambda r: (-depths.get(r, 0), loads[rank_key(spec.id, r)].requests,
+                                               loads[rank_key(spec.id, r)].tokens, (r - start) % size))
+        if len(self._rank_turn) >= 65536:
+            self._rank_turn.clear()
+        self._rank_turn[spec.id] = (best + 1) % size
         load = loads[rank_key(spec.id, best)]
         return best, f"prefix {depths.get(best, 0)} blocks, {load.requests} requests, {load.tokens} tokens"
 
