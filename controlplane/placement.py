@@ -206,7 +206,7 @@ class Placer:
                     if ep.worker_id == w.spec.id:
                         ep.dp_rank = ranks[w.spec.id]
                 if explain:
-                    explanation += f" | {w.spec.id} dp_rank {ranks[w.spec.id]} ({why})"
+                    explanation += f" | dp_rank: {w.spec.id} rank {ranks[w.spec.id]} of {w.spec.dp_size} ({why})"
         out.explanation = explanation
         if dry_run:
             return out

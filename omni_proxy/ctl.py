@@ -296,8 +296,10 @@ def print_explain(p, stages, prompt_tokens: int, chain: list[int], how: str, blo
     from protos import omni_proxy_pb2 as pb
 
     chosen = {"prefill": p.prefill.worker_id or None, "decode": p.decode.worker_id or None}
+    # Data-parallel workers: the rank placement chose (its reasons are the "dp_rank" stage's notes).
+    ranks = {k: e.dp_rank for k, e in (("prefill", p.prefill), ("decode", p.decode)) if e.dp_size > 1}
     if as_json:
-        _print_json({"flow": _enum(pb.Flow, p.flow, "FLOW_"), "chosen": chosen,
+        _print_json({"flow": _enum(pb.Flow, p.flow, "FLOW_"), "chosen": chosen, "dp_ranks": ranks,
                      "error": _enum(pb.ErrorCode, p.error, "") if p.error else None,
                      "error_message": p.error_message or None, "prompt_tokens": prompt_tokens,
                      "prompt_tokens_source": how, "chain_blocks": len(chain), "block_size": block_size,
@@ -308,9 +310,14 @@ def print_explain(p, stages, prompt_tokens: int, chain: list[int], how: str, blo
         console.print(f"error: {pb.ErrorCode.Name(p.error)}: {p.error_message}")
     else:
         console.print(f"flow {_enum(pb.Flow, p.flow, 'FLOW_')} -> "
-                      + ", ".join(f"{k} {v}" for k, v in chosen.items() if v))
+                      + ", ".join(f"{k} {v}" + (f" (dp rank {ranks[k]})" if k in ranks else "")
+                                  for k, v in chosen.items() if v))
     console.print(f"prompt: {prompt_tokens} tokens ({how}), {len(chain)} blocks hashed")
     for st in stages:
+        if st["stage"] == "dp_rank":
+            for note in st["notes"]:
+                console.print(f"dp rank: {note}")
+            continue
         console.print(f"{st['stage']}: policy={st['policy']}, {len(st['candidates'])} candidates")
         table = _table(f"{st['stage']} candidates",
                        ["", "worker", "score", "match blocks", "match tokens", "load req/tok", "prefill pending",

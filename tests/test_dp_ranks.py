@@ -95,7 +95,7 @@ async def test_exact_events_per_rank_choose_the_deepest_rank():
                                                token_ids=(), block_size=16)])
     p = await placer.place(entry("r1", [1, 2, 3, 4], explain=True))
     assert p.decode.dp_rank == 1
-    assert "a dp_rank 1 (prefix 3 blocks" in p.explanation
+    assert "| dp_rank: a rank 1 of 2 (prefix 3 blocks" in p.explanation
     # Ties on depth go to the least-loaded rank.
     placer.kv.exact.apply("a", 0, [BlockStored(block_hashes=(2, 3), parent_block_hash=1,
                                                token_ids=(), block_size=16)])
@@ -169,3 +169,19 @@ async def test_stores_release_rank_charges_with_the_worker(kind, redis_server):
     finally:
         if kind != "memory":
             await store.close()
+
+
+async def test_omni_ctl_explain_shows_the_rank(capsys):
+    import json
+
+    from omni_proxy.ctl import parse_explanation, print_explain
+
+    placer, _, _ = await placer_of(spec("a", dp_size=2))
+    p = await placer.place(entry("", [5, 6], explain=True), dry_run=True)
+    stages = parse_explanation(p.explanation)
+    assert stages[0]["candidates"][0]["worker_id"] == "a"
+    print_explain(p, stages, 32, [5, 6], "given", 16, as_json=False)
+    out = capsys.readouterr().out
+    assert f"decode a (dp rank {p.decode.dp_rank})" in out and "dp rank: a rank" in out
+    print_explain(p, stages, 32, [5, 6], "given", 16, as_json=True)
+    assert json.loads(capsys.readouterr().out)["dp_ranks"] == {"decode": p.decode.dp_rank}
