@@ -96,7 +96,9 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
         tracker.failed(worker_id, message, 0)
         ctx.metrics.upstream_errors.labels(worker_id, "stream").inc()
         try:
-            await out.write(sse_error_event(502, message))
+            # An engine cut mid-event left a partial line: end it, so the error is an event of its own.
+            cut = b"" if not last or last.endswith(_EVENT_END) else _EVENT_END
+            await out.write(cut + sse_error_event(502, message))
         except (ConnectionResetError, aiohttp.ClientConnectionError):
             pass
         return out
