@@ -17,16 +17,23 @@ from tests.conftest import Cluster, wait_until
 MODEL = "sim-model"
 
 
-def start(sims: dict[str, tuple[str, int]], *cp_args: str, policy: str = "cache_aware") -> Cluster:
-    """``sims``: name -> (role, dp_size); like conftest.start_cluster with dp_size in the worker spec."""
+def start(sims: dict[str, tuple[str, int]], *cp_args: str, policy: str = "cache_aware",
+          kv_events: dict[str, str] | None = None) -> Cluster:
+    """``sims``: name -> (role, dp_size); like conftest.start_cluster with dp_size in the worker spec
+    (and ``kv_events``: name -> endpoint, for the sim and its worker spec)."""
+    kv_events = kv_events or {}
     group = ProcessGroup()
     try:
-        children = {name: group.start(name, ["sim", "--role", role, "--port", "0", "--dp-size", str(dp)])
+        children = {name: group.start(name, ["sim", "--role", role, "--port", "0", "--dp-size", str(dp),
+                                             *(["--kv-events-endpoint", kv_events[name].replace("127.0.0.1", "*")]
+                                               if name in kv_events else [])])
                     for name, (role, dp) in sims.items()}
         args = ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--policy", policy,
                 "--health-interval", "0.2", "--metrics-interval", "0.2", *cp_args]
         for name, (role, dp) in sims.items():
             spec = f"{children[name].url},role={role},id={name},dp_size={dp}"
+            if name in kv_events:
+                spec += f",kv_events={kv_events[name]}"
             if children[name].info.get("bootstrap_port"):
                 spec += f",bootstrap_port={children[name].info['bootstrap_port']}"
             args += ["--worker", spec]
@@ -41,6 +48,32 @@ def start(sims: dict[str, tuple[str, int]], *cp_args: str, policy: str = "cache_
 @pytest.fixture(scope="module")
 def agg():
     c = start({"a": ("both", 2)})
+    yield c
+    c.group.close()
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free (rank r publishes on P + r)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    pytest.skip("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def exact():
+    c = start({"e": ("both", 2)}, kv_events={"e": f"tcp://127.0.0.1:{_free_port_pair()}"})
     yield c
     c.group.close()
 
@@ -112,3 +145,33 @@ async def test_parallel_pd_room_selects_the_prefill_rank(parallel: Cluster, http
         assert d["body"]["routed_dp_rank"] == d["dp_rank"] == int(d["headers"]["x-data-parallel-rank"])
     # Idle ranks are taken in turn: both prefill ranks served some of the four requests.
     assert {p["dp_rank"] for p in ps.values()} == {0, 1}
+
+
+async def test_exact_mode_follows_each_ranks_events(exact: Cluster, http):
+    """Rank 1 of the sim caches a prompt (sent to it directly); its events arrive on port + 1
+    with the rank; the proxy then sends that prompt to rank 1 every time."""
+    await exact.fresh()
+    prompts = [list(range(5000 + 100 * n, 5064 + 100 * n)) for n in range(200)]
+    metrics_url = f"http://127.0.0.1:{exact.cp.info['http_port']}/metrics"
+
+    async def indexed() -> bool:
+        # PUB drops messages until the subscription has arrived: fresh prompts until the index has one.
+        async with http.post(exact.sims["e"].url + "/v1/completions", headers={"X-data-parallel-rank": "1"},
+                             json={"model": MODEL, "prompt": prompts.pop(), "max_tokens": 1}) as r:
+            assert r.status == 200
+        async with http.get(metrics_url) as r:
+            text = await r.text()
+        line = next((l for l in text.splitlines() if l.startswith('omni_kv_index_blocks{source="events"}')), "")
+        return bool(line) and float(line.rsplit(" ", 1)[1]) >= 4
+    await wait_until(indexed, what="rank 1's events in the index", interval=0.2)
+    await asyncio.sleep(0.3)
+    prompt = list(range(5000 + 100 * len(prompts), 5064 + 100 * len(prompts)))   # the last one sent
+    await exact.clear_sim_requests()
+    for i in range(4):
+        async with http.post(exact.url + "/v1/completions", headers={"X-Request-Id": f"ex-{i}"},
+                             json={"model": MODEL, "prompt": prompt + [9000 + i], "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+    reqs = await exact.sim_requests("e")
+    assert [r["dp_rank"] for r in reqs] == [1, 1, 1, 1], [(r["request_id"], r["dp_rank"]) for r in reqs]
+    state = await exact.sim_get("e", "/sim/state")
+    assert state["dp_ranks"][1]["kv_events_port"] == state["dp_ranks"][0]["kv_events_port"] + 1
