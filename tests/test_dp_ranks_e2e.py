@@ -175,3 +175,25 @@ async def test_exact_mode_follows_each_ranks_events(exact: Cluster, http):
     assert [r["dp_rank"] for r in reqs] == [1, 1, 1, 1], [(r["request_id"], r["dp_rank"]) for r in reqs]
     state = await exact.sim_get("e", "/sim/state")
     assert state["dp_ranks"][1]["kv_events_port"] == state["dp_ranks"][0]["kv_events_port"] + 1
+
+
+@pytest.fixture(scope="module")
+def sequential():
+    c = start({"p": ("prefill", 2), "d": ("decode", 2)}, policy="least_load")
+    yield c
+    c.group.close()
+
+
+async def test_sequential_pd_sends_each_leg_to_its_rank(sequential: Cluster, http):
+    await sequential.fresh()
+    for i in range(4):
+        async with http.post(sequential.url + "/v1/completions", headers={"X-Request-Id": f"seq-{i}"},
+                             json={"model": MODEL, "prompt": f"sequential dp {i} " * 10, "max_tokens": 3}) as r:
+            assert r.status == 200, await r.text()
+    for name in ("p", "d"):
+        reqs = await sequential.sim_requests(name)
+        assert len(reqs) == 4
+        assert all(int(r["headers"]["x-data-parallel-rank"]) == r["dp_rank"] for r in reqs)
+        assert {r["dp_rank"] for r in reqs} == {0, 1}
+    state = await sequential.sim_get("d", "/sim/state")
+    assert state["prompt_tokens_external"] > 0    # D pulled the KV from P's rank
