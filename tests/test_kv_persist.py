@@ -229,3 +229,61 @@ async def test_snapshots_of_gone_replicas_are_pruned_and_other_hashing_is_not_lo
         await new.close(final=False)
         await old_store.close()
         await new_store.close()
+
+
+async def test_after_a_restart_the_subscriber_replays_what_the_snapshot_missed(redis_server):
+    """A real ZMQ publisher and replay server: events sent while no control plane ran are
+    replayed from the snapshot's sequence number, on top of the loaded entries."""
+    import zmq
+    import zmq.asyncio
+    from controlplane.state.redis import RedisStore
+    from controlplane.workers import WorkerSpec
+    from tests.test_kvcache_subscriber import Publisher, ReplayServer, batch, stored_map
+
+    async def subscribed(pub) -> None:
+        while True:                       # skip the stopped subscriber's unsubscription
+            assert await pub.sock.poll(5000), "subscriber never subscribed"
+            if (await pub.sock.recv())[:1] == b"\x01":
+                return
+
+    async def until(cond, what: str) -> None:
+        deadline = time.monotonic() + 5
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.005)
+
+    ctx = zmq.asyncio.Context.instance()
+    pub = Publisher(ctx, topic=b"")
+    rs = ReplayServer(ctx, pub, with_topic=False)
+    e = WorkerSpec(id="e", url="http://x", role=Role.BOTH, model="m", kv_events=pub.endpoint, kv_replay=rs.endpoint)
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    store = RedisStore(redis_server.url, key_prefix=prefix, replica_id="a")
+    kv1 = KVCache(KVCacheConfig(block_size=BS))
+    snaps1 = persist.KVSnapshots(kv1, store, 1.0)
+    kv2 = KVCache(KVCacheConfig(block_size=BS))
+    snaps2 = persist.KVSnapshots(kv2, store, 1.0)
+    try:
+        await kv1.watch(e)
+        await subscribed(pub)
+        await pub.send(batch(stored_map([1, 2])))
+        await pub.send(batch(stored_map([3], parent=2)))
+        await until(lambda: kv1.match([1, 2, 3], [e]) == {"e": 3}, "the first events")
+        await snaps1.save()
+        await kv1.stop()
+        await pub.send(batch(stored_map([4], parent=3)), drop=True)     # nobody listens
+        assert await snaps2.load_newest([e]) == "a"
+        assert kv2.match([1, 2, 3, 4], [e]) == {"e": 3}                  # warm before any event
+        await kv2.watch(e)
+        await subscribed(pub)
+        await pub.send(batch(stored_map([5], parent=4)))
+        await until(lambda: kv2.match([1, 2, 3, 4, 5], [e]) == {"e": 5}, "the replayed and the new event")
+        assert rs.requests == [2]                                        # from the saved seq, not from 0
+        assert kv2.counters()["e"]["resets"] == 0
+    finally:
+        await kv1.stop()
+        await kv2.stop()
+        await snaps1.close(final=False)
+        await snaps2.close(final=False)
+        await store.close()
+        await rs.close()
+        pub.close()
