@@ -177,8 +177,8 @@ class Metaserver:
                     error = placement.error_message
                     return
                 p = placement.prefill
-                status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id,
-                                                           entry.trace)
+                trace = {**entry.trace, "X-data-parallel-rank": str(p.dp_rank)} if p.dp_size > 1 else entry.trace
+                status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id, trace)
                 if status == 200:
                     await self.lifecycle.report(pb.LifecycleEvent(request_id=entry.placement_id,
                                                                kind=pb.EVENT_PREFILL_DONE))

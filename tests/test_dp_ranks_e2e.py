@@ -197,3 +197,23 @@ async def test_sequential_pd_sends_each_leg_to_its_rank(sequential: Cluster, htt
         assert {r["dp_rank"] for r in reqs} == {0, 1}
     state = await sequential.sim_get("d", "/sim/state")
     assert state["prompt_tokens_external"] > 0    # D pulled the KV from P's rank
+
+
+@pytest.fixture(scope="module")
+def layerwise():
+    c = start({"p": ("prefill", 2), "d": ("decode", 2)}, "--pd-flow", "layerwise", "--metaserver-host", "127.0.0.1",
+              policy="least_load")
+    yield c
+    c.group.close()
+
+
+async def test_layerwise_metaserver_sends_the_prefill_to_its_rank(layerwise: Cluster, http):
+    await layerwise.fresh()
+    for i in range(2):
+        async with http.post(layerwise.url + "/v1/completions", headers={"X-Request-Id": f"lw-{i}"},
+                             json={"model": MODEL, "prompt": f"layerwise dp {i} " * 10, "max_tokens": 3}) as r:
+            assert r.status == 200, await r.text()
+    for name in ("p", "d"):
+        reqs = await layerwise.sim_requests(name)
+        assert len(reqs) == 2, name
+        assert all(int(r["headers"]["x-data-parallel-rank"]) == r["dp_rank"] for r in reqs)
