@@ -93,7 +93,9 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
             ctx.metrics.cancelled.inc()
             return out
         message = ctx.abort_reason or f"worker {worker_id} broke off the stream: {type(exc).__name__} {exc}".strip()
-        tracker.failed(worker_id, message, 0)
+        # 502, not 0: the engine answered and then broke off, which is a failed request (the
+        # circuit breaker counts it), not proof that it is unreachable (a timeout is 504).
+        tracker.failed(worker_id, message, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
         ctx.metrics.upstream_errors.labels(worker_id, "stream").inc()
         try:
             # An engine cut mid-event left a partial line: end it, so the error is an event of its own.
