@@ -201,7 +201,7 @@ class Placer:
         ranks: dict[str, int] = {}
         for w, _ in charges:
             if w.spec.dp_size > 1 and w.spec.id not in ranks:
-                ranks[w.spec.id], why = await self._rank(w, chain)
+                ranks[w.spec.id], why = await self._rank(w, chain, advance=not dry_run)
                 for ep in (out.prefill, out.decode):
                     if ep.worker_id == w.spec.id:
                         ep.dp_rank = ranks[w.spec.id]
@@ -254,7 +254,7 @@ class Placer:
             self.on_layerwise(req, out)
         return out
 
-    async def _rank(self, worker: WorkerView, chain: list[int]) -> tuple[int, str]:
+    async def _rank(self, worker: WorkerView, chain: list[int], advance: bool = True) -> tuple[int, str]:
         """The DP rank of a data-parallel worker: the deepest prefix match among its ranks,
         ties to the rank with the least load in the ledger (requests, then tokens), then in turn
         (a rotating start, so new prefixes on an idle worker spread over its ranks).
@@ -266,9 +266,10 @@ class Placer:
         start = self._rank_turn.get(spec.id, 0)
         best = min(range(size), key=lambda r: (-depths.get(r, 0), loads[rank_key(spec.id, r)].requests,
                                                loads[rank_key(spec.id, r)].tokens, (r - start) % size))
-        if len(self._rank_turn) >= 65536:
-            self._rank_turn.clear()
-        self._rank_turn[spec.id] = (best + 1) % size
+        if advance:   # (an explanation's dry run leaves the turn where it is)
+            if len(self._rank_turn) >= 65536:
+                self._rank_turn.clear()
+            self._rank_turn[spec.id] = (best + 1) % size
         load = loads[rank_key(spec.id, best)]
         return best, f"prefix {depths.get(best, 0)} blocks, {load.requests} requests, {load.tokens} tokens"
 
