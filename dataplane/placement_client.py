@@ -143,8 +143,12 @@ class PlacementClient:
     async def close(self) -> None:
         self._closing = True
         if self._queue is not None:
-            self._queue.put_nowait(None)
+            self._queue.put_nowait(None)   # ends the stream after what is queued (held reports too)
         if self._task is not None:
+            if self._connected.is_set():
+                # Let the last reports go out: the control plane releases their load now,
+                # not after the session's grace period.
+                await asyncio.wait([self._task], timeout=1.0)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for channel in self._channels.values():
