@@ -35,9 +35,9 @@ def test_prefix_cache_scorer_is_the_matched_fraction():
 def test_cache_aware_follows_the_cache_until_load_is_out_of_balance():
     picker = CacheAwarePicker(abs_threshold=4, rel_threshold=1.5)
     cold = w("cold", reqs=2)
-    cands = [Candidate(w("warm", reqs=5), score=1.0), Candidate(cold, score=0.0)]
+    cands = [Candidate(w("warm", reqs=5), score=1.0, scores={"prefix_cache": 1.0}), Candidate(cold, score=0.0)]
     assert picker.pick(ctx({"warm": 10}), cands).worker.id == "warm"      # 5-2 <= 4: cache wins
-    cands = [Candidate(w("warm", reqs=10), score=1.0), Candidate(cold, score=0.0)]   # 10-2 > 4 and 10 > 3
+    cands = [Candidate(w("warm", reqs=10), score=1.0, scores={"prefix_cache": 1.0}), Candidate(cold, score=0.0)]   # 10-2 > 4 and 10 > 3
     assert picker.pick(ctx({"warm": 10}), cands).worker.id == "cold"
 
 
@@ -103,3 +103,14 @@ def test_cache_aware_sends_unmatched_prompts_to_the_smallest_cache():
     assert all(picker.pick(c, cands).worker.id == "b" for _ in range(20))
     cands[0].scores["prefix_cache"], cands[0].score = 0.4, 0.4    # a real match beats an empty cache
     assert picker.pick(c, cands).worker.id == "a"
+
+
+def test_cache_aware_spreads_a_burst_of_new_prompts_by_load_not_by_cache_size():
+    """New prompts of a burst have stored no blocks yet: by cache size alone they would all
+    go to the engine that held the fewest blocks before the burst."""
+    picker = CacheAwarePicker()
+    c = ctx({}, chain=10)
+    c.cached_blocks = {"a": 20, "b": 500}
+    busy_small = Candidate(w("a", reqs=3), scores={"prefix_cache": 0.0})
+    idle_big = Candidate(w("b", reqs=0), scores={"prefix_cache": 0.0})
+    assert all(picker.pick(c, [busy_small, idle_big]).worker.id == "b" for _ in range(10))

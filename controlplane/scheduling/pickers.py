@@ -82,8 +82,12 @@ class CacheAwarePicker:
     because a warm cache on an overloaded worker costs more than it saves.
 
     When no candidate holds more than ``cache_threshold`` of the prompt, the request goes
-    to the worker holding the fewest blocks (SGLang's "smallest tree"): new prefixes then
-    spread over the fleet instead of piling up where ties happened to fall.
+    to the least-loaded worker (requests in flight, then uncached prefill tokens placed
+    there), the fewest blocks held breaking ties (SGLang's "smallest tree"). Load comes
+    first because it is counted at placement: a prompt still queued or prefilling has
+    stored no blocks yet, so by cache size alone the same engine stayed "smallest" for a
+    whole burst and every new long prompt piled onto it (docs/benchmarks/slo_replay_notes.md;
+    vllm-router's low-match branch also takes the fewest requests in flight).
     """
 
     abs_threshold: int = 32
@@ -103,12 +107,12 @@ class CacheAwarePicker:
         if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
             best = min(loads)
             top = [c for c, load in zip(candidates, loads) if load == best]
-        elif max([c.scores.get("prefix_cache", 0.0) for c in candidates]) <= self.cache_threshold and \
-                (held := ctx.blocks_held()):
-            smallest = min(held.get(c.worker.id, 0) for c in candidates)
-            small = [c for c in candidates if held.get(c.worker.id, 0) == smallest]
-            best_score = max(c.score for c in small)
-            top = [c for c in small if c.score >= best_score - 1e-12]
+        elif max([c.scores.get("prefix_cache", 0.0) for c in candidates]) <= self.cache_threshold:
+            held = ctx.blocks_held() or {}
+            keys = [(load, c.worker.load.prefill_tokens, held.get(c.worker.id, 0))
+                    for c, load in zip(candidates, loads)]
+            least = min(keys)
+            top = [c for c, key in zip(candidates, keys) if key == least]
         else:
             best_score = max([c.score for c in candidates])
             top = [c for c in candidates if c.score >= best_score - 1e-12]
