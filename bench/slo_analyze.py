@@ -32,6 +32,11 @@ def engine_of(assign: dict, i: int):
     return a.get("both", a.get("prefill"))
 
 
+def _cv(values: list[int]) -> float | None:
+    """Coefficient of variation of prompt tokens over the engines that prefill."""
+    return statistics.pstdev(values) / statistics.mean(values) if values and any(values) else None
+
+
 def analyze(run: dict, rows: list[dict], preds: dict, scale: float, close_s: float) -> dict:
     assign = run["assignment"]
     n_eng = len(run["per_engine"])
@@ -53,7 +58,7 @@ def analyze(run: dict, rows: list[dict], preds: dict, scale: float, close_s: flo
     return {"followup_same": statistics.mean(follow) if follow else None,
             "fresh_pileup": same / close if close else None, "fresh_pairs": close,
             "tokens_k": [round(t / 1000) for t in tokens],
-            "tokens_cv": statistics.pstdev(tokens) / statistics.mean(tokens) if any(tokens) else None,
+            "tokens_cv": _cv([t for t, pe in zip(tokens, run["per_engine"]) if pe["role"] in ("both", "prefill")]),
             "waiting_max": [pe["waiting_max"] for pe in run["per_engine"]],
             "waiting_mean": [pe["waiting_mean"] for pe in run["per_engine"]]}
 
