@@ -366,7 +366,7 @@ class KVSnapshots:
     async def close(self, *, final: bool = True) -> None:
         if final:
             try:
-                await asyncio.wait_for(self.save(), 10.0)
+                await asyncio.wait_for(self.save(), 5.0)
             except Exception as exc:  # noqa: BLE001
                 log.warning("KV index snapshots: last snapshot not written (%s)", exc)
         await self.redis.aclose()
