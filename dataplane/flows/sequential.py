@@ -8,7 +8,6 @@ chunk arrives, because P holds the blocks until D has read them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -18,6 +17,7 @@ from aiohttp import web
 from dataplane.body import with_fields
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
+from dataplane.flows.legs import open_leg
 from dataplane.flows.relay import relay
 from dataplane.placing import place
 from dataplane.retry import retry_after_s
@@ -69,25 +69,13 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
 
     decode = (await place(ctx.placements, req, pb.LEG_DECODE)).decode
     body = with_fields(req, {"kv_transfer_params": kv_params})
-    tried_d: list[str] = []
-    while True:
+
+    async def another_decode(tried: list[str], exc: UpstreamError) -> pb.Endpoint:
+        # P still holds the KV until a D reads it: another D can pull it as well.
         try:
-            resp = await ctx.upstream.open(decode.worker_id, decode.url + req.path, body, req.request_id,
-                                           trace=ctx.tracker.leg(LEG_DECODE, decode.worker_id),
-                                           dp_rank=dp_rank(decode))
-            break
-        except UpstreamError as exc:
-            # P still holds the KV until a D reads it: another D can pull it as well.
-            tried_d.append(decode.worker_id)
-            if not ctx.retry.retryable(exc, len(tried_d) - 1):
-                raise
-            log.warning("decode on %s failed before the first byte (%s); trying another decode worker",
-                        decode.worker_id, exc.message)
-            ctx.tracker.leg_failed(decode.worker_id, exc.message, exc.upstream_status or 0, retry_after_s(exc))
-            ctx.metrics.upstream_errors.labels(decode.worker_id, str(exc.upstream_status)).inc()
-            try:
-                decode = (await place(ctx.placements, req, pb.LEG_DECODE, exclude=tried_d)).decode
-            except APIError:
-                raise exc from None
-            await asyncio.sleep(ctx.retry.delay(len(tried_d)))
+            return (await place(ctx.placements, req, pb.LEG_DECODE, exclude=tried)).decode
+        except APIError:
+            raise exc from None
+
+    resp, decode = await open_leg(ctx, decode, body, LEG_DECODE, another_decode)
     return await relay(ctx, resp, decode.worker_id, on_first_chunk=ctx.tracker.prefill_done)

@@ -1,0 +1,47 @@
+"""Opening a leg that may be moved to another worker while nothing has reached the client.
+
+One loop for every flow that can retry a leg (aggregated, decode): the leg is opened on
+its worker; a failure the retry policy allows (``dataplane.retry``) is reported for that
+worker, ``replace`` picks another one (raising the original error when there is none),
+and after a jittered pause the leg is opened there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from dataplane.flows.context import FlowContext
+from dataplane.retry import retry_after_s
+from dataplane.upstream import UpstreamError, dp_rank
+from protos import omni_proxy_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Replace = Callable[[list[str], UpstreamError], Awaitable[pb.Endpoint]]
+
+
+async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: str,
+                   replace: Replace) -> tuple[aiohttp.ClientResponse, pb.Endpoint]:
+    """The engine's response and the worker that gave it."""
+    tried: list[str] = []
+    while True:
+        try:
+            resp = await ctx.upstream.open(endpoint.worker_id, endpoint.url + ctx.req.path, body,
+                                           ctx.req.request_id, trace=ctx.tracker.leg(leg, endpoint.worker_id),
+                                           dp_rank=dp_rank(endpoint))
+            return resp, endpoint
+        except UpstreamError as exc:
+            failed = endpoint.worker_id
+            tried.append(failed)
+            if not ctx.retry.retryable(exc, len(tried) - 1):
+                raise
+            log.warning("worker %s failed before the first byte (%s %s); trying another worker",
+                        failed, exc.upstream_status, exc.message)
+            ctx.tracker.leg_failed(failed, exc.message, exc.upstream_status or 0, retry_after_s(exc))
+            ctx.metrics.upstream_errors.labels(failed, str(exc.upstream_status)).inc()
+            endpoint = await replace(tried, exc)
+            await asyncio.sleep(ctx.retry.delay(len(tried)))
