@@ -83,13 +83,13 @@ async def test_exact_mode_uses_engine_events_and_forgets_removed_blocks():
                                            block_size=16)])
     p = await placer.place(entry("r1", [1, 2, 3, 4]))
     assert p.decode.worker_id == "b" and placer.stats.predicted_hit_blocks["b"] == 3
-    kv.exact.apply("b", None, [BlockRemoved(block_hashes=(1,))])
+    kv._on_events("b", None, [BlockRemoved(block_hashes=(1,))])   # as the subscriber delivers them
     assert kv.match([1, 2, 3], [w("a", kv_events="x"), w("b", kv_events="y")]) == {}
 
 
 async def test_routed_prefixes_expire():
     placer, _ = await _placer("cache_aware", [w("a")])
-    placer.kv.config.approx_ttl_s = 0.0
+    placer.kv.routed.ttl_s = 0.0
     await placer.place(entry("r", [7, 8]))
     assert placer.kv.match([7, 8], [w("a")]) == {}
 

@@ -96,11 +96,15 @@ async def test_exact_events_per_rank_choose_the_deepest_rank():
     p = await placer.place(entry("r1", [1, 2, 3, 4], explain=True))
     assert p.decode.dp_rank == 1
     assert "| dp_rank: a rank 1 of 2 (prefix 3 blocks" in p.explanation
-    # Ties on depth go to the least-loaded rank.
+    # Ties on depth go to the least-loaded rank (r1's whole prompt is pending on rank 1, but
+    # this one's fourth block differs: both ranks hold 3 blocks).
     placer.kv.exact.apply("a", 0, [BlockStored(block_hashes=(2, 3), parent_block_hash=1,
                                                token_ids=(), block_size=16)])
-    assert (await placer.place(entry("r2", [1, 2, 3, 4]))).decode.dp_rank == 0
+    assert (await placer.place(entry("r2", [1, 2, 3, 5]))).decode.dp_rank == 0
     assert await rank_loads(store, "a", 2) == [1, 1]
+    # The same prompt again follows r1 to rank 1: it is pending there, not yet in any event.
+    assert placer.kv.rank_depths([1, 2, 3, 4], a) == {0: 3, 1: 4}
+    assert (await placer.place(entry("r3", [1, 2, 3, 4]))).decode.dp_rank == 1
 
 
 async def test_parallel_pd_endpoints_carry_each_sides_rank():

@@ -211,6 +211,9 @@ async def test_client_disconnect_cancels_upstream_and_frees_load(idle: Cluster, 
 
 
 async def test_models_health_and_metrics(idle: Cluster, http):
+    # One placement of its own, so the placement histogram has a sample whatever ran before.
+    async with http.post(idle.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
+        assert r.status == 200
     async with http.get(idle.url + "/v1/models") as r:
         assert r.status == 200
         assert [m["id"] for m in (await r.json())["data"]] == [MODEL]

@@ -285,7 +285,7 @@ def test_approximate_index_is_capped_by_expiring_the_oldest_buckets(monkeypatch)
     kv = KVCache(KVCacheConfig(approx_ttl_s=60_000, max_blocks=1000))   # only the cap expires
     spec = WorkerSpec(id="a", url="http://a", role=Role.BOTH, model="m")
     now = [1000.0]
-    monkeypatch.setattr("controlplane.kvcache.manager.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("controlplane.kvcache.routed.time.monotonic", lambda: now[0])
     old = [1, 2, 3]
     kv.placed(spec, old, 0)
     for i in range(30):
@@ -298,7 +298,7 @@ def test_approximate_index_is_capped_by_expiring_the_oldest_buckets(monkeypatch)
 
 def test_a_burst_over_the_cap_within_one_time_bucket_drops_only_the_oldest(monkeypatch):
     kv = KVCache(KVCacheConfig(approx_ttl_s=3600, max_blocks=4096))
-    monkeypatch.setattr("controlplane.kvcache.manager.time.monotonic", lambda: 50.0)   # no time passes
+    monkeypatch.setattr("controlplane.kvcache.routed.time.monotonic", lambda: 50.0)   # no time passes
     specs = [WorkerSpec(id=wid(i), url="http://x", role=Role.BOTH, model="m") for i in range(8)]
     rng = random.Random(8)
     trunk = [rng.getrandbits(64) for _ in range(16)]

@@ -3,7 +3,9 @@
 Two sources, one answer per worker:
   * exact: workers that publish vLLM KV events feed ``exact`` through a subscriber each;
   * approximate: for workers without events, what was routed where is remembered for
-    ``approx_ttl_s`` (the best a router can do when the engine does not say).
+    ``approx_ttl_s`` (the best a router can do when the engine does not say);
+  * pending: for workers with events, what was placed there and may not be in their events
+    yet, for ``pending_ttl_s`` (kvcache/routed.py says why).
 Placement asks :meth:`KVCache.match` once per request and hands the depths to the scorers.
 
 A worker whose events cannot be trusted falls back to approximate tracking until they can:
@@ -16,17 +18,15 @@ blocks). Each case is one ERROR line naming the worker and a counter in ``/metri
 from __future__ import annotations
 
 import logging
-import time
 import random
-from array import array
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from controlplane import validate
-from controlplane.kvcache.events import BlockStored
+from controlplane.kvcache.events import BlockRemoved, BlockStored
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, RoutedIndex
+from controlplane.kvcache.routed import RoutingMemory
 from controlplane.kvcache.subscriber import DEFAULT_MAX_REPLAY_GAP, KVEventSource, KVEventSubscriber
 from controlplane.workers import WorkerSpec, WorkerView
 
@@ -43,6 +43,8 @@ class KVCacheConfig:
     lora_key_format: str = "tuple"      # vLLM >= 0.1x: ("lora", name, path); older: "name"
     max_blocks: int = 2_000_000         # bound on indexed blocks (LRU beyond it)
     approx_ttl_s: float = 120.0         # approximate mode: how long a routed prefix counts
+    pending_ttl_s: float = 30.0         # evented workers: how long a placed prefix counts before
+                                        # its events (its queue + prefill time); 0 = off
     replay_timeout_s: float = 2.0
     max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP   # wider sequence gaps reset the worker instead
     snapshot_interval_s: float = 3.0    # Redis store: index snapshot period (kvcache/persist.py); 0 = off
@@ -61,17 +63,9 @@ def _offset_port(endpoint: str, rank: int) -> str:
 class KVCache:
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
-        # Parent links are not kept: lookup does not need them and they cost ~50 bytes a block.
         self.exact = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
-        self.approx = RoutedIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
-        # Approximate expiry in buckets of at most approx_ttl_s / 16 (and 1/16 of max_blocks): per
-        # bucket, the blocks whose routing stamp moved to it. RoutedIndex stamps each block with
-        # the bucket of its last routing, so a block routed again (the next turn of a
-        # conversation, a shared system prompt) outlives its earlier bucket; a block routed many
-        # times within one bucket costs one entry. Blocks count for approx_ttl_s after their last
-        # routing, less at most a bucket.
-        self._approx_expiry: deque[tuple[int, float, array | list]] = deque()   # (number, start, blocks)
-        self._last_bucket = 0
+        self.routed = RoutingMemory(config.approx_ttl_s, config.max_blocks)
+        self.pending = RoutingMemory(config.pending_ttl_s, config.max_blocks) if config.pending_ttl_s > 0 else None
         # Masks of the slots of a routable group, per index generation (see deepest()).
         self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted
@@ -85,6 +79,23 @@ class KVCache:
         self._counters: dict[str, dict[str, int]] = {}
         # (worker, dp rank) -> topic -> last seq a loaded snapshot had seen (kvcache/persist.py)
         self.resume_seqs: dict[tuple[str, int], dict[bytes, int]] = {}
+
+    @property
+    def approx(self) -> RoutedIndex:
+        """The approximate index (workers without usable KV events)."""
+        return self.routed.index
+
+    @property
+    def _approx_expiry(self):
+        return self.routed.expiry
+
+    @property
+    def _last_bucket(self) -> int:
+        return self.routed.last_bucket
+
+    @_last_bucket.setter
+    def _last_bucket(self, number: int) -> None:
+        self.routed.last_bucket = number
 
     # ------------------------------------------------------------------ subscriptions
 
@@ -128,6 +139,8 @@ class KVCache:
             await sub.stop()
         self.exact.drop_worker(worker_id)
         self.approx.drop_worker(worker_id)
+        if self.pending is not None:
+            self.pending.index.drop_worker(worker_id)
         if self.untracked.pop(worker_id, None) is not None:
             self._tracking += 1
         self._wrong_block_size.pop(worker_id, None)
@@ -174,6 +187,15 @@ class KVCache:
         if engine in self.untracked:
             return  # never populate the index from events we decided not to trust
         self.exact.apply(engine, dp_rank, events)
+        pending = self.pending
+        if pending is not None and engine in pending.index._by_worker:
+            # What the engine evicted is gone, whatever was placed there before: a pending
+            # prefix must not outlive the blocks' own removal (a hole deeper in a pending chain
+            # may still be galloped over until it expires: the same estimate as without it).
+            key = (engine, dp_rank or 0)
+            for ev in events:
+                if type(ev) is BlockRemoved:
+                    pending.index.remove(key, ev.block_hashes)
 
     def _refuse_block_size(self, engine: str, got: int) -> None:
         self._count(engine, "block_size_mismatch")
@@ -208,8 +230,10 @@ class KVCache:
     def match(self, chain: Sequence[int], workers: list[WorkerView] | list[WorkerSpec]) -> dict[str, int]:
         """Per worker id, the number of leading blocks of ``chain`` it holds (0 omitted).
 
-        DP ranks of one worker count as the best rank: the engine routes within itself.
-        Costs one chain walk per index in use plus a step per candidate: never the fleet.
+        DP ranks of one worker count as the best rank: the engine routes within itself. A
+        worker with events holds what its events say or what was placed there and may not be in
+        them yet, whichever is deeper. Costs one chain walk per index in use plus a step per
+        candidate: never the fleet.
         """
         if not chain:
             return {}
@@ -220,35 +244,38 @@ class KVCache:
             spec = w.spec if isinstance(w, WorkerView) else w
             (exact_ids if spec.kv_events and spec.id not in untracked else approx_ids).append(spec.id)
         out = self.exact.depths(chain, self.exact.mask_of(exact_ids)) if exact_ids else {}
+        if exact_ids and self.pending is not None:
+            pending = self.pending.index
+            _deeper(out, pending.depths(chain, pending.mask_of(exact_ids)))
         if approx_ids:
-            got = self.approx.depths(chain, self.approx.mask_of(approx_ids))
-            if out:
-                for worker_id, depth in got.items():
-                    if depth > out.get(worker_id, 0):
-                        out[worker_id] = depth
-            else:
-                out = got
+            _deeper(out, self.approx.depths(chain, self.approx.mask_of(approx_ids)))
         return out
 
-    def _group_masks(self, ids: tuple[str, ...]) -> tuple[int, int]:
-        """(exact, approximate) slot masks of the workers ``ids``: built in O(group) once per
-        tuple (the fleet keeps one per routable group until it changes), then kept current by
+    def _group_masks(self, ids: tuple[str, ...]) -> tuple[int, int, int]:
+        """(exact, approximate, pending) slot masks of the workers ``ids``: built in O(group) once
+        per tuple (the fleet keeps one per routable group until it changes), then kept current by
         adding the slots the indexes created since (first events or placements of a worker),
         so a placement pays O(1) plus O(new slots)."""
         exact, approx = self.exact, self.approx
+        pending = self.pending.index if self.pending is not None else None
+        p_gen, p_added = (pending.generation, len(pending.added)) if pending is not None else (0, 0)
         got = self._masks.get(id(ids))
         if got is None or got[0] is not ids or got[2] != exact.generation or got[4] != approx.generation \
-                or got[6] != self._tracking:
+                or got[6] != self._tracking or got[9] != p_gen:
             members = frozenset(ids)
             held_exactly = exact._by_worker
             exact_mask = exact.mask_of(ids)
             approx_mask = approx.mask_of([i for i in ids if i not in held_exactly])
+            # Pending placements count for the workers followed by events (not the untracked).
+            untracked = self.untracked
+            pending_mask = pending.mask_of([i for i in ids if i not in untracked]) if pending is not None else 0
             if len(self._masks) >= 64:
                 self._masks.clear()
             self._masks[id(ids)] = [ids, members, exact.generation, len(exact.added), approx.generation,
-                                    len(approx.added), self._tracking, exact_mask, approx_mask]
-            return exact_mask, approx_mask
-        members, exact_mask, approx_mask = got[1], got[7], got[8]
+                                    len(approx.added), self._tracking, exact_mask, approx_mask,
+                                    p_gen, p_added, pending_mask]
+            return exact_mask, approx_mask, pending_mask
+        members, exact_mask, approx_mask, pending_mask = got[1], got[7], got[8], got[11]
         if got[3] != len(exact.added):
             for slot, wid in exact.added[got[3]:]:
                 if wid in members:
@@ -261,83 +288,63 @@ class KVCache:
                 if wid in members and wid not in held_exactly:
                     approx_mask |= 1 << slot
             got[5], got[8] = len(approx.added), approx_mask
-        return exact_mask, approx_mask
+        if pending is not None and got[10] != p_added:
+            untracked = self.untracked
+            for slot, wid in pending.added[got[10]:]:
+                if wid in members and wid not in untracked:
+                    pending_mask |= 1 << slot
+            got[10], got[11] = p_added, pending_mask
+        return exact_mask, approx_mask, pending_mask
 
     def group_match(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> "GroupMatch":
         """Walk ``chain`` once per index over the whole group ``ids`` (its masks are cached per
         tuple): ``.top`` names up to ``k`` workers holding the deepest matches, ``.depths(some)``
         gives any members' depths from the same walk. O(chain + k), whatever the group size."""
         self._expire()
-        exact_mask, approx_mask = self._group_masks(ids)
+        exact_mask, approx_mask, pending_mask = self._group_masks(ids)
+        pending = self.pending.index if self.pending is not None and pending_mask else None
         return GroupMatch(self, self.exact.levels(chain, exact_mask), self.approx.levels(chain, approx_mask),
-                          exact_mask, approx_mask, k, rng)
+                          pending.levels(chain, pending_mask) if pending is not None else [],
+                          exact_mask, approx_mask, pending_mask, k, rng)
 
     def deepest(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> dict[str, int]:
         """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain``."""
         return self.group_match(chain, ids, k, rng).top if chain and k > 0 else {}
 
-    def _bucket(self, now: float) -> int:
-        """The current bucket's number, opening a new one when the current is approx_ttl_s / 16
-        old or holds 1/16 of max_blocks (so the cap can always drop a bounded oldest part)."""
-        q = self._approx_expiry
-        if q:
-            number, start, blocks = q[-1]
-            if now < start + max(self.config.approx_ttl_s / 16, 1e-3) and \
-                    len(blocks) < max(1024, self.config.max_blocks >> 4):
-                return number
-            number += 1
-        else:
-            number = self._last_bucket + 1
-        self._last_bucket = number
-        q.append((number, now, array("Q")))
-        return number
-
     def rank_depths(self, chain: Sequence[int], worker: WorkerSpec | WorkerView) -> dict[int, int]:
         """Per DP rank of ``worker``, the leading blocks of ``chain`` that rank holds (0 omitted):
-        from its events when tracked exactly, else from the prefixes routed to each rank."""
+        from its events (and its pending placements) when tracked exactly, else from the
+        prefixes routed to each rank."""
         if not chain:
             return {}
-        index = self.exact if self.tracked_exactly(worker) else self.approx
         keys = [(worker.id, r) for r in range(max(worker.spec.dp_size if isinstance(worker, WorkerView)
                                                   else worker.dp_size, 1))]
-        return {key[1]: depth for key, depth in index.match_depths(chain, keys).items()}
+        if not self.tracked_exactly(worker):
+            return {key[1]: depth for key, depth in self.approx.match_depths(chain, keys).items()}
+        out = {key[1]: depth for key, depth in self.exact.match_depths(chain, keys).items()}
+        if self.pending is not None:
+            _deeper(out, {key[1]: d for key, d in self.pending.index.match_depths(chain, keys).items()})
+        return out
 
     def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int,
                dp_rank: int = 0) -> None:
-        """For workers without events, remember the routed prefix (per DP rank); for the others,
-        keep the matched prefix recent in the index."""
-        if chain and not self.tracked_exactly(worker):
-            bucket = self._bucket(time.monotonic())
-            changed = self.approx.route((worker.id, dp_rank), chain, bucket, predicted_depth)
-            if changed:
-                q = self._approx_expiry
-                number, start, blocks = q[-1]
-                try:
-                    blocks.extend(changed)
-                except OverflowError:      # a hash outside 64 unsigned bits: keep this bucket a list
-                    q[-1] = (number, start, list(blocks) + [h for h in changed if h not in set(blocks)])
-            if self.approx.size() > self.config.max_blocks:
-                self._shrink_approx()
-        elif chain and predicted_depth:
+        """Remember the placed prefix: for workers without events until ``approx_ttl_s``, for
+        the others as pending until ``pending_ttl_s`` (and keep its matched part recent in the
+        event-fed index)."""
+        if not chain:
+            return
+        if not self.tracked_exactly(worker):
+            self.routed.route((worker.id, dp_rank), chain, predicted_depth)
+            return
+        if predicted_depth:
             self.exact.touch(chain[:predicted_depth])
-
-    def _shrink_approx(self) -> None:
-        """Over ``max_blocks``: expire the oldest buckets early, down to 255/256 of the cap (the
-        approximate index's bound; expiring whole buckets keeps routed prefixes prefix-closed)."""
-        q, approx = self._approx_expiry, self.approx
-        target = self.config.max_blocks - (self.config.max_blocks >> 8)
-        while q and approx.size() > target:
-            number, _, blocks = q.popleft()
-            approx._evicted += approx.expire(blocks, number)
+        if self.pending is not None:
+            self.pending.route((worker.id, dp_rank), chain)
 
     def _expire(self) -> None:
-        q = self._approx_expiry
-        if not q:
-            return
-        cutoff = time.monotonic() - self.config.approx_ttl_s
-        while q and q[0][1] <= cutoff:
-            number, _, blocks = q.popleft()
-            self.approx.expire(blocks, number)
+        self.routed.expire()
+        if self.pending is not None:
+            self.pending.expire()
 
     def cached_blocks(self, worker_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Blocks each worker holds, by events or by routing (only ``worker_ids``, if given)."""
@@ -347,22 +354,34 @@ class KVCache:
         return out
 
 
+def _deeper(out: dict, got: dict) -> None:
+    """Merge ``got`` into ``out``, keeping the deeper depth per key."""
+    if not out:
+        out.update(got)
+        return
+    for key, depth in got.items():
+        if depth > out.get(key, 0):
+            out[key] = depth
+
+
 class GroupMatch:
     """One walk of a prompt's chain over a whole routable group (see ``KVCache.group_match``)."""
 
-    __slots__ = ("top", "_kv", "_exact", "_approx", "_exact_mask", "_approx_mask")
+    __slots__ = ("top", "_kv", "_exact", "_approx", "_pending", "_exact_mask", "_approx_mask", "_pending_mask")
 
     def __init__(self, kv: KVCache, exact: list[tuple[int, int]], approx: list[tuple[int, int]],
-                 exact_mask: int, approx_mask: int, k: int, rng: random.Random) -> None:
-        self._kv, self._exact, self._approx = kv, exact, approx
-        self._exact_mask, self._approx_mask = exact_mask, approx_mask
+                 pending: list[tuple[int, int]], exact_mask: int, approx_mask: int, pending_mask: int,
+                 k: int, rng: random.Random) -> None:
+        self._kv, self._exact, self._approx, self._pending = kv, exact, approx, pending
+        self._exact_mask, self._approx_mask, self._pending_mask = exact_mask, approx_mask, pending_mask
         top = kv.exact.top(exact, k, rng) if exact else {}
-        if approx:
-            for worker_id, depth in kv.approx.top(approx, k, rng).items():
-                if depth > top.get(worker_id, 0):
-                    top[worker_id] = depth
-            if len(top) > k:
-                top = dict(sorted(top.items(), key=lambda kv_: -kv_[1])[:k])
+        merged = False
+        for levels, index in ((approx, kv.approx), (pending, kv.pending.index if pending else None)):
+            if levels:
+                _deeper(top, index.top(levels, k, rng))
+                merged = True
+        if merged and len(top) > k:
+            top = dict(sorted(top.items(), key=lambda kv_: -kv_[1])[:k])
         self.top = top
 
     def depths(self, worker_ids: Sequence[str]) -> dict[str, int]:
@@ -371,8 +390,8 @@ class GroupMatch:
         out = kv.exact.depths_in(self._exact, kv.exact.mask_of(worker_ids) & self._exact_mask) \
             if self._exact else {}
         if self._approx:
-            got = kv.approx.depths_in(self._approx, kv.approx.mask_of(worker_ids) & self._approx_mask)
-            for worker_id, depth in got.items():
-                if depth > out.get(worker_id, 0):
-                    out[worker_id] = depth
+            _deeper(out, kv.approx.depths_in(self._approx, kv.approx.mask_of(worker_ids) & self._approx_mask))
+        if self._pending:
+            pending = kv.pending.index
+            _deeper(out, pending.depths_in(self._pending, pending.mask_of(worker_ids) & self._pending_mask))
         return out

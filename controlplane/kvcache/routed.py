@@ -1,0 +1,91 @@
+"""Prefixes remembered because they were routed somewhere, each for a while after its routing.
+
+Two uses in :class:`~controlplane.kvcache.manager.KVCache`:
+
+* the approximate view of workers without KV events (``approx_ttl_s``, minutes): what was
+  routed there is the best a router can know;
+* pending prefixes of workers with events (``pending_ttl_s``, seconds): a prompt placed on an
+  engine is in no event until the engine has computed it, which takes its queue time plus its
+  prefill. A follow-up turn placed meanwhile would see no match and go elsewhere, recomputing
+  the whole conversation (vllm-router's tree records the routed prompt at once and never has
+  this gap). Remembering the placement until its events have surely arrived closes it.
+
+Expiry works in buckets of at most ``ttl_s / 16`` (and 1/16 of ``max_blocks``): per bucket, the
+blocks whose routing stamp moved to it. :class:`RoutedIndex` stamps each block with the bucket
+of its last routing, so a block routed again (the next turn of a conversation, a shared system
+prompt) outlives its earlier bucket; a block routed many times within one bucket costs one
+entry. Blocks count for ``ttl_s`` after their last routing, less at most a bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+
+from controlplane.kvcache.index import PrefixIndexConfig, RoutedIndex, WorkerKey
+
+
+class RoutingMemory:
+    """A :class:`RoutedIndex` with its expiry: routings count for ``ttl_s``, the whole under
+    ``max_blocks`` (the oldest buckets go first when it is over)."""
+
+    def __init__(self, ttl_s: float, max_blocks: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        # Parent links are not kept: lookup does not need them and they cost ~50 bytes a block.
+        self.index = RoutedIndex(PrefixIndexConfig(max_blocks=max_blocks, keep_parents=False))
+        self.expiry: deque[tuple[int, float, array | list]] = deque()   # (number, start, blocks)
+        self.last_bucket = 0
+
+    def bucket(self, now: float) -> int:
+        """The current bucket's number, opening a new one when the current is ttl_s / 16 old or
+        holds 1/16 of max_blocks (so the cap can always drop a bounded oldest part)."""
+        q = self.expiry
+        if q:
+            number, start, blocks = q[-1]
+            if now < start + max(self.ttl_s / 16, 1e-3) and len(blocks) < max(1024, self.max_blocks >> 4):
+                return number
+            number += 1
+        else:
+            number = self.last_bucket + 1
+        self.last_bucket = number
+        q.append((number, now, array("Q")))
+        return number
+
+    def route(self, key: WorkerKey, chain: Sequence[int], held: int = 0, now: float | None = None) -> None:
+        """``chain`` was routed to ``key`` (worker id, DP rank); ``held``: the leading blocks
+        already found there (see :meth:`RoutedIndex.route`)."""
+        if not chain:
+            return
+        self.bucket(time.monotonic() if now is None else now)
+        changed = self.index.route(key, chain, self.last_bucket, held)
+        if changed:
+            q = self.expiry
+            number, start, blocks = q[-1]
+            try:
+                blocks.extend(changed)
+            except OverflowError:      # a hash outside 64 unsigned bits: keep this bucket a list
+                q[-1] = (number, start, list(blocks) + [h for h in changed if h not in set(blocks)])
+        if self.index.size() > self.max_blocks:
+            self.shrink()
+
+    def shrink(self) -> None:
+        """Over ``max_blocks``: expire the oldest buckets early, down to 255/256 of the cap
+        (expiring whole buckets keeps routed prefixes prefix-closed, which the walk relies on)."""
+        q, index = self.expiry, self.index
+        target = self.max_blocks - (self.max_blocks >> 8)
+        while q and index.size() > target:
+            number, _, blocks = q.popleft()
+            index._evicted += index.expire(blocks, number)
+
+    def expire(self, now: float | None = None) -> None:
+        """Forget the routings older than ``ttl_s``."""
+        q = self.expiry
+        if not q:
+            return
+        cutoff = (time.monotonic() if now is None else now) - self.ttl_s
+        while q and q[0][1] <= cutoff:
+            number, _, blocks = q.popleft()
+            self.index.expire(blocks, number)
