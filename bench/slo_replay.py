@@ -141,7 +141,9 @@ def start_engines(group: ProcessGroup, mode: str, args, cost: Cost) -> list[Engi
         return list(pool.map(one, range(len(roles)), roles))
 
 
-def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine]) -> str:
+def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine], extra_config: str = "") -> str:
+    """Our control plane and one data plane; ``extra_config``: TOML appended to the control
+    plane's config (``--profiles``: custom policies, chosen by name in ``--policies``)."""
     specs: list[str] = []
     for e in engines:
         spec = f"{e.url},role={e.role},id={e.name},kv_events={e.kv_events},kv_replay={e.kv_replay}"
@@ -149,7 +151,8 @@ def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine
             spec += f",bootstrap_port={e.bootstrap_port}"
         specs += ["--worker", spec]
     cfg = group.workdir / "cp.toml"
-    cfg.write_text(f'[kv_cache]\nblock_size = {SIM_BLOCK}\nhash_algo = "sha256"\nhash_seed = "0"\n')
+    cfg.write_text(f'[kv_cache]\nblock_size = {SIM_BLOCK}\nhash_algo = "sha256"\nhash_seed = "0"\n'
+                   + extra_config)
     cp = group.start("controlplane", ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0",
                                       "--http-host", "127.0.0.1", "--http-port", "0", "--policy", policy,
                                       *(["--pd-flow", "sequential"] if mode == "pd" else []),
@@ -160,9 +163,10 @@ def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine
     return dp.url
 
 
-def start_router(group: ProcessGroup, target: Target, mode: str, engines: list[Engine]) -> str:
+def start_router(group: ProcessGroup, target: Target, mode: str, engines: list[Engine],
+                 extra_config: str = "") -> str:
     if target.kind == "ours":
-        return start_ours(group, target.policy, mode, engines)
+        return start_ours(group, target.policy, mode, engines, extra_config)
     from bench.tracedata import free_port
     eng = peerlib.Engines(both=[e.url for e in engines if e.role == "both"],
                           prefill=[e.url for e in engines if e.role == "prefill"],
@@ -469,7 +473,7 @@ def run_once(target: Target, mode: str, rows, bodies, offsets, args, cost: Cost)
     """The target's run through its router, then (when asked) its assignment replayed."""
     with _group(args, f"{target.name.replace(':', '-')}-{mode}") as group:
         engines = start_engines(group, mode, args, cost)
-        url = start_router(group, target, mode, engines)
+        url = start_router(group, target, mode, engines, args.profiles.read_text() if args.profiles else "")
         res = asyncio.run(drive(engines, rows, bodies, offsets, args, url, None))
     replay = None
     if args.replay and res["ok"]:
@@ -651,6 +655,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--modes", default="agg,pd", help="agg and/or pd")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="our control-plane policies, any names")
+    p.add_argument("--profiles", type=Path, default=None,
+                   help="TOML with [profiles.NAME] tables for our control plane (custom policies named in --policies)")
     p.add_argument("--peers", default="vllm-router,smg", help="peer routers (vllm-router, smg)")
     p.add_argument("--peer-policies", default="cache_aware,round_robin")
     p.add_argument("--no-peers", action="store_true", help="only our policies")

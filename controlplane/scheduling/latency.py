@@ -48,22 +48,35 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
 class PredictedLatencyScorer:
     """Score = the best candidate's predicted cost / this one's (1.0 for the best).
 
-    Cost = TTFT / TTFT target + TPOT / TPOT target, divided by the worker's weight.
+    Cost = (TTFT + ``recompute_weight`` x the prefill time of the prompt's uncached tokens)
+    / TTFT target + ``tpot_weight`` x TPOT / TPOT target, divided by the worker's weight.
+
+    The recompute term is what placing the request there costs everyone else: tokens
+    computed again on a worker that does not hold them are capacity the requests behind it
+    no longer have. Judged by its own TTFT alone (``recompute_weight = 0``), a follow-up
+    turn leaves its conversation's engine whenever that engine's queue is longer than the
+    cached prefix, and under load the fleet spends itself recomputing prefixes it already
+    holds (docs/benchmarks/slo_replay_notes.md).
     """
 
     ttft_target_s: float = 2.0
     tpot_target_s: float = 0.1
+    tpot_weight: float = 1.0
+    recompute_weight: float = 1.0
     name: str = "predicted_latency"
     uses_prefix_cache: bool = True
     uses_predictions: bool = True
 
     def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
         ttft_t = ctx.ttft_slo_s or self.ttft_target_s
-        tpot_t = ctx.tpot_slo_s or self.tpot_target_s
+        tpot_t = (ctx.tpot_slo_s or self.tpot_target_s) / self.tpot_weight if self.tpot_weight > 0 else float("inf")
+        mu = self.recompute_weight
         costs = []
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
+            if mu and ctx.leg != "decode" and spec.role is not Role.DECODE:
+                ttft += mu * ctx.predictor.model(spec.id).ttft.b * ctx.uncached_tokens(spec.id)
             weight = spec.weight
             costs.append((ttft / ttft_t + tpot / tpot_t) / (weight if weight > 1e-9 else 1e-9))
         best = min(costs, default=0.0)
