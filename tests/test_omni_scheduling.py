@@ -9,12 +9,14 @@ import random
 import pytest
 
 from controlplane.fleet import Fleet
+from controlplane.kvcache.manager import KVCache, KVCacheConfig
 from controlplane.lifecycle import Lifecycle
 from controlplane.placement import PlacementStats, Placer
 from controlplane.prediction import EngineModel, OnlineLine, PredictionDefaults, Predictor
 from controlplane.scheduling import build_profile
 from controlplane.scheduling.queue import HoldQueue
 from controlplane.state import MemoryStore
+from controlplane.state.base import Charge, RequestRecord
 from controlplane.workers import Health, HealthState, Role, WorkerSpec
 from protos import omni_proxy_pb2 as pb
 
@@ -111,6 +113,29 @@ async def test_predicted_latency_prefers_the_engine_that_answers_first_not_the_i
     assert p.decode.worker_id == "a"    # 0.41 s on a beats 1.01 s on b
     explained = await plane.placer.place(entry("x", tokens=1000, explain=True), dry_run=True)
     assert "ttft=" in explained.explanation and "tpot=" in explained.explanation
+
+
+async def _follow_up_placement(recompute_weight: float) -> str:
+    """a holds 3,000 of a 4,000-token follow-up's tokens but has 4,000 tokens queued; b is idle."""
+    scorer = {"name": "predicted_latency", "recompute_weight": recompute_weight, "tpot_weight": 0.0}
+    plane = await make(policy="p", p={"scorers": [scorer]})
+    teach(plane, "a", 1e-4)
+    teach(plane, "b", 1e-4)
+    await plane.store.reserve(RequestRecord(request_id="queued", model="m", prompt_tokens=4000, max_tokens=1),
+                              (Charge("a", "aggregated", 4000, prefill_tokens=4000),))
+    chain = list(range(1, 251))                    # 250 blocks of 16 tokens = the 4,000 tokens
+    plane.placer.kv = KVCache(KVCacheConfig())
+    plane.placer.kv.placed(plane.fleet.get("a"), chain[:188], 0)      # a holds 188 blocks (3,008 tokens) of it
+    p = await plane.placer.place(entry("follow", tokens=4000, block_hashes=chain), "s")
+    return p.decode.worker_id
+
+
+async def test_predicted_latency_counts_the_recompute_a_placement_costs_the_fleet():
+    # Its own TTFT alone: 0.1 + 0.4 (queue) on a vs 0.4 on b: it leaves its conversation.
+    assert await _follow_up_placement(0.0) == "b"
+    # Counting the 4,000 tokens b would compute again (0.4 s of b's capacity) against a's
+    # 992: it stays where its prefix is.
+    assert await _follow_up_placement(1.0) == "a"
 
 
 async def test_first_token_settles_prefill_work_and_teaches_the_engine():
