@@ -139,7 +139,7 @@ class ControlPlane:
             self._tasks += [asyncio.create_task(self.store.maintain(orphan=True)),
                             asyncio.create_task(self._sync.run())]
             if self.kv_snapshots is not None:
-                self._tasks.append(asyncio.create_task(self.kv_snapshots.run()))
+                self.kv_snapshots.start()      # stopped by kv_snapshots.close() in stop()
         log.info("control plane: gRPC on port %d, HTTP on %s:%d, policy %s, %d workers",
                  self.grpc_port, self.config.http_host, self.http_port, self.config.policy,
                  len(self.config.workers))
@@ -153,7 +153,7 @@ class ControlPlane:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.kv_snapshots is not None:
-            await self.kv_snapshots.close()   # a last snapshot, before the index is dropped
+            await self.kv_snapshots.close()   # its writer, then a last snapshot before the index is dropped
         if self._server:
             await self._server.stop(grace=1.0)
         if self._runner:

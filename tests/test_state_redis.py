@@ -503,6 +503,33 @@ async def test_spec_changes_are_published_to_every_replica(redis_server):
         await b.close()
 
 
+async def test_a_cancelled_spec_watch_ends_wherever_the_cancel_lands(redis_server):
+    """Cancelling the task that waits for the next spec change ends it at any point of the
+    subscription, also where redis-py swallows the cancel: it sends under asyncio.wait_for,
+    which before Python 3.12 returns normally when the cancel arrives just after the send
+    finished. The watch then waited for a message forever, and SpecSync.run (so
+    ControlPlane.stop) waited for it. Each round lets it run one more loop step."""
+    store = RedisStore(redis_server.url, key_prefix=_prefix())
+    try:
+        for steps in range(80):
+            changes = store.watch_specs()
+            nxt = asyncio.ensure_future(changes.__anext__())
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            nxt.cancel()
+            done, _ = await asyncio.wait({nxt}, timeout=5)
+            if not done:
+                for _ in range(100):                  # cancel until one is not swallowed
+                    nxt.cancel()
+                    if (await asyncio.wait({nxt}, timeout=0.05))[0]:
+                        break
+                pytest.fail(f"the cancelled watch did not end (cancelled after {steps} loop steps)")
+            assert nxt.cancelled()
+            await changes.aclose()
+    finally:
+        await store.close()
+
+
 # ---------------------------------------------------------------------------- config and wiring
 
 def test_state_config_and_make_store():

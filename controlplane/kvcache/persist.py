@@ -47,6 +47,13 @@ per (block, slot) pair.
 **Not stalling the loop.** The dump copies the index's keys and values (two C-level list
 copies) and then packs them into per-slot arrays in chunks of ``CHUNK`` entries, yielding to
 the loop between chunks; the Redis write is asynchronous.
+
+**Stopping.** ``KVSnapshots.start`` runs the writer in a task it owns and ``close`` stops it
+with a flag as well as a cancel: a cancel alone can be lost. redis-py sends each command under
+``asyncio.wait_for`` when the client has a socket timeout, and before Python 3.12 ``wait_for``
+returns the result instead of raising when the cancel lands just after the send finished
+(CPython gh-86296). A loop that ended only on ``CancelledError`` then went on writing forever,
+and the control plane's ``stop()`` waited for it forever.
 """
 
 from __future__ import annotations
@@ -269,6 +276,8 @@ class KVSnapshots:
         self.redis = binary_client(store)
         self._written: tuple | None = None
         self._failing = False
+        self._task: asyncio.Task | None = None
+        self._stopping = False
         self.last_bytes = 0
         self.last_dump_s = 0.0
         self.writes = 0
@@ -348,9 +357,19 @@ class KVSnapshots:
                 pipe.delete(*[self._k_snap + r for r in gone])
                 await pipe.execute()
 
+    def start(self) -> None:
+        """Write every ``interval_s`` in a task of its own, until :meth:`close`."""
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="kv-snapshots")
+
     async def run(self) -> None:
-        while True:
+        # Ends on the flag close() sets, not only on the cancel that follows it: a cancel
+        # landing inside a Redis call can be swallowed (see "Stopping" above), and the
+        # call then returns normally.
+        while not self._stopping:
             await asyncio.sleep(self.interval_s)
+            if self._stopping:
+                return
             try:
                 await self.save()
                 if self._failing:
@@ -364,6 +383,13 @@ class KVSnapshots:
                     log.warning("KV index snapshots: cannot write (%s); retrying every %.1fs", exc, self.interval_s)
 
     async def close(self, *, final: bool = True) -> None:
+        """Stop the writer (at most the snapshot it is writing is finished, each Redis call
+        bounded by the client's socket timeout), then write a last snapshot (``final``, at
+        most 5 s) and close the connections."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         if final:
             try:
                 await asyncio.wait_for(self.save(), 5.0)

@@ -618,8 +618,13 @@ class RedisStore:
             try:
                 await pubsub.subscribe(self.spec_channel)
             except _UNAVAILABLE as exc:
+                _reraise_cancel()
                 raise StoreUnavailable(f"redis at {self.url_for_logs}: cannot subscribe ({exc})") from exc
             while True:
+                # A cancel swallowed by redis-py (in subscribe, or a reconnect or health
+                # check inside get_message) must not leave this waiting for a message
+                # forever: the next read blocks without a timeout, and its canceller waits.
+                _reraise_cancel()
                 try:
                     msg = await pubsub.get_message(timeout=None)
                 except _UNAVAILABLE as exc:
@@ -817,4 +822,5 @@ class RedisStore:
                 if not down:
                     log.error("%s", exc)
                 down = True
+            _reraise_cancel()   # not a whole interval later: stop() waits for this task
             await asyncio.sleep(interval)
