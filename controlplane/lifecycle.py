@@ -97,7 +97,7 @@ class Lifecycle:
             return
         for charge in record.charges:
             if charge.leg != "decode" and charge.prefill_tokens >= 0:
-                self.predictor.model(charge.worker_id).observe_ttft(record.work_ahead_tokens, event.ttft_ms / 1000)
+                self.predictor.observe_ttft(charge.worker_id, record.work_ahead_tokens, event.ttft_ms / 1000)
                 return
 
     def _learn_tpot(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
@@ -108,7 +108,7 @@ class Lifecycle:
         for charge in record.charges:
             if charge.leg != "prefill":
                 tpot_s = (event.latency_ms - event.ttft_ms) / 1000 / (n - 1)
-                self.predictor.model(charge.worker_id).observe_tpot(record.decode_batch, tpot_s)
+                self.predictor.observe_tpot(charge.worker_id, record.decode_batch, tpot_s)
                 return
 
     def _note_failure(self, event: pb.LifecycleEvent) -> None:

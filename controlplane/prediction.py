@@ -13,6 +13,12 @@ model follows an engine that slows down (thermal throttling, a noisy neighbour, 
 context mix). They start from priors given by config, kept as two pseudo-observations
 that fade like any other sample, so the first predictions are sane and a few real ones
 take over. Each model also tracks its own relative error, exported on /metrics.
+
+An engine nobody has observed yet predicts what the observed engines do on average, not
+the static priors: otherwise, once the others have learned that they are faster than the
+priors say, the unobserved engine always looks slower, is never chosen, and so never gets
+the observation that would correct it (seen in bench/slo_replay.py: one engine of four
+received no request at all).
 """
 
 from __future__ import annotations
@@ -81,6 +87,11 @@ class OnlineLine:
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
 
+    def adopt(self, a: float, b: float) -> None:
+        """Take (a, b) as the priors and the current fit; only while nothing was observed."""
+        if self.n == 0:
+            self.prior_a, self.prior_b, self.a, self.b = a, b, a, b
+
 
 @dataclass(slots=True)
 class ErrorTrack:
@@ -121,30 +132,61 @@ class EngineModel:
         return cls(ttft=OnlineLine(d.ttft_base_s, d.prefill_s_per_token, 8192.0, d.half_life),
                    tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life))
 
-    def observe_ttft(self, work_tokens: float, ttft_s: float) -> None:
+    def observe_ttft(self, work_tokens: float, ttft_s: float) -> OnlineLine:
         self.ttft_error.add(self.ttft(work_tokens), ttft_s)
         self.ttft.add(work_tokens, ttft_s)
+        return self.ttft
 
-    def observe_tpot(self, batch: float, tpot_s: float) -> None:
+    def observe_tpot(self, batch: float, tpot_s: float) -> OnlineLine:
         self.tpot_error.add(self.tpot(batch), tpot_s)
         self.tpot.add(batch, tpot_s)
+        return self.tpot
 
 
 class Predictor:
     """One model per worker id, made on first use."""
 
+    # How fast the fleet average follows the observed engines' fits (per observation).
+    POOL_RATE = 0.1
+
     def __init__(self, defaults: PredictionDefaults | None = None) -> None:
         self.defaults = defaults or PredictionDefaults()
         self._models: dict[str, EngineModel] = {}
+        # The observed engines' fits, averaged over observations: (a, b) per line, None before any.
+        self._pool_ttft: tuple[float, float] | None = None
+        self._pool_tpot: tuple[float, float] | None = None
 
     def model(self, worker_id: str) -> EngineModel:
+        """The engine's model; one not observed yet follows the fleet's average (module docstring)."""
         m = self._models.get(worker_id)
         if m is None:
             m = self._models[worker_id] = EngineModel.new(self.defaults)
+        if m.ttft.n == 0 and self._pool_ttft is not None:
+            m.ttft.adopt(*self._pool_ttft)
+        if m.tpot.n == 0 and self._pool_tpot is not None:
+            m.tpot.adopt(*self._pool_tpot)
         return m
+
+    def observe_ttft(self, worker_id: str, work_tokens: float, ttft_s: float) -> None:
+        line = self.model(worker_id).observe_ttft(work_tokens, ttft_s)
+        self._pool_ttft = _pooled(self._pool_ttft, line)
+
+    def observe_tpot(self, worker_id: str, batch: float, tpot_s: float) -> None:
+        line = self.model(worker_id).observe_tpot(batch, tpot_s)
+        self._pool_tpot = _pooled(self._pool_tpot, line)
 
     def forget(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)
 
     def items(self) -> list[tuple[str, EngineModel]]:
         return list(self._models.items())
+
+
+def _pooled(pool: tuple[float, float] | None, line: OnlineLine) -> tuple[float, float] | None:
+    """The running average of observed fits, moved toward ``line`` (if it learned anything)."""
+    if line.n == 0:
+        return pool
+    if pool is None:
+        return line.a, line.b
+    r = Predictor.POOL_RATE
+    return pool[0] + r * (line.a - pool[0]), pool[1] + r * (line.b - pool[1])

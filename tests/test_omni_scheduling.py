@@ -46,6 +46,39 @@ def test_model_adapts_when_an_engine_slows_down_and_tracks_its_error():
     assert model.ttft(4000) == pytest.approx(1.21, rel=0.05)
 
 
+def test_an_unobserved_engine_predicts_what_the_observed_ones_do():
+    """Static priors slower than the learned engines would keep it unchosen, hence unobserved."""
+    predictor = Predictor(PredictionDefaults(prefill_s_per_token=1e-3, tpot_base_s=0.05))
+    for i in range(50):
+        x = 200 + 100 * i
+        predictor.observe_ttft("a", x, 0.01 + 2e-5 * x)
+        predictor.observe_tpot("a", 1 + i % 8, 0.004 + 1e-4 * (1 + i % 8))
+    learned, fresh = predictor.model("a"), predictor.model("new")
+    a_before = learned.ttft(4000)
+    assert fresh.ttft.n == 0 and fresh.ttft(4000) == pytest.approx(learned.ttft(4000), rel=0.3)
+    assert fresh.tpot(4) == pytest.approx(learned.tpot(4), rel=0.3)
+    assert fresh.ttft(4000) < 0.5 * (1e-3 * 4000)          # far from the static prior's 4 s
+    # Its own observations take over from there.
+    for i in range(50):
+        x = 200 + 100 * i
+        predictor.observe_ttft("new", x, 0.01 + 2e-4 * x)
+    assert predictor.model("new").ttft(4000) == pytest.approx(0.81, rel=0.1)
+    assert predictor.model("a").ttft(4000) == a_before      # another engine's samples are not a's
+
+
+async def test_predicted_latency_tries_an_engine_it_has_not_observed_yet():
+    plane = await make(policy="p", p={"scorers": [{"name": "predicted_latency"}]}, workers=("a", "b"))
+    plane.placer.predictor = predictor = Predictor(PredictionDefaults(prefill_s_per_token=1e-3, tpot_base_s=0.05))
+    for i in range(50):
+        predictor.observe_ttft("a", 200 + 100 * i, 0.01 + 2e-5 * (200 + 100 * i))
+        predictor.observe_tpot("a", 1 + i % 8, 0.004)
+    # a is busy with one request; b, never observed, is idle: b is the better choice.
+    await plane.placer.place(entry("first", tokens=1000), "s")
+    first = (await plane.store.get("first")).charges[0].worker_id
+    second = (await plane.placer.place(entry("second", tokens=1000), "s")).decode.worker_id
+    assert {first, second} == {"a", "b"}
+
+
 def test_prompts_of_one_length_teach_the_slope_not_the_intercept():
     line = OnlineLine(prior_a=0.02, prior_b=1e-4, prior_x=8192)
     for _ in range(6):
