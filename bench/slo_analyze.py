@@ -7,7 +7,11 @@ same trace window, and prints per (target, rate), averaged over repeats (router 
   previous new prompt when it arrived less than --close-s model seconds before (blind
   spots: a router that learns placements only from KV events does not yet see the blocks
   of a prompt that is still queued);
-* per-engine work: requests, prompt tokens (real) and the queue depth the engines reported.
+* per-engine work: requests, prompt tokens (real) and the queue depth the engines reported;
+
+and, once per report, the attainment no router can exceed: a request whose prompt, less
+the deepest prefix any earlier request of the window shares with it, takes longer than the
+TTFT target to prefill on an idle engine misses the SLO wherever it goes.
 
     python bench/slo_analyze.py docs/benchmarks/slo_replay.json
 """
@@ -63,6 +67,19 @@ def analyze(run: dict, rows: list[dict], preds: dict, scale: float, close_s: flo
             "waiting_mean": [pe["waiting_mean"] for pe in run["per_engine"]]}
 
 
+def doomed(rows: list[dict], preds: dict, cfg: dict) -> list[int]:
+    """Rows that miss the TTFT target on an idle engine even with every earlier shared prefix
+    cached (trace blocks of 512 tokens; the engine recomputes at least the last token)."""
+    cost = cfg["cost"]
+    out = []
+    for i, row in enumerate(rows):
+        share = preds[i][2] if i in preds else 0.0
+        held = min(round(share * len(row["hash_ids"])) * 512, row["input_length"] - 1)
+        if (row["input_length"] - held) / cost["prefill_tok_s"] * 1000 > cfg["slo_ttft_ms"]:
+            out.append(i)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("report", type=Path)
@@ -74,6 +91,9 @@ def main() -> int:
     rows = load_rows(resolve_trace(args.trace), cfg["start"], cfg["requests"])
     preds = predecessors(rows)
     print(f"{len(preds)} of {len(rows)} requests share a prefix with an earlier one in the window")
+    lost = doomed(rows, preds, cfg)
+    print(f"{len(lost)} of {len(rows)} cannot meet TTFT <= {cfg['slo_ttft_ms']:g} ms on an idle engine with every "
+          f"earlier prefix cached: no router exceeds {100 * (1 - len(lost) / len(rows)):.1f} % SLO attainment")
     groups: dict[tuple, list[dict]] = {}
     for run in report["runs"]:
         if run.get("skipped") or run["path"] != "router":
