@@ -1,0 +1,448 @@
+"""Scale-out: placements/s and p99 placement latency with 1-3 data planes against 1-2
+control-plane replicas, in-memory store vs Redis store (issue 10).
+
+    python bench/scaleout.py [--rounds 3] [--seconds 2] [--concurrency 8] [--out docs/benchmarks]
+
+What runs, all real processes on 127.0.0.1, every one of them ending with the benchmark
+(``omni_proxy.launcher``: lifeline + process groups):
+
+* one zero-latency engine (``bench/mock_engine.py``) behind 16 workers (``[[workers]]``
+  with their own ids on the same URL), so every control plane has 16 healthy candidates;
+* a redis-server the benchmark starts in a temporary directory (``tests/redis_fixtures``,
+  loopback TCP, no persistence);
+* control planes started by the launcher (``python -m omni_proxy.launcher controlplane
+  --config ...``), policy ``least_load``: one on the memory store, and for each Redis
+  configuration two replicas sharing one key prefix;
+* up to three "data planes": each a process of its own holding a
+  ``dataplane.placement_client.PlacementClient`` session with one control plane (data plane
+  ``i`` talks to replica ``i mod replicas``), placing requests as fast as its
+  ``--concurrency`` loops allow and sending the FINISHED report of each request as soon as
+  its placement is back, exactly as the data plane does for a request that finished at once.
+
+Why the gRPC Place round trip and not whole HTTP requests through data-plane processes: a
+placement is what the store changes. Whole requests against zero-latency engines would add
+HTTP parsing, proxying and engine emulation (several hundred microseconds of CPU per request
+on this machine, more processes on the same two cores) to every sample, so the store's share
+of a request's latency would be diluted and the noise of everything else would decide the
+p99. ``PlacementClient.place`` is the call a data plane's request awaits before it can
+open its upstream connection: the latency measured is the one a request waits for its
+placement (stream write, control-plane placement with its store calls, reply), and the
+placements/s are what the control-plane replicas sustain through their data-plane sessions.
+
+Cells: store x control planes x data planes (memory with one control plane only: the
+memory store is not shared, two replicas on it would be two independent ledgers). Every
+round runs every cell once, in an order rotated per round, so a noisy neighbour slows all
+alike. In a cell, its data planes start together (a common wall-clock instant, after
+``--warm`` seconds of unmeasured load) and place for ``--seconds`` or ``--max-count``
+placements each, whichever comes first; placements/s is the sum over data planes of their
+measured placements over their measured time, p99 is over all their placements together.
+Reported: the median over rounds and the spread (min..max); the Redis/memory p99 ratio is
+taken per round (same data-plane count, one memory control plane) and its median and spread
+reported. Bounded: ``--max-seconds`` in all (default 900). Writes
+``scaleout.{json,md,png}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL = "sim-model"
+WORKERS = 16
+GOAL_RATIO = 1.5
+# Redis configurations: [state] keys (besides backend, redis_url, key_prefix).
+STORES: dict[str, dict] = {
+    "memory": {},
+    "redis": {},                                                     # the defaults
+    "redis-mirror-wb": {"loads_max_age_s": 0.05, "write_behind": True},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+# ---------------------------------------------------------------------------- data plane
+
+class Driver:
+    """One data plane's placements: a PlacementClient per control plane it is sent to."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.clients: dict[str, object] = {}
+        self.seq = 0
+
+    async def client(self, target: str):
+        from dataplane.placement_client import PlacementClient
+
+        c = self.clients.get(target)
+        if c is None:
+            c = self.clients[target] = PlacementClient(target, f"{self.name}-{target}", timeout_s=10.0)
+            await c.start()
+            if not await c.wait_connected(30):
+                raise RuntimeError(f"{self.name}: no session with {target}")
+        return c
+
+    async def run(self, job: dict) -> dict:
+        from protos import omni_proxy_pb2 as pb
+
+        client = await self.client(job["target"])
+        start_at, seconds, max_count = job["start_at"], job["seconds"], job["max_count"]
+        warm_from = start_at - job["warm"]
+        stop_at = start_at + seconds
+        samples: list[int] = []
+        errors: list[str] = []
+        last_end = [start_at]
+        tag = job["tag"]
+        while time.time() < warm_from - 0.002:
+            await asyncio.sleep(min(0.05, warm_from - time.time()))
+
+        async def loop() -> None:
+            while True:
+                now = time.time()
+                if now >= stop_at or len(samples) >= max_count:
+                    return
+                self.seq += 1
+                rid = f"{tag}-{self.name}-{self.seq}"
+                req = pb.PlaceRequest(request_id=rid, model=MODEL, leg=pb.LEG_ENTRY, prompt_tokens=512,
+                                      max_tokens=128)
+                t0 = time.perf_counter_ns()
+                out = await client.place(req)
+                dt = time.perf_counter_ns() - t0
+                if out.error:
+                    if len(errors) < 5:
+                        errors.append(f"{pb.ErrorCode.Name(out.error)}: {out.error_message}")
+                    await asyncio.sleep(0.01)
+                    continue
+                client.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED,
+                                                worker_id=out.decode.worker_id))
+                if now >= start_at and len(samples) < max_count:
+                    samples.append(dt // 1000)   # us
+                    last_end[0] = time.time()
+
+        await asyncio.gather(*(loop() for _ in range(job["concurrency"])))
+        elapsed = max(1e-6, min(stop_at, last_end[0]) - start_at) if samples else seconds
+        return {"n": len(samples), "elapsed_s": elapsed, "samples_us": samples, "errors": errors}
+
+
+async def driver_main(name: str, ready_file: str) -> None:
+    """A data-plane process: runs the jobs the benchmark sends on a loopback socket (JSON lines)."""
+    driver = Driver(name)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            job = json.loads(line)
+            try:
+                out = await driver.run(job)
+            except Exception as exc:  # noqa: BLE001 - reported to the benchmark
+                out = {"n": 0, "elapsed_s": 0.0, "samples_us": [], "errors": [f"{type(exc).__name__}: {exc}"]}
+            writer.write(json.dumps(out).encode() + b"\n")
+            await writer.drain()
+        writer.close()
+        done.set()
+
+    done = asyncio.Event()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tmp = ready_file + ".tmp"
+    Path(tmp).write_text(json.dumps({"port": port}))
+    os.replace(tmp, ready_file)
+    await done.wait()
+    for c in driver.clients.values():
+        await c.close()
+    server.close()
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+def start_child(group, name: str, cmd: list[str], ready_file: Path, timeout: float = 60.0):
+    """Any program behind the launcher's guardian (it dies with us); waits for its ready file."""
+    from omni_proxy.launcher import Child, LaunchError, guarded, spawn
+
+    log_path = group.workdir / f"{name}.log"
+    proc = spawn(guarded(cmd), log_path=log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    child = Child(name=name, proc=proc, port=0, log_path=log_path, info={"cmd": cmd})
+    group.children.append(child)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise LaunchError(f"{name} exited with {proc.returncode}:\n{child.log_tail(30)}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{name} not ready after {timeout}s:\n{child.log_tail(30)}")
+        try:
+            child.port = int(json.loads(ready_file.read_text())["port"])
+            return child
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.05)
+
+
+def config_toml(engine_url: str, store: str, redis_url: str) -> str:
+    lines = ['policy = "least_load"', "", "[health]", "interval_s = 30.0", "poll_metrics = false", ""]
+    if store != "memory":
+        lines += ["[state]", 'backend = "redis"', f'redis_url = "{redis_url}"', f'key_prefix = "{store}:"']
+        for key, value in STORES[store].items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    for i in range(WORKERS):
+        lines += ["[[workers]]", f'id = "w{i:02d}"', f'url = "{engine_url}/w{i:02d}"', f'model = "{MODEL}"', ""]
+    return "\n".join(lines)
+
+
+def cells(stores: list[str], dataplanes: list[int], replicas: list[int]) -> list[tuple[str, int, int]]:
+    out = []
+    for store in stores:
+        for cps in ([1] if store == "memory" else replicas):
+            for dps in dataplanes:
+                out.append((store, cps, dps))
+    return out
+
+
+def cell_key(store: str, cps: int, dps: int) -> str:
+    return f"{store} {cps}cp {dps}dp"
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from omni_proxy.launcher import ProcessGroup
+    from tests.redis_fixtures import RedisServer
+
+    stores = args.stores
+    todo = cells(stores, args.dataplanes, args.replicas)
+    started = time.monotonic()
+    deadline = started + args.max_seconds
+    redis = RedisServer(tcp=True) if any(s != "memory" for s in stores) else None
+    result: dict = {"rounds": [], "cells": [cell_key(*c) for c in todo]}
+    try:
+        if redis is not None:
+            redis.start()
+            log(f"redis-server on {redis.url} (dir {redis.dir})")
+        with ProcessGroup(ready_timeout=90) as group:
+            engine = start_child(group, "engine", [sys.executable, str(ROOT / "bench" / "mock_engine.py"), "--port",
+                                                   "0", "--ready-file", str(group.workdir / "engine.ready")],
+                                 group.workdir / "engine.ready")
+            log(f"engine on {engine.url}")
+            planes: dict[str, list] = {}
+            for store in stores:
+                cfg = group.workdir / f"{store}.toml"
+                cfg.write_text(config_toml(engine.url, store, redis.url if redis else ""))
+                n = 1 if store == "memory" else max(args.replicas)
+                planes[store] = [group.start(f"cp-{store}-{i}", ["controlplane", "--config", str(cfg), "--listen",
+                                                                 "127.0.0.1:0", "--http-port", "0", "--log-level",
+                                                                 "WARNING"]) for i in range(n)]
+                log(f"control planes {store}: {', '.join(p.address for p in planes[store])}")
+            drivers = []
+            for i in range(max(args.dataplanes)):
+                ready = group.workdir / f"dp{i}.ready"
+                child = start_child(group, f"dp{i}", [sys.executable, str(Path(__file__).resolve()), "--driver",
+                                                      f"dp{i}", "--ready-file", str(ready)], ready)
+                reader, writer = await asyncio.open_connection("127.0.0.1", child.port)
+                drivers.append((reader, writer))
+            log(f"{len(drivers)} data planes up; {len(todo)} cells x {args.rounds} rounds")
+
+            async def job(i: int, target: str, tag: str, start_at: float, warm: float,
+                          seconds: float = args.seconds) -> dict:
+                reader, writer = drivers[i]
+                writer.write(json.dumps({"target": target, "tag": tag, "start_at": start_at, "warm": warm,
+                                         "seconds": seconds, "max_count": args.max_count,
+                                         "concurrency": args.concurrency}).encode() + b"\n")
+                await writer.drain()
+                return json.loads(await reader.readline())
+
+            # Sessions up and workers healthy everywhere before the first measured cell.
+            for store, cps, dps in todo:
+                for i in range(dps):
+                    tag = f"w-{store}-{cps}-{dps}"
+                    out = await job(i, planes[store][i % cps].address, tag, time.time() + 0.1, 0.0, 0.3)
+                    if out["errors"] and not out["n"]:
+                        raise RuntimeError(f"{cell_key(store, cps, dps)}: {out['errors']}")
+            log(f"warmed up in {time.monotonic() - started:.0f}s")
+            for r in range(args.rounds):
+                order = todo[r % len(todo):] + todo[:r % len(todo)]
+                rnd: dict = {}
+                for store, cps, dps in order:
+                    if time.monotonic() > deadline:
+                        log("--max-seconds reached: stopping")
+                        result["rounds"].append(rnd)
+                        result["stopped_early"] = True
+                        return result
+                    start_at = time.time() + 0.3 + args.warm
+                    tag = f"r{r}-{store}-{cps}-{dps}"
+                    outs = await asyncio.gather(*(job(i, planes[store][i % cps].address, tag, start_at, args.warm)
+                                                  for i in range(dps)))
+                    samples = [x for o in outs for x in o["samples_us"]]
+                    res = {"placements_per_s": round(sum(o["n"] / o["elapsed_s"] for o in outs if o["n"]), 1),
+                           "p50_us": pct(samples, 0.5), "p99_us": pct(samples, 0.99), "n": len(samples),
+                           "errors": [e for o in outs for e in o["errors"]]}
+                    rnd[cell_key(store, cps, dps)] = res
+                    log(f"round {r + 1}/{args.rounds} {cell_key(store, cps, dps):24s} "
+                        f"{res['placements_per_s']:8.0f} placements/s  p50 {res['p50_us']:6.0f} us  "
+                        f"p99 {res['p99_us']:6.0f} us  n={res['n']}"
+                        + (f"  errors: {res['errors'][:2]}" if res["errors"] else ""))
+                result["rounds"].append(rnd)
+            for _, writer in drivers:
+                writer.close()
+    finally:
+        if redis is not None:
+            redis.close()
+    return result
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 2), "min": round(min(xs), 2), "max": round(max(xs), 2)} \
+        if xs else {}
+
+
+def summarize(result: dict) -> dict:
+    rounds = [r for r in result["rounds"] if r]
+    summary: dict = {}
+    for key in result["cells"]:
+        got = [r[key] for r in rounds if key in r]
+        if not got:
+            continue
+        store, cps, dps = key.split()
+        s = {m: spread([g[m] for g in got]) for m in ("placements_per_s", "p50_us", "p99_us")}
+        mem_key = f"memory 1cp {dps}"
+        if store != "memory":
+            pairs = [(r[key], r[mem_key]) for r in rounds if key in r and mem_key in r]
+            s["p99_vs_memory"] = spread([a["p99_us"] / b["p99_us"] for a, b in pairs if b["p99_us"]])
+            s["p50_vs_memory"] = spread([a["p50_us"] / b["p50_us"] for a, b in pairs if b["p50_us"]])
+            s["throughput_vs_memory"] = spread([a["placements_per_s"] / b["placements_per_s"]
+                                                for a, b in pairs if b["placements_per_s"]])
+        s["rounds"] = len(got)
+        summary[key] = s
+    return summary
+
+
+def _f(s: dict, fmt: str = "{:.0f}") -> str:
+    if not s:
+        return "-"
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"
+
+
+def markdown(result: dict, summary: dict) -> str:
+    lines = [
+        "# Scale-out: placements/s and p99 placement latency, memory vs Redis store",
+        "",
+        f"`{result['command']}` on {result['host']} (load average at start {result['loadavg']}); "
+        f"{result['args']['rounds']} interleaved rounds, {result['args']['seconds']:g} s measured per cell after "
+        f"{result['args']['warm']:g} s of warm-up, {result['args']['concurrency']} placements in flight per data "
+        f"plane, {WORKERS} workers, policy least_load, redis-server {result.get('redis_version', '?')} on loopback "
+        f"TCP. Latency is the gRPC Place round trip as a data plane's request waits for it "
+        "(`PlacementClient.place`, each data plane its own process); every placed request is reported FINISHED at "
+        "once. Cells show the median over rounds and the spread (min-max). Redis configurations: "
+        + "; ".join(f"`{k}`: " + (", ".join(f"{kk} = {json.dumps(vv)}" for kk, vv in v.items()) or "defaults")
+                    for k, v in STORES.items() if k != "memory" and k in result["args"]["stores"]) + ".",
+        "",
+        "| store | control planes | data planes | placements/s | p50 us | p99 us | **p99 vs memory** (goal <= 1.5x) "
+        "| placements/s vs memory |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, s in summary.items():
+        store, cps, dps = key.split()
+        ratio = s.get("p99_vs_memory")
+        lines.append(f"| {store} | {cps[:-2]} | {dps[:-2]} | {_f(s['placements_per_s'])} | {_f(s['p50_us'])} "
+                     f"| {_f(s['p99_us'])} | "
+                     + (f"**{_f(ratio, '{:.2f}')}x**" if ratio else "1") + " | "
+                     + (f"{_f(s['throughput_vs_memory'], '{:.2f}')}x" if ratio else "1") + " |")
+    errors = {k: v["errors"] for r in result["rounds"] for k, v in r.items() if v.get("errors")}
+    if errors:
+        lines += ["", "Errors seen: " + "; ".join(f"{k}: {v[:2]}" for k, v in errors.items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list] = {}
+    for key, s in summary.items():
+        store, cps, dps = key.split()
+        series.setdefault(f"{store} {cps}", []).append((int(dps[:-2]), s))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, metric, title in ((axes[0], "placements_per_s", "placements/s"),
+                              (axes[1], "p99_us", "p99 placement latency (us)")):
+        for name, points in series.items():
+            points.sort()
+            xs = [p[0] for p in points]
+            med = [p[1][metric]["median"] for p in points]
+            err = [[m - p[1][metric]["min"] for m, p in zip(med, points)],
+                   [p[1][metric]["max"] - m for m, p in zip(med, points)]]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
+        ax.set_xlabel("data planes")
+        ax.set_xticks(sorted({p[0] for pts in series.values() for p in pts}))
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=2.0, help="measured seconds per cell")
+    p.add_argument("--warm", type=float, default=0.5, help="unmeasured seconds of load before each cell")
+    p.add_argument("--max-count", type=int, default=50_000, help="at most this many placements per data plane and cell")
+    p.add_argument("--concurrency", type=int, default=8, help="placements in flight per data plane")
+    p.add_argument("--dataplanes", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="control planes (Redis stores only)")
+    p.add_argument("--stores", nargs="+", default=list(STORES), choices=list(STORES))
+    p.add_argument("--max-seconds", type=float, default=900.0, help="stop after this long in all")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="directory for scaleout.{json,md,png}")
+    p.add_argument("--driver", help=argparse.SUPPRESS)
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    from omni_runtime import install_fast_loop
+
+    install_fast_loop()
+    if args.driver:
+        asyncio.run(driver_main(args.driver, args.ready_file))
+        return 0
+    if "memory" not in args.stores:
+        p.error("--stores needs memory: the ratios are to it")
+    command = "python bench/scaleout.py " + " ".join(sys.argv[1:])
+    result = {"command": command.strip(), "host": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+              f"Python {platform.python_version()}", "loadavg": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+              "args": {k: v for k, v in vars(args).items() if k not in ("driver", "ready_file", "out")}}
+    try:
+        import subprocess
+        from tests.redis_fixtures import REDIS_SERVER
+        result["redis_version"] = subprocess.run([REDIS_SERVER, "--version"], capture_output=True, text=True,
+                                                 timeout=10).stdout.split("v=")[1].split()[0]
+    except Exception:  # noqa: BLE001 - a label only
+        pass
+    t0 = time.time()
+    result.update(asyncio.run(run(args)))
+    result["wall_s"] = round(time.time() - t0, 1)
+    summary = result["summary"] = summarize(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaleout.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = markdown(result, summary)
+    (out / "scaleout.md").write_text(md)
+    try:
+        plot(summary, out / "scaleout.png")
+    except Exception as exc:  # noqa: BLE001 - the plot is a convenience
+        log(f"plot failed: {exc}")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
