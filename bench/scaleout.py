@@ -65,6 +65,7 @@ STORES: dict[str, dict] = {
     "memory": {},
     "redis": {},                                                     # the defaults
     "redis-mirror-wb": {"loads_max_age_s": 0.05, "write_behind": True},
+    "redis-local": {"ledger": "local"},                              # controlplane/state/local.py
 }
 
 
@@ -249,7 +250,7 @@ async def run(args: argparse.Namespace) -> dict:
                 ready = group.workdir / f"dp{i}.ready"
                 child = start_child(group, f"dp{i}", [sys.executable, str(Path(__file__).resolve()), "--driver",
                                                       f"dp{i}", "--ready-file", str(ready)], ready)
-                reader, writer = await asyncio.open_connection("127.0.0.1", child.port)
+                reader, writer = await asyncio.open_connection("127.0.0.1", child.port, limit=1 << 26)
                 drivers.append((reader, writer))
             log(f"{len(drivers)} data planes up; {len(todo)} cells x {args.rounds} rounds")
 

@@ -29,6 +29,8 @@ Example (TOML)::
     replica_ttl_s = 10.0           # a replica silent this long loses its reservations
     loads_max_age_s = 0.0          # > 0: place from a local copy of the loads at most this old
     write_behind = false           # true: answer a placement before Redis confirms its charge
+    ledger = "shared"              # "local": placement never waits for Redis (controlplane/state/local.py)
+    flush_interval_s = 0.005       # ledger = "local": this replica's loads are written this often
 
     [auth]                         # gRPC API tokens (controlplane/auth.py); each scope open until set
     admin_tokens = ["ops:s3cret"]  # omni-ctl; "token" or "name:token" (the name is what logs show)
@@ -127,6 +129,7 @@ KV_CACHE: dict[str, Check] = {
 }
 
 STATE_BACKENDS = ("memory", "redis")
+STATE_LEDGERS = ("shared", "local")
 
 
 def _redis_url(value: Any, name: str) -> str:
@@ -171,6 +174,8 @@ STATE: dict[str, Check] = {
     "replica_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
     "loads_max_age_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=10),
     "write_behind": v.boolean,
+    "ledger": lambda x, f: v.choice(x, f, STATE_LEDGERS),
+    "flush_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=1),
 }
 
 
@@ -211,6 +216,8 @@ class StateConfig:
     replica_ttl_s: float = 10.0
     loads_max_age_s: float = 0.0      # > 0: placement reads loads from a local mirror at most this old
     write_behind: bool = False        # placement does not wait for Redis to confirm its reserve
+    ledger: str = "shared"            # "local": this replica's charges in memory, published in batches
+    flush_interval_s: float = 0.005   # ledger = "local": how often changed loads are written to Redis
 
 
 def _table(value: Any, name: str) -> dict[Any, Any]:

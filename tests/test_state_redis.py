@@ -32,13 +32,23 @@ def _prefix() -> str:
     return f"t{next(_prefixes)}-{random.getrandbits(32):08x}:"
 
 
-@pytest.fixture(params=["memory", "redis", "redis-py", "redis-mirror"])
+@pytest.fixture(params=["memory", "redis", "redis-py", "redis-mirror", "redis-local"])
 async def store(request, redis_server):
     """The reference; the Redis store (hot calls on its own wire client); the Redis store
-    with every call through redis-py (as with rediss:// URLs); and with a load mirror
-    (a long max age: loads must then follow this store's own calls exactly, from replies)."""
+    with every call through redis-py (as with rediss:// URLs); with a load mirror
+    (a long max age: loads must then follow this store's own calls exactly, from replies);
+    and the local ledger (``ledger = "local"``, tests/test_state_local_ledger.py)."""
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param == "redis-local":
+        from controlplane.state.local import LocalLedgerStore
+
+        s = LocalLedgerStore(RedisStore(redis_server.url, key_prefix=_prefix()))
+        try:
+            yield s
+        finally:
+            await s.close()
         return
     s = RedisStore(redis_server.url, key_prefix=_prefix(), fast_path=request.param != "redis-py",
                    loads_max_age_s=3600.0 if request.param == "redis-mirror" else 0.0)

@@ -15,6 +15,15 @@ def make_store(config) -> StateStore:
     from controlplane.state.redis import RedisStore
     from controlplane.state.resilient import ResilientStore
 
+    if getattr(state, "ledger", "shared") == "local":
+        from controlplane.state.local import LocalLedgerStore
+
+        # This replica's ledger in memory, published in batches; other replicas' loads read
+        # every loads_max_age_s (0.05 s when 0). Resilient by itself: it never awaits Redis
+        # to place.
+        return LocalLedgerStore(RedisStore(state.redis_url, key_prefix=state.key_prefix,
+                                           replica_ttl_s=state.replica_ttl_s),
+                                flush_interval_s=state.flush_interval_s, refresh_s=state.loads_max_age_s or 0.05)
     # Behind a local ledger: placement goes on from memory while Redis is away.
     return ResilientStore(RedisStore(state.redis_url, key_prefix=state.key_prefix,
                                      replica_ttl_s=state.replica_ttl_s, loads_max_age_s=state.loads_max_age_s,
