@@ -11,7 +11,8 @@ from controlplane.scheduling import PlacementContext, build_profile
 from controlplane.scheduling.base import Candidate
 from controlplane.scheduling.filters import (DrainFilter, ExcludeFilter, HealthyFilter, ModelFilter,
                                              OverloadFilter, RoleFilter)
-from controlplane.scheduling.pickers import MaxScorePicker, PowerOfTwoPicker, RoundRobinPicker, WeightedRandomPicker
+from controlplane.scheduling.pickers import (MaxScorePicker, NearBestPicker, PowerOfTwoPicker, RoundRobinPicker,
+                                            WeightedRandomPicker)
 from controlplane.scheduling.scorers import LeastLoadScorer, effective_requests
 from controlplane.workers import EngineMetrics, Health, HealthState, Load, Role, WorkerSpec, WorkerView
 
@@ -102,6 +103,20 @@ def test_max_score_picker_breaks_ties_randomly():
     cands = [Candidate(worker("a"), score=1.0), Candidate(worker("b"), score=1.0), Candidate(worker("c"), score=0.2)]
     picks = Counter(p.pick(ctx(), cands).worker.id for _ in range(200))
     assert set(picks) == {"a", "b"}
+
+
+def test_near_best_picker_lets_load_decide_what_the_scores_cannot():
+    p = NearBestPicker(rng=random.Random(4))
+    # a scores 3 % better (learning noise) but runs 5 requests; b is within 5 % and idle.
+    cands = [Candidate(worker("a", reqs=5), score=1.0), Candidate(worker("b", reqs=0), score=0.97),
+             Candidate(worker("c", reqs=0), score=0.5)]
+    assert all(p.pick(ctx(), cands).worker.id == "b" for _ in range(20))
+    # A real difference still wins over load.
+    cands[1].score = 0.8
+    assert all(p.pick(ctx(), cands).worker.id == "a" for _ in range(20))
+    # Equal on both: chance.
+    same = [Candidate(worker("x", reqs=1), score=1.0), Candidate(worker("y", reqs=1), score=1.0)]
+    assert set(Counter(p.pick(ctx(), same).worker.id for _ in range(100))) == {"x", "y"}
 
 
 def test_power_of_two_never_picks_the_worst_of_three():

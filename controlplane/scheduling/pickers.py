@@ -23,6 +23,34 @@ class MaxScorePicker:
 
 
 @dataclass
+class NearBestPicker:
+    """Among the candidates scored within ``tolerance`` of the best, the least loaded.
+
+    A learned score differs between equal engines by the noise of what each has learned:
+    taken at face value, the engine whose fit came out a few percent faster wins every
+    close call, takes most of the traffic, and its prefix cache evicts what the others have
+    room for (seen with ``predicted_latency`` in bench/slo_replay.py). Differences smaller
+    than the model's own error are not preferences; load decides them (requests in flight,
+    then uncached prefill tokens placed there), then chance.
+    """
+
+    tolerance: float = 0.05
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "near_best"
+
+    def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
+        best = max([c.score for c in candidates])
+        floor = best - abs(best) * self.tolerance - 1e-12
+        near = [c for c in candidates if c.score >= floor]
+        if len(near) == 1:
+            return near[0]
+        keys = [(effective_requests(c.worker, ctx), c.worker.load.prefill_tokens) for c in near]
+        least = min(keys)
+        top = [c for c, key in zip(near, keys) if key == least]
+        return top[0] if len(top) == 1 else self.rng.choice(top)
+
+
+@dataclass
 class WeightedRandomPicker:
     rng: random.Random = field(default_factory=random.Random)
     name: str = "random"
@@ -122,6 +150,7 @@ class CacheAwarePicker:
 PICKERS = {
     "cache_aware": CacheAwarePicker,
     "max_score": MaxScorePicker,
+    "near_best": NearBestPicker,
     "random": WeightedRandomPicker,
     "round_robin": RoundRobinPicker,
     "power_of_two": PowerOfTwoPicker,

@@ -127,7 +127,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     # Omni scheduling: predicted TTFT (queue + uncached prefill, learned per engine) and
     # TPOT, requests' SLO headers honoured, and late binding in the control plane's queue.
     "predicted_latency": {"filters": [{"name": "slo"}], "scorers": [{"name": "predicted_latency"}],
-                          "picker": "max_score", "queue": {"name": "omni"}},
+                          "picker": "near_best", "queue": {"name": "omni"}},
 }
 
 
