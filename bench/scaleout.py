@@ -1,7 +1,7 @@
 """Scale-out: placements/s and p99 placement latency with 1-3 data planes against 1-2
 control-plane replicas, in-memory store vs Redis store (issue 10).
 
-    python bench/scaleout.py [--rounds 3] [--seconds 2] [--concurrency 8] [--out docs/benchmarks]
+    python bench/scaleout.py [--rounds 5] [--seconds 1] [--concurrency 8] [--stores memory redis ...] [--out docs/benchmarks]
 
 What runs, all real processes on 127.0.0.1, every one of them ending with the benchmark
 (``omni_proxy.launcher``: lifeline + process groups):
@@ -12,7 +12,10 @@ What runs, all real processes on 127.0.0.1, every one of them ending with the be
   loopback TCP, no persistence);
 * control planes started by the launcher (``python -m omni_proxy.launcher controlplane
   --config ...``), policy ``least_load``: one on the memory store, and for each Redis
-  configuration two replicas sharing one key prefix;
+  configuration two replicas sharing one key prefix. Redis configurations (``--stores``):
+  ``redis`` (the defaults: shared ledger, every placement waits for Redis),
+  ``redis-mirror-wb`` (``loads_max_age_s = 0.05``, ``write_behind = true``) and
+  ``redis-local`` (``ledger = "local"``, controlplane/state/local.py);
 * up to three "data planes": each a process of its own holding a
   ``dataplane.placement_client.PlacementClient`` session with one control plane (data plane
   ``i`` talks to replica ``i mod replicas``), placing requests as fast as its
@@ -60,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 MODEL = "sim-model"
 WORKERS = 16
 GOAL_RATIO = 1.5
+NOTES_MARK = "<!-- analysis: kept across reruns -->"
 # Redis configurations: [state] keys (besides backend, redis_url, key_prefix).
 STORES: dict[str, dict] = {
     "memory": {},
@@ -359,6 +363,24 @@ def markdown(result: dict, summary: dict) -> str:
                      f"| {_f(s['p99_us'])} | "
                      + (f"**{_f(ratio, '{:.2f}')}x**" if ratio else "1") + " | "
                      + (f"{_f(s['throughput_vs_memory'], '{:.2f}')}x" if ratio else "1") + " |")
+    lines += ["", "## Reading", ""]
+    for store in result["args"]["stores"]:
+        if store == "memory":
+            continue
+        ratios = {k: s["p99_vs_memory"] for k, s in summary.items() if k.startswith(store + " ") and
+                  s.get("p99_vs_memory")}
+        if not ratios:
+            continue
+        worst = max(ratios, key=lambda k: ratios[k]["median"])
+        met = all(r["median"] <= GOAL_RATIO for r in ratios.values())
+        tput = [s["throughput_vs_memory"]["median"] for k, s in summary.items() if k in ratios]
+        lines.append(f"* `{store}`: p99 vs memory {min(r['median'] for r in ratios.values()):.2f}x to "
+                     f"{ratios[worst]['median']:.2f}x (worst: {worst}, spread {_f(ratios[worst], '{:.2f}')}); the "
+                     f"1.5x goal is {'met in every cell' if met else 'NOT met'}. Placements/s "
+                     f"{min(tput):.2f}x to {max(tput):.2f}x of memory.")
+    lines.append("* Two replicas on Redis are compared with one memory control plane (the memory store is not "
+                 "shared); on this machine every process shares the same two cores, so a second replica adds "
+                 "CPU contention rather than capacity.")
     errors = {k: v["errors"] for r in result["rounds"] for k, v in r.items() if v.get("errors")}
     if errors:
         lines += ["", "Errors seen: " + "; ".join(f"{k}: {v[:2]}" for k, v in errors.items())]
@@ -396,9 +418,9 @@ def plot(summary: dict, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=2.0, help="measured seconds per cell")
-    p.add_argument("--warm", type=float, default=0.5, help="unmeasured seconds of load before each cell")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=1.0, help="measured seconds per cell")
+    p.add_argument("--warm", type=float, default=0.3, help="unmeasured seconds of load before each cell")
     p.add_argument("--max-count", type=int, default=50_000, help="at most this many placements per data plane and cell")
     p.add_argument("--concurrency", type=int, default=8, help="placements in flight per data plane")
     p.add_argument("--dataplanes", type=int, nargs="+", default=[1, 2, 3])
@@ -436,7 +458,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaleout.json").write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(result, summary)
-    (out / "scaleout.md").write_text(md)
+    md_path = out / "scaleout.md"
+    old = md_path.read_text() if md_path.exists() else ""
+    if NOTES_MARK in old:   # hand-written analysis below the mark survives a rerun
+        md = md + "\n" + old[old.index(NOTES_MARK):]
+    md_path.write_text(md)
     try:
         plot(summary, out / "scaleout.png")
     except Exception as exc:  # noqa: BLE001 - the plot is a convenience

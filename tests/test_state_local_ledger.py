@@ -64,6 +64,31 @@ async def test_replicas_see_each_others_loads_and_their_own_at_once(redis_server
         await b.close()
 
 
+async def test_load_listeners_hear_every_change_of_the_total(redis_server):
+    """As with MemoryStore, the fleet's least-loaded order follows the ledger: listeners get
+    the total (this replica's and the others') when either changes."""
+    prefix = _prefix()
+    a, b = _local(redis_server, prefix), _local(redis_server, prefix)
+    heard: dict[str, Load] = {}
+    a.load_listeners.append(heard.__setitem__)
+    try:
+        assert (await a.loads(["w"]))["w"] == IDLE   # its first ledger call starts its sync
+        await b.reserve(_rec("b1"), (Charge("w", "aggregated", 5),))
+
+        async def heard_is(load: Load) -> bool:
+            return heard.get("w") == load
+        await wait_until(lambda: heard_is(Load(1, 5, 0, 0)), timeout=5, what="a's listener to hear b's charge")
+        await a.reserve(_rec("a1"), (Charge("w", "aggregated", 10),))
+        assert heard["w"] == Load(2, 15, 0, 0) == (await a.loads(["w"]))["w"]
+        await b.end("b1")
+        await wait_until(lambda: heard_is(Load(1, 10, 0, 0)), timeout=5, what="a's listener to hear b's release")
+        await a.end("a1")
+        assert heard["w"] == IDLE
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_placement_never_waits_for_redis():
     """reserve/loads/end complete without suspending, even with Redis gone (a stalled
     Redis cannot hold a placement up)."""

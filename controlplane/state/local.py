@@ -95,6 +95,11 @@ def _encode(load: Load) -> str:
     return f"{load.requests} {load.tokens} {load.prefill_tokens} {load.prefills}"
 
 
+def _plus(a: Load, b: Load) -> Load:
+    return Load(a.requests + b.requests, a.tokens + b.tokens, a.prefill_tokens + b.prefill_tokens,
+                a.prefills + b.prefills)
+
+
 class LocalLedgerStore:
     """``StateStore``: specs in Redis, this replica's ledger in memory, loads shared through Redis."""
 
@@ -113,6 +118,12 @@ class LocalLedgerStore:
         P, me = shared.prefix, shared.replica_id
         self._k_own, self._k_reps = f"{P}lload:{me}", f"{P}lreps"
         self._others: dict[str, Load] = {}
+        # own + others for the workers others hold load on (the rest: own alone), kept
+        # current on every change, so loads() is a lookup as with MemoryStore.
+        self._sum: dict[str, Load] = {}
+        # Called with (worker id, new total load) on every change, as MemoryStore does: the
+        # fleet's least-loaded order (Placer registers Fleet.note_load) follows it.
+        self.load_listeners: list = []
         self._others_at = float("-inf")    # when the other replicas' figures were read
         self._dirty: set[str] = set()
         self._resync = True                # the next flush rewrites the whole hash
@@ -139,6 +150,11 @@ class LocalLedgerStore:
     # ------------------------------------------------------------------ ledger: memory (never awaits Redis)
 
     def _changed(self, worker_id: str, load: Load) -> None:
+        theirs = self._others.get(worker_id)
+        if theirs is not None:
+            load = self._sum[worker_id] = _plus(load, theirs)
+        for listener in self.load_listeners:
+            listener(worker_id, load)
         self._dirty.add(worker_id)
         wake = self._wake
         if wake is not None and not wake.is_set():
@@ -169,16 +185,10 @@ class LocalLedgerStore:
         return await self.local.records()
 
     async def loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
-        self._ensure_syncing()
-        own, others = self.local._load, self._others
-        out = {}
-        for wid in worker_ids:
-            mine = own.get(wid, IDLE)
-            theirs = others.get(wid)
-            out[wid] = mine if theirs is None else Load(
-                mine.requests + theirs.requests, mine.tokens + theirs.tokens,
-                mine.prefill_tokens + theirs.prefill_tokens, mine.prefills + theirs.prefills)
-        return out
+        if self._task is None:
+            self._ensure_syncing()
+        own, total = self.local._load, self._sum
+        return {wid: total[wid] if wid in total else own.get(wid, IDLE) for wid in worker_ids}
 
     def own_loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
         """This replica's share alone (what it publishes)."""
@@ -186,10 +196,9 @@ class LocalLedgerStore:
         return {wid: own.get(wid, IDLE) for wid in worker_ids}
 
     async def forget_worker(self, worker_id: str) -> Load:
-        mine = await self.local.forget_worker(worker_id)
         theirs = self._others.pop(worker_id, IDLE)
-        return Load(mine.requests + theirs.requests, mine.tokens + theirs.tokens,
-                    mine.prefill_tokens + theirs.prefill_tokens, mine.prefills + theirs.prefills)
+        self._sum.pop(worker_id, None)
+        return _plus(await self.local.forget_worker(worker_id), theirs)
 
     async def orphan(self, session: str, now: float) -> int:
         return await self.local.orphan(session, now)
@@ -250,7 +259,8 @@ class LocalLedgerStore:
             if self.shared.wire is not None else \
             await self.shared.redis.eval(_OTHERS, 0, self.shared.prefix, self.shared.replica_id,
                                          self.shared.replica_ttl_ms)
-        self._others = {flat[i]: Load(*(max(0, int(x)) for x in flat[i + 1:i + 5])) for i in range(0, len(flat), 5)}
+        self._set_others({flat[i]: Load(*(max(0, int(x)) for x in flat[i + 1:i + 5]))
+                          for i in range(0, len(flat), 5)})
         self._others_at = started
         self.refreshes += 1
         if not int(own) and not self._resync and any(load != IDLE for load in self.local._load.values()):
@@ -258,6 +268,18 @@ class LocalLedgerStore:
             self._resync = True
             if self._wake is not None:
                 self._wake.set()
+
+    def _set_others(self, others: dict[str, Load]) -> None:
+        """New figures for the other replicas: totals recomputed, listeners told of changes."""
+        own, old = self.local._load, self._sum
+        total = {wid: _plus(own.get(wid, IDLE), theirs) for wid, theirs in others.items()}
+        self._others, self._sum = others, total
+        if self.load_listeners:
+            for wid in set(old) | set(total):
+                now = total[wid] if wid in total else own.get(wid, IDLE)
+                if old.get(wid, own.get(wid, IDLE)) != now:
+                    for listener in self.load_listeners:
+                        listener(wid, now)
 
     async def sync_now(self) -> None:
         """Flush and refresh at once (tests, and a clean stop)."""
@@ -281,8 +303,8 @@ class LocalLedgerStore:
             except (StoreUnavailable, *_UNAVAILABLE) as exc:
                 _reraise_cancel()
                 self._lost(exc)
-                if time.monotonic() - self._others_at > self.shared.replica_ttl_ms / 1000:
-                    self._others = {}   # their hashes would have expired by now too
+                if self._others and time.monotonic() - self._others_at > self.shared.replica_ttl_ms / 1000:
+                    self._set_others({})   # their hashes would have expired by now too
                 await asyncio.sleep(self.retry_s)
                 continue
             except Exception:  # noqa: BLE001 - a bug must not stop publishing for good
