@@ -73,6 +73,14 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         held: set[asyncio.Task] = set()
         reader_batches: list[bool] = [False]   # set by the node's SessionOpen
         reader = asyncio.ensure_future(self._read(request_iterator, session, out, held, reader_batches))
+        # The session ends when its reader does (the node closed the stream, the connection
+        # died, or this handler ended and cancelled it), in a task of its own: gRPC cancels
+        # this handler when the node is gone, perhaps while its finally awaits, perhaps while
+        # it is suspended at a yield (closed only when garbage-collected), and a session that
+        # never ends keeps its requests charged until max_request_age_s.
+        ending = asyncio.ensure_future(self._end_session(session, reader, held))
+        self._tasks.add(ending)
+        ending.add_done_callback(self._tasks.discard)
         info = pb.SessionInfo()
         info.CopyFrom(self.info)
         info.batches = True
@@ -102,13 +110,23 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             reader.cancel()
             for task in held:
                 task.cancel()
-            await asyncio.gather(reader, *held, return_exceptions=True)
+            await asyncio.shield(ending)
+
+    async def _end_session(self, session: str, reader: asyncio.Future, held: set) -> None:
+        """Once the session's reader is done: stop its other tasks, orphan its requests."""
+        await asyncio.wait([reader])
+        try:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
             node = self._nodes.pop(session, "?")
             orphaned = await self.lifecycle.orphan_session(session)
             log.info("data plane %s disconnected (session %s); %d in-flight requests kept for %.0fs "
                      "for it to reconnect", node, session, orphaned, self.lifecycle.session_grace_s)
             if orphaned:
                 self._schedule_orphan_release()
+        except Exception:
+            log.exception("ending session %s failed", session)
 
     async def _read(self, request_iterator, session: str, out: asyncio.Queue, held: set,
                     batches: list[bool] | None = None) -> None:
@@ -189,8 +207,15 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             log.exception("lifecycle report for %s failed", event.request_id)
 
     def _schedule_orphan_release(self) -> None:
+        # The grace period counts from now, after the session's requests were orphaned, and the
+        # release waits for it by this clock (the store's): a timer that fires a little early
+        # (uvloop's loop time is cached per turn, in whole milliseconds) would otherwise
+        # release nothing, and nothing would try again.
+        deadline = time.monotonic() + self.lifecycle.session_grace_s
+
         async def release() -> None:
-            await asyncio.sleep(self.lifecycle.session_grace_s)
+            while (left := deadline - time.monotonic()) > 0:
+                await asyncio.sleep(left)
             released = await self.lifecycle.release_orphans()
             if released:
                 log.warning("released %d requests whose data plane did not come back", released)
