@@ -119,6 +119,20 @@ def test_near_best_picker_lets_load_decide_what_the_scores_cannot():
     assert set(Counter(p.pick(ctx(), same).worker.id for _ in range(100))) == {"x", "y"}
 
 
+def test_near_best_picker_widens_the_band_by_the_tpot_error_for_decode_legs():
+    from controlplane.prediction import Predictor
+    predictor = Predictor()
+    for wid in ("d1", "d2"):
+        model = predictor.model(wid)
+        for i in range(20):       # TPOT predictions off by about 40 %
+            model.observe_tpot(4, 0.004 if i % 2 else 0.008)
+    p = NearBestPicker(rng=random.Random(5))
+    cands = [Candidate(worker("d1", reqs=50), score=1.0), Candidate(worker("d2", reqs=1), score=0.75)]
+    assert p.pick(ctx(leg="decode", predictor=predictor), cands).worker.id == "d2"
+    # The same scores for a prefill leg: 25 % is a real difference.
+    assert p.pick(ctx(leg="prefill", predictor=predictor), cands).worker.id == "d1"
+
+
 def test_power_of_two_never_picks_the_worst_of_three():
     p = PowerOfTwoPicker(rng=random.Random(3))
     cands = [Candidate(worker("a"), score=1.0), Candidate(worker("b"), score=0.5), Candidate(worker("c"), score=0.0)]

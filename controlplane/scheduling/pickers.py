@@ -32,15 +32,25 @@ class NearBestPicker:
     room for (seen with ``predicted_latency`` in bench/slo_replay.py). Differences smaller
     than the model's own error are not preferences; load decides them (requests in flight,
     then uncached prefill tokens placed there), then chance.
+
+    For a decode leg the band is at least the candidates' mean TPOT prediction error (at
+    most ``max_tolerance``): a decode engine's step time barely depends on its batch, so
+    its fit is mostly noise, and one decode engine whose first samples came out slow was
+    never chosen again (all decodes on the other one, in bench/slo_replay.py's PD mode).
     """
 
     tolerance: float = 0.05
+    max_tolerance: float = 0.5
     rng: random.Random = field(default_factory=random.Random)
     name: str = "near_best"
 
     def pick(self, ctx: PlacementContext, candidates: list[Candidate]) -> Candidate:
         best = max([c.score for c in candidates])
-        floor = best - abs(best) * self.tolerance - 1e-12
+        tolerance = self.tolerance
+        if ctx.leg == "decode" and ctx.predictor is not None and len(candidates) > 1:
+            errors = [ctx.predictor.model(c.worker.id).tpot_error.mean for c in candidates]
+            tolerance = max(tolerance, min(sum(errors) / len(errors), self.max_tolerance))
+        floor = best - abs(best) * tolerance - 1e-12
         near = [c for c in candidates if c.score >= floor]
         if len(near) == 1:
             return near[0]
