@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from omni_proxy.launcher import guarded, spawn
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
@@ -63,8 +65,9 @@ class RedisServer:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
                     self.port = s.getsockname()[1]
-            self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         start_new_session=True)
+            # Behind the launcher's guardian: it dies with the test run even when pytest is
+            # killed (a plain Popen outlived a run stopped by `timeout`).
+            self.proc = spawn(guarded(self._args()), log_path=self.dir / "guard.log")
             if self._wait_ready(timeout):
                 return self
             self.stop()
@@ -113,8 +116,6 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        if proc.stderr:
-            proc.stderr.close()
 
     def close(self) -> None:
         try:
