@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import dataclasses
 import random
 
@@ -169,6 +170,23 @@ async def test_predicted_latency_counts_the_recompute_a_placement_costs_the_flee
     # Counting the 4,000 tokens b would compute again (0.4 s of b's capacity) against a's
     # 992: it stays where its prefix is.
     assert await _follow_up_placement(1.0) == "a"
+
+
+async def test_decode_legs_within_the_tpot_target_are_balanced_by_load():
+    plane = await make(workers=("d1", "d2"), role=Role.DECODE)
+    teach(plane, "d1", 1e-4, tpot=0.004)      # d1's fit came out faster, both far below 100 ms
+    teach(plane, "d2", 1e-4, tpot=0.009)
+    got = Counter()
+    for i in range(20):
+        p = await plane.placer.place(pb.PlaceRequest(request_id=f"r{i}", model="m", leg=pb.LEG_DECODE,
+                                                     prompt_tokens=1000, max_tokens=10), "s")
+        got[p.decode.worker_id] += 1
+    assert got == {"d1": 10, "d2": 10}
+    # One predicted to miss the target is avoided whatever its load.
+    teach(plane, "d2", 1e-4, tpot=0.3)
+    p = await plane.placer.place(pb.PlaceRequest(request_id="x", model="m", leg=pb.LEG_DECODE,
+                                                 prompt_tokens=1000, max_tokens=10), "s")
+    assert p.decode.worker_id == "d1"
 
 
 async def test_first_token_settles_prefill_work_and_teaches_the_engine():

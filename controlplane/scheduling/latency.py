@@ -57,12 +57,19 @@ class PredictedLatencyScorer:
     turn leaves its conversation's engine whenever that engine's queue is longer than the
     cached prefix, and under load the fleet spends itself recomputing prefixes it already
     holds (docs/benchmarks/slo_replay_notes.md).
+
+    A decode leg's cost is at least ``decode_floor`` (a fraction of the TPOT target): decode
+    engines predicted comfortably within the target are equally good for this request, and
+    the picker balances them by load. Otherwise a few milliseconds of noise in the fits
+    decide, since a decode step barely grows with the batch: one decode engine of two got 2
+    of 200 decodes in bench/slo_replay.py's PD mode, its KV pool idle while the other's filled.
     """
 
     ttft_target_s: float = 2.0
     tpot_target_s: float = 0.1
     tpot_weight: float = 1.0
     recompute_weight: float = 1.0
+    decode_floor: float = 0.25
     name: str = "predicted_latency"
     uses_prefix_cache: bool = True
     uses_predictions: bool = True
@@ -71,14 +78,18 @@ class PredictedLatencyScorer:
         ttft_t = ctx.ttft_slo_s or self.ttft_target_s
         tpot_t = (ctx.tpot_slo_s or self.tpot_target_s) / self.tpot_weight if self.tpot_weight > 0 else float("inf")
         mu = self.recompute_weight
+        decode = ctx.leg == "decode" and self.tpot_weight > 0
         costs = []
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
             if mu and ctx.leg != "decode" and spec.role is not Role.DECODE:
                 ttft += mu * ctx.predictor.model(spec.id).ttft.b * ctx.uncached_tokens(spec.id)
+            cost = ttft / ttft_t + tpot / tpot_t
+            if decode and cost < self.decode_floor:
+                cost = self.decode_floor
             weight = spec.weight
-            costs.append((ttft / ttft_t + tpot / tpot_t) / (weight if weight > 1e-9 else 1e-9))
+            costs.append(cost / (weight if weight > 1e-9 else 1e-9))
         best = min(costs, default=0.0)
         return [best / c if c > 0 else 1.0 for c in costs]
 
