@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from omni_proxy.launcher import Child, LaunchError, ProcessGroup, guarded, spawn  # noqa: E402
+from omni_proxy.launcher import Child, LaunchError, ProcessGroup, port_in  # noqa: E402
 
 import peers  # noqa: E402
 
@@ -134,37 +134,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_program(group: ProcessGroup, name: str, cmd: list[str], ready, timeout: float = 60.0) -> Child:
-    """Start any program behind the launcher's guardian (it dies with us) and wait for
-    ``ready()`` to return a port."""
-    log_path = group.workdir / f"{name}.log"
-    proc = spawn(guarded(cmd), log_path=log_path, env={**os.environ, "RUST_LOG": "warn"})
-    child = Child(name=name, proc=proc, port=0, log_path=log_path, info={"cmd": cmd})
-    group.children.append(child)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise LaunchError(f"{name} exited with {proc.returncode}:\n{child.log_tail(30)}")
-        if time.monotonic() > deadline:
-            raise LaunchError(f"{name} not ready after {timeout}s:\n{child.log_tail(30)}")
-        port = ready()
-        if port:
-            child.port = port
-            return child
-        time.sleep(0.1)
-
-
 def start_engine(group: ProcessGroup, i: int, tokens: int) -> Child:
     ready_file = group.workdir / f"engine{i}.ready"
     cmd = [sys.executable, str(ROOT / "bench" / "mock_engine.py"), "--port", "0", "--ready-file",
            str(ready_file), "--tokens", str(tokens)]
-
-    def ready():
-        try:
-            return json.loads(ready_file.read_text())["port"]
-        except (OSError, ValueError, KeyError):
-            return 0
-    return start_program(group, f"engine{i}", cmd, ready)
+    return group.start_program(f"engine{i}", cmd, port_in(ready_file))
 
 
 def start_peer(group: ProcessGroup, peer: str, engines: list[str]) -> Child:
@@ -176,7 +150,8 @@ def start_peer(group: ProcessGroup, peer: str, engines: list[str]) -> Child:
     else:
         cmd = peers.peer_command(peer, "round_robin", "agg", peers.Engines(engines, [], [], {}), port, prom)
     url = f"http://127.0.0.1:{port}"
-    child = start_program(group, peer, cmd, lambda: port if peers._ready(url) else 0)
+    child = group.start_program(peer, cmd, lambda: port if peers._ready(url) else 0,
+                                env={"RUST_LOG": "warn"}, poll_s=0.1)
     problem = probe(url)
     if problem:
         raise LaunchError(f"{peer} cannot serve the benchmark's requests: {problem}")

@@ -109,25 +109,12 @@ def start_peer(group: ProcessGroup, peer: str, policy: str, mode: str, engines: 
     """Start the router as a child of ``group`` and wait until it answers and sees its
     workers. Raises LaunchError with the log tail when it does not."""
     cmd = peer_command(peer, policy, mode, engines, port, prom_port)
-    name = f"{peer}-{policy}-{mode}"
-    log_path = group.workdir / f"{name}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
-    child = Child(name=name, proc=proc, port=port, log_path=log_path, info={"cmd": cmd})
-    group.children.append(child)   # stopped (SIGTERM, then SIGKILL) with the group
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise LaunchError(f"{name} exited with {proc.returncode}:\n{child.log_tail(30)}")
-        if time.monotonic() > deadline:
-            raise LaunchError(f"{name} not ready after {timeout}s:\n{child.log_tail(30)}")
-        if _ready(child.url):
-            break
-        time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    child = group.start_program(f"{peer}-{policy}-{mode}", cmd, lambda: port if _ready(url) else 0,
+                                env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")}, timeout=timeout, poll_s=0.2)
     problem = probe(child.url)
     if problem:
-        raise LaunchError(f"{name} cannot serve the benchmark's requests: {problem}")
+        raise LaunchError(f"{child.name} cannot serve the benchmark's requests: {problem}")
     return child
 
 

@@ -175,27 +175,6 @@ async def driver_main(name: str, ready_file: str) -> None:
 
 # ---------------------------------------------------------------------------- the benchmark
 
-def start_child(group, name: str, cmd: list[str], ready_file: Path, timeout: float = 60.0):
-    """Any program behind the launcher's guardian (it dies with us); waits for its ready file."""
-    from omni_proxy.launcher import Child, LaunchError, guarded, spawn
-
-    log_path = group.workdir / f"{name}.log"
-    proc = spawn(guarded(cmd), log_path=log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    child = Child(name=name, proc=proc, port=0, log_path=log_path, info={"cmd": cmd})
-    group.children.append(child)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise LaunchError(f"{name} exited with {proc.returncode}:\n{child.log_tail(30)}")
-        if time.monotonic() > deadline:
-            raise LaunchError(f"{name} not ready after {timeout}s:\n{child.log_tail(30)}")
-        try:
-            child.port = int(json.loads(ready_file.read_text())["port"])
-            return child
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.05)
-
-
 def config_toml(engine_url: str, store: str, redis_url: str) -> str:
     lines = ['policy = "least_load"', "", "[health]", "interval_s = 30.0", "poll_metrics = false", ""]
     if store != "memory":
@@ -222,7 +201,7 @@ def cell_key(store: str, cps: int, dps: int) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from omni_proxy.launcher import ProcessGroup
+    from omni_proxy.launcher import ProcessGroup, port_in
     from tests.redis_fixtures import RedisServer
 
     stores = args.stores
@@ -236,9 +215,9 @@ async def run(args: argparse.Namespace) -> dict:
             redis.start()
             log(f"redis-server on {redis.url} (dir {redis.dir})")
         with ProcessGroup(ready_timeout=90) as group:
-            engine = start_child(group, "engine", [sys.executable, str(ROOT / "bench" / "mock_engine.py"), "--port",
-                                                   "0", "--ready-file", str(group.workdir / "engine.ready")],
-                                 group.workdir / "engine.ready")
+            engine = group.start_program("engine", [sys.executable, str(ROOT / "bench" / "mock_engine.py"), "--port",
+                                                    "0", "--ready-file", str(group.workdir / "engine.ready")],
+                                         port_in(group.workdir / "engine.ready"))
             log(f"engine on {engine.url}")
             planes: dict[str, list] = {}
             for store in stores:
@@ -252,8 +231,8 @@ async def run(args: argparse.Namespace) -> dict:
             drivers = []
             for i in range(max(args.dataplanes)):
                 ready = group.workdir / f"dp{i}.ready"
-                child = start_child(group, f"dp{i}", [sys.executable, str(Path(__file__).resolve()), "--driver",
-                                                      f"dp{i}", "--ready-file", str(ready)], ready)
+                child = group.start_program(f"dp{i}", [sys.executable, str(Path(__file__).resolve()), "--driver",
+                                                       f"dp{i}", "--ready-file", str(ready)], port_in(ready))
                 reader, writer = await asyncio.open_connection("127.0.0.1", child.port, limit=1 << 26)
                 drivers.append((reader, writer))
             log(f"{len(drivers)} data planes up; {len(todo)} cells x {args.rounds} rounds")

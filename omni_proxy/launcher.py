@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 LIFELINE_ENV = "OMNI_PROXY_LIFELINE_FD"
@@ -223,6 +224,17 @@ def spawn(cmd: list[str], *, log_path: Path, env: dict | None = None, **popen_kw
                                 start_new_session=True, pass_fds=(fd,), **popen_kw)
 
 
+def port_in(ready_file: Path) -> Callable[[], int]:
+    """A ``ready`` for :meth:`ProcessGroup.start_program`: the port a program wrote to its
+    ready file as ``{"port": N}`` (0 until it has)."""
+    def ready() -> int:
+        try:
+            return int(json.loads(ready_file.read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+    return ready
+
+
 class ProcessGroup:
     """Owns a set of child servers and a scratch directory; stops them all on close."""
 
@@ -259,6 +271,26 @@ class ProcessGroup:
         child = Child(name=name, proc=proc, port=int(info["port"]), log_path=log_path, info=info)
         self.children.append(child)
         return child
+
+    def start_program(self, name: str, cmd: list[str], ready: Callable[[], int | None], *,
+                      env: dict | None = None, timeout: float = 60.0, poll_s: float = 0.05) -> Child:
+        """Run any program ``cmd`` (a peer router, a mock engine) behind the guardian, so it
+        dies with us, and wait until ``ready()`` returns its port (falsy: not yet)."""
+        log_path = self.workdir / f"{name}.log"
+        proc = spawn(guarded(cmd), log_path=log_path, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        child = Child(name=name, proc=proc, port=0, log_path=log_path, info={"cmd": cmd})
+        self.children.append(child)   # stopped with the group, ready or not
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise LaunchError(f"{name} exited with {proc.returncode}:\n{child.log_tail(30)}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{name} not ready after {timeout}s:\n{child.log_tail(30)}")
+            port = ready()
+            if port:
+                child.port = port
+                return child
+            time.sleep(poll_s)
 
     def stop(self, child: Child, *, timeout: float = 10.0) -> int | None:
         """SIGTERM the child's process group, then SIGKILL after ``timeout``; returns the
