@@ -265,14 +265,13 @@ class PlacementClient:
         call = self._stub.Session(self._outgoing(queue), metadata=self._metadata)
         self._call = call
         self.sessions_started += 1
-        self._connected.set()
-        if self._in_fallback:
-            self._in_fallback = False
-            log.warning("control plane %s is back: local fallback placement ends (%d placed locally so far)",
-                        target, self.fallback.placed)
-        log.info("connected to control plane %s (%d live requests)", target, len(self._live))
         try:
             async for msg in call:
+                if not self._connected.is_set():
+                    # Connected once the control plane answers (its SessionInfo comes first),
+                    # not when the call is made: one that refuses the session (a bad token)
+                    # must not count as a control plane for /health and placements meanwhile.
+                    self._on_connected(target)
                 body = msg.WhichOneof("body")
                 if body == "batch":
                     for one in msg.batch.messages:
@@ -296,6 +295,17 @@ class PlacementClient:
             for fut in list(self._pending.values()):
                 if not fut.done():
                     fut.set_exception(ControlPlaneUnavailable("control-plane session ended"))
+
+    def _on_connected(self, target: str) -> None:
+        queue = self._queue
+        while self._unsent and queue is not None:   # reported while the session was opening
+            queue.put_nowait(self._unsent.popleft())
+        self._connected.set()
+        if self._in_fallback:
+            self._in_fallback = False
+            log.warning("control plane %s is back: local fallback placement ends (%d placed locally so far)",
+                        target, self.fallback.placed)
+        log.info("connected to control plane %s (%d live requests)", target, len(self._live))
 
     def _received(self, msg: pb.ControlPlaneMessage, body: str | None) -> None:
         if body == "placement":

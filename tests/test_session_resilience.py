@@ -114,3 +114,38 @@ async def _async(value):
 
 async def _loaded(cp: ControlPlane, expected: tuple[int, int]) -> bool:
     return await _load(cp) == expected
+
+
+async def test_a_session_counts_only_once_the_control_plane_answers():
+    """A control plane that has not answered (or refuses the session: a bad token) is not a
+    connection: /health and placements must not rely on it meanwhile."""
+    import grpc
+
+    from protos import omni_proxy_pb2_grpc as pb_grpc
+
+    opened = asyncio.Event()
+    answer = asyncio.Event()
+
+    class Silent(pb_grpc.SchedulerServicer):
+        async def Session(self, request_iterator, context):
+            opened.set()
+            await answer.wait()              # accepted by gRPC, not yet answered
+            yield pb.ControlPlaneMessage(info=pb.SessionInfo())
+            await asyncio.Event().wait()
+
+    server = grpc.aio.server()
+    pb_grpc.add_SchedulerServicer_to_server(Silent(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = PlacementClient(f"127.0.0.1:{port}", "dp-wait", timeout_s=5.0)
+    try:
+        await client.start()
+        await asyncio.wait_for(opened.wait(), 10)
+        client.report(pb.LifecycleEvent(request_id="early", kind=pb.EVENT_FINISHED))
+        assert not client.connected
+        answer.set()
+        assert await client.wait_connected(10)
+        assert not client._unsent          # what was reported meanwhile went out on this session
+    finally:
+        await client.close()
+        await server.stop(None)
