@@ -179,10 +179,11 @@ class Lifecycle:
         """Release records whose data plane has not come back within the grace period."""
         grace = self.session_grace_s if older_than_s is None else older_than_s
         ids = await self.store.orphans(time.monotonic() - grace)
+        released = 0
         for request_id in ids:
-            await self._end(request_id)
-        self.stats.sessions["requests_released"] += len(ids)
-        return len(ids)
+            released += await self._end(request_id)   # another release may have ended it first
+        self.stats.sessions["requests_released"] += released
+        return released
 
     async def sweep_stale(self) -> int:
         """Release records whose reports never came (a safety net, not the normal path)."""
@@ -192,8 +193,11 @@ class Lifecycle:
             await self._end(request_id)
         return len(stale)
 
-    async def _end(self, request_id: str) -> None:
-        if await self.store.end(request_id) is not None and self.on_request_end is not None:
+    async def _end(self, request_id: str) -> bool:
+        """End the request's record; False if it had already ended."""
+        ended = await self.store.end(request_id) is not None
+        if ended and self.on_request_end is not None:
             self.on_request_end(request_id)
         if self.queue is not None:
             self.queue.kick()
+        return ended

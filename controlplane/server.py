@@ -135,6 +135,7 @@ class ControlPlane:
             if self.config.pd_flow == "layerwise":
                 raise
         self._sweeper = asyncio.create_task(self._sweep_loop())
+        self._tasks.append(asyncio.create_task(self._orphan_loop()))
         if shared:
             self._tasks += [asyncio.create_task(self.store.maintain(orphan=True)),
                             asyncio.create_task(self._sync.run())]
@@ -181,6 +182,22 @@ class ControlPlane:
             n = await self.lifecycle.sweep_stale()
             if n:
                 log.warning("released %d stale request records (no lifecycle report arrived)", n)
+
+    async def _orphan_loop(self) -> None:
+        """Release orphaned requests whose grace has passed, whoever orphaned them. A session
+        that ends here schedules its own release (services.py), but the requests of a replica
+        that died are orphaned by another replica's store sweep (state/redis.py), where no
+        session ends for them: without this they stayed charged until max_request_age_s."""
+        period = min(max(self.config.session_grace_s / 2, 0.5), 30.0)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                released = await self.lifecycle.release_orphans()
+            except Exception as exc:  # noqa: BLE001 - the store is away: try again next period
+                log.warning("releasing orphaned requests failed: %s: %s", type(exc).__name__, exc)
+                continue
+            if released:
+                log.warning("released %d orphaned requests whose data plane did not come back", released)
 
     def _http_app(self) -> web.Application:
         app = web.Application()

@@ -149,3 +149,32 @@ async def test_a_session_counts_only_once_the_control_plane_answers():
     finally:
         await client.close()
         await server.stop(None)
+
+
+async def test_requests_orphaned_by_a_store_sweep_are_released_after_the_grace(sim_both):
+    """A dead replica's requests are orphaned by another replica's sweep, where no session
+    ends: they must still be released after session_grace_s, not after max_request_age_s."""
+    import time
+
+    from controlplane.config import ControlPlaneConfig, WorkerSpec
+    from controlplane.workers import Role
+
+    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", session_grace_s=1.0,
+                                            workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")]))
+    await plane.start()
+    client = None
+    try:
+        client = await _client(plane)
+        assert not (await client.place(_entry("r1"))).error
+        (record,) = await plane.store.records()
+        # What RedisStore.sweep does to the records of a replica that stopped heartbeating.
+        assert await plane.store.orphan(record.session, time.monotonic()) == 1
+        assert await _load(plane) == (1, 1)
+        async def released():
+            return await _load(plane) == (0, 0)
+        await wait_until(released, timeout=10, what="the orphaned request to be released")
+        assert plane.placer.stats.sessions["requests_released"] == 1
+    finally:
+        if client is not None:
+            await client.close()
+        await plane.stop()
