@@ -258,9 +258,7 @@ class PlacementClient:
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id, live_requests=self._live,
                                                                  batches=True)))
-        while self._unsent:
-            queue.put_nowait(self._unsent.popleft())
-        self._queue = queue
+        self._queue = queue          # what waits in _unsent follows once the control plane answers
         self._cp_batches = False   # batch only once this control plane says it reads batches
         call = self._stub.Session(self._outgoing(queue), metadata=self._metadata)
         self._call = call
@@ -298,7 +296,7 @@ class PlacementClient:
 
     def _on_connected(self, target: str) -> None:
         queue = self._queue
-        while self._unsent and queue is not None:   # reported while the session was opening
+        while self._unsent and queue is not None:   # kept from earlier sessions, or reported meanwhile
             queue.put_nowait(self._unsent.popleft())
         self._connected.set()
         if self._in_fallback:

@@ -28,6 +28,16 @@ async def wait_until(cond: Callable[[], Awaitable[bool]], *, timeout: float = 15
         await asyncio.sleep(interval)
 
 
+async def cancel_until_done(task: asyncio.Future, tries: int = 100) -> bool:
+    """Cancel ``task`` until it ends (a cancel can be swallowed by redis-py's ``wait_for``
+    before Python 3.12); False if it never did. For cleaning up after a failed check."""
+    for _ in range(tries):
+        task.cancel()
+        if (await asyncio.wait({task}, timeout=0.05))[0]:
+            return True
+    return False
+
+
 @dataclass
 class Cluster:
     group: ProcessGroup

@@ -20,7 +20,7 @@ from controlplane.kvcache import persist
 from controlplane.server import ControlPlane
 from controlplane.workers import Role
 from protos import omni_proxy_pb2 as pb
-from tests.conftest import wait_until
+from tests.conftest import cancel_until_done, wait_until
 from tests.redis_fixtures import redis_server  # noqa: F401 (fixture)
 
 BS = 16
@@ -195,7 +195,7 @@ async def test_dump_and_load_round_trip_keeps_routing_age():
     fresh = KVCache(KVCacheConfig(block_size=BS, approx_ttl_s=100.0))
     persist.load(fresh, header, runs, [w], now=header["ts"] + 50)
     assert fresh.match(chain, [w]) == {"w": 8}
-    start = fresh._approx_expiry[0][1]
+    start = fresh.routed.expiry[0][1]
     assert abs((time.monotonic() - start) - 50) < 1.0          # it keeps its age: 50 s left
     too_old = KVCache(KVCacheConfig(block_size=BS, approx_ttl_s=100.0))
     persist.load(too_old, header, runs, [w], now=header["ts"] + 150)
@@ -317,10 +317,7 @@ async def test_close_stops_the_writer_wherever_the_cancel_lands(redis_server):
             closing = asyncio.ensure_future(snaps.close(final=False))
             done, _ = await asyncio.wait({closing}, timeout=10)
             if not done:
-                for _ in range(100):                          # cancel until one is not swallowed
-                    writer.cancel()
-                    if (await asyncio.wait({writer}, timeout=0.05))[0]:
-                        break
+                await cancel_until_done(writer)
                 closing.cancel()
                 await asyncio.gather(closing, return_exceptions=True)
                 await snaps.redis.aclose()

@@ -22,7 +22,7 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.state import Charge, MemoryStore, RequestRecord, StoreUnavailable, make_store
 from controlplane.state.redis import RedisStore, decode_spec, encode_spec, safe_url
 from controlplane.workers import IDLE, Load, Role, WorkerSpec
-from tests.conftest import wait_until
+from tests.conftest import cancel_until_done, wait_until
 from tests.redis_fixtures import RedisServer, redis_persistent, redis_server  # noqa: F401 - fixtures
 
 _prefixes = itertools.count(1)
@@ -529,10 +529,7 @@ async def test_a_cancelled_spec_watch_ends_wherever_the_cancel_lands(redis_serve
             nxt.cancel()
             done, _ = await asyncio.wait({nxt}, timeout=5)
             if not done:
-                for _ in range(100):                  # cancel until one is not swallowed
-                    nxt.cancel()
-                    if (await asyncio.wait({nxt}, timeout=0.05))[0]:
-                        break
+                await cancel_until_done(nxt)
                 pytest.fail(f"the cancelled watch did not end (cancelled after {steps} loop steps)")
             assert nxt.cancelled()
             await changes.aclose()

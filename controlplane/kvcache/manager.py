@@ -85,18 +85,6 @@ class KVCache:
         """The approximate index (workers without usable KV events)."""
         return self.routed.index
 
-    @property
-    def _approx_expiry(self):
-        return self.routed.expiry
-
-    @property
-    def _last_bucket(self) -> int:
-        return self.routed.last_bucket
-
-    @_last_bucket.setter
-    def _last_bucket(self, number: int) -> None:
-        self.routed.last_bucket = number
-
     # ------------------------------------------------------------------ subscriptions
 
     async def watch(self, worker: WorkerSpec | WorkerView) -> None:

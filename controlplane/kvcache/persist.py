@@ -94,7 +94,7 @@ def index_version(kv: KVCache) -> tuple:
     """Changes whenever the index may have (stores, removals, touches, expiry)."""
     e, a = kv.exact, kv.approx
     return (e._stored, e._removed, e._cleared, e._evicted, e._clock, e.generation,
-            a._stored, a._removed, a._cleared, a._evicted, a.generation, kv._last_bucket, len(kv._approx_expiry))
+            a._stored, a._removed, a._cleared, a._evicted, a.generation, kv.routed.last_bucket, len(kv.routed.expiry))
 
 
 def _seqs(kv: KVCache) -> dict[str, dict[str, dict[str, int]]]:
@@ -119,7 +119,7 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
     await asyncio.sleep(0)
     a_keys, a_vals, a_owner = list(approx._holders), list(approx._holders.values()), list(approx._key_of)
     offset = wall - time.monotonic()
-    buckets = [(number, start + offset) for number, start, _ in kv._approx_expiry]
+    buckets = [(number, start + offset) for number, start, _ in kv.routed.expiry]
     bucket_pos = {number: i for i, (number, _) in enumerate(buckets)}
 
     runs: dict[tuple[str, int, int], array] = {}   # (kind slot index, slot, bucket) -> hashes
@@ -238,13 +238,13 @@ def load(kv: KVCache, header: dict[str, Any], runs, specs: Iterable, *, now: flo
     for b in sorted(by_bucket):
         if not 0 <= b < len(starts) or wall - starts[b] >= ttl:
             continue                       # expired meanwhile (or no known bucket)
-        kv._last_bucket += 1
-        number = kv._last_bucket
+        kv.routed.last_bucket += 1
+        number = kv.routed.last_bucket
         blocks = array("Q")
         for wid, rank, arr in by_bucket[b]:
             blocks.extend(kv.approx.route((wid, rank), arr[::-1].tolist(), number))
             loaded["approx"] += len(arr)
-        kv._approx_expiry.append((number, mono - (wall - starts[b]), blocks))
+        kv.routed.expiry.append((number, mono - (wall - starts[b]), blocks))
     for wid, ranks in (header.get("seqs") or {}).items():
         if wid in by_id and by_id[wid].kv_events:
             for rank, topics in ranks.items():
