@@ -27,6 +27,7 @@ import contextvars
 import hmac
 import logging
 import os
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,18 @@ def server_credentials(cfg: AuthConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def server_ssl_context(cfg: AuthConfig) -> ssl.SSLContext | None:
+    """The same TLS as :func:`server_credentials`, for the session socket; None: plaintext."""
+    if server_credentials(cfg) is None:   # the same checks and messages
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_client_ca:
+        ctx.load_verify_locations(cfg.tls_client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
     """A client's side of :func:`server_credentials` (PEM file paths; ca empty: the system roots)."""
     def read(path: str) -> bytes | None:
@@ -271,14 +284,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         scope = SERVICE_SCOPES.get(service)
         if scope is None or not self.tokens.required(scope):
             return handler
-        presented = bearer(handler_call_details.invocation_metadata)
+        name = self.who(scope, bearer(handler_call_details.invocation_metadata), method)
+        if name is None:
+            return _deny_handler(handler, f"{scope} calls need a valid token "
+                                          f"(authorization: Bearer <token>)")
+        return _as_principal(handler, name)
+
+    def who(self, scope: str, presented: str, method: str) -> str | None:
+        """The name of the token ``presented`` for ``scope`` ("" when the scope is open), or
+        None: refused, counted and logged (rate-limited). The session socket asks here too."""
+        if not self.tokens.required(scope):
+            return ""
         name = self.tokens.who(scope, presented) if presented else None
         if name is None:
             self.refused += 1
             self._log_refusal(method, bool(presented))
-            return _deny_handler(handler, f"{scope} calls need a valid token "
-                                          f"(authorization: Bearer <token>)")
-        return _as_principal(handler, name)
+        return name
 
 
 def caller(context) -> str:

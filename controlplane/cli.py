@@ -8,6 +8,8 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML or YAML file (see controlplane/config.py)")
     p.add_argument("--listen", help="gRPC address (default 127.0.0.1:50051; port 0 = any free port)")
+    p.add_argument("--session-listen", help="data-plane session socket: host:port, auto (the gRPC host, "
+                   "any free port) or off (sessions on gRPC only)")
     p.add_argument("--http-host", help="host for /metrics, /health and the metaserver")
     p.add_argument("--http-port", type=int, help="port for /metrics and /health (0 = any free port)")
     p.add_argument("--policy", help="round_robin | random | power_of_two | least_load | a custom profile")
@@ -38,7 +40,7 @@ def config_from_args(args: argparse.Namespace):
     from controlplane.workers import Role
 
     cfg = ControlPlaneConfig.from_file(args.config) if args.config else ControlPlaneConfig()
-    for attr, key in (("listen", "listen"), ("http_host", "http_host"), ("http_port", "http_port"),
+    for attr, key in (("listen", "listen"), ("session_listen", "session_listen"), ("http_host", "http_host"), ("http_port", "http_port"),
                       ("policy", "policy"), ("pd_flow", "pd_flow"),
                       ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host"),
                       ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s"),
@@ -102,6 +104,7 @@ async def _start(cp, cfg) -> None:
     """Start the control plane; a port it cannot bind is a :class:`StartupError` naming the key."""
     from controlplane.state import StoreUnavailable
     from omni_runtime import StartupError, bind_error
+    from protos.framing import split_target
 
     try:
         await cp.start()
@@ -112,6 +115,9 @@ async def _start(cp, cfg) -> None:
             pass
         if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to bind"):  # grpc's message
             raise _grpc_bind_error(cfg.listen) from None
+        if isinstance(exc, OSError) and cp.grpc_port and not cp.session_port and cfg.session_listen != "off":
+            host, port = split_target(cfg.session_listen if cfg.session_listen != "auto" else cfg.listen)
+            raise bind_error(exc, "session_listen", host, port if cfg.session_listen != "auto" else 0) from None
         if isinstance(exc, OSError) and not cp.http_port and cp.grpc_port:
             raise bind_error(exc, "http_port", cfg.http_host, cfg.http_port) from None
         if isinstance(exc, ValueError):

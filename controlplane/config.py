@@ -91,6 +91,8 @@ def _policy(value: Any, name: str) -> str:
 
 TOP_LEVEL: dict[str, Check] = {
     "listen": v.listen_address,
+    "session_listen": lambda x, f: x.strip() if isinstance(x, str) and x.strip() in ("auto", "off")
+    else v.listen_address(x, f),
     "http_host": v.host,
     "http_port": lambda x, f: v.int_range(x, f, 0, v.MAX_PORT),
     "policy": _policy,
@@ -367,6 +369,9 @@ def _plugin(item: Any, where: str) -> None:
 @dataclass
 class ControlPlaneConfig:
     listen: str = "127.0.0.1:50051"
+    # Data-plane sessions on a plain socket (controlplane/session_socket.py): "auto" = the
+    # gRPC host, any free port (data planes ask where); "off" = gRPC sessions only.
+    session_listen: str = "auto"
     http_host: str = "127.0.0.1"
     http_port: int = 0               # /metrics, /health (and the metaserver); 0 = any free port
     policy: str = "least_load"

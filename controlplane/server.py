@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane import metrics
-from controlplane.auth import AuthInterceptor, server_credentials
+from controlplane.auth import AuthInterceptor, server_credentials, server_ssl_context
 from controlplane.config import ControlPlaneConfig
 from controlplane.discovery import DiscoveryFile
 from controlplane.health import HealthChecker
@@ -23,6 +23,7 @@ from controlplane.prediction import Predictor
 from controlplane.registry import WorkerRegistry, worker_id_for
 from controlplane.scheduling import build_profile
 from controlplane.services import AdminService, RegistryService, SchedulerService
+from controlplane.session_socket import SessionSocketServer
 from controlplane.state import StateStore, make_store
 from controlplane.state.sync import SpecSync
 from controlplane.workers import WorkerSpec
@@ -61,6 +62,8 @@ class ControlPlane:
                                      timeout_s=config.layerwise_timeout_s, engine_api_key=config.engine_api_key)
         self.registry.on_added = self._worker_added
         self.grpc_port = 0
+        self.session_port = 0            # the session socket's; 0 while there is none
+        self.session_socket: SessionSocketServer | None = None
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -102,8 +105,9 @@ class ControlPlane:
             await self.discovery.start()
 
         tokens = self.config.auth.resolved()
+        auth = AuthInterceptor(tokens) if tokens.enabled else None
         self._server = grpc.aio.server(options=server_options(),   # malformed messages: INVALID_ARGUMENT
-                                       interceptors=[*([AuthInterceptor(tokens)] if tokens.enabled else []),
+                                       interceptors=[*([auth] if auth is not None else []),
                                                      MalformedMessageGuard()])
         if tokens.enabled:
             log.info("gRPC API tokens: %s", tokens.describe())
@@ -114,7 +118,8 @@ class ControlPlane:
             kv_hash=pb.KVHashConfig(enabled=uses_cache, block_size=kvc.block_size, algo=kvc.hash_algo,
                                     seed=kvc.hash_seed or "", seed_set=kvc.hash_seed is not None,
                                     lora_key_format=kvc.lora_key_format))
-        pb_grpc.add_SchedulerServicer_to_server(SchedulerService(self.placer, self.lifecycle, self.registry, info), self._server)
+        scheduler = SchedulerService(self.placer, self.lifecycle, self.registry, info)
+        pb_grpc.add_SchedulerServicer_to_server(scheduler, self._server)
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry, info.kv_hash), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer, health=self.health, info=info),
                                             self._server)
@@ -124,6 +129,14 @@ class ControlPlane:
         if not self.grpc_port:
             raise OSError(f"cannot listen on {self.config.listen}")
         await self._server.start()
+        if self.config.session_listen != "off":
+            tls = server_ssl_context(self.config.auth)
+            self.session_socket = SessionSocketServer(scheduler, auth, tls)
+            listen = self.config.session_listen
+            if listen == "auto":
+                listen = f"{self.config.listen.rpartition(':')[0]}:0"
+            self.session_port = await self.session_socket.start(listen)
+            scheduler.endpoint = pb.SessionEndpoint(port=self.session_port, tls=tls is not None)
 
         await self.metaserver.start()
         self._runner, self.http_port = await start_http_site(
@@ -141,8 +154,8 @@ class ControlPlane:
                             asyncio.create_task(self._sync.run())]
             if self.kv_snapshots is not None:
                 self.kv_snapshots.start()      # stopped by kv_snapshots.close() in stop()
-        log.info("control plane: gRPC on port %d, HTTP on %s:%d, policy %s, %d workers",
-                 self.grpc_port, self.config.http_host, self.http_port, self.config.policy,
+        log.info("control plane: gRPC on port %d, session socket on port %d, HTTP on %s:%d, policy %s, %d workers",
+                 self.grpc_port, self.session_port, self.config.http_host, self.http_port, self.config.policy,
                  len(self.config.workers))
 
     async def stop(self) -> None:
@@ -155,6 +168,8 @@ class ControlPlane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.kv_snapshots is not None:
             await self.kv_snapshots.close()   # its writer, then a last snapshot before the index is dropped
+        if self.session_socket is not None:
+            await self.session_socket.close()
         if self._server:
             await self._server.stop(grace=1.0)
         if self._runner:

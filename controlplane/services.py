@@ -58,6 +58,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._session_ids = itertools.count(1)
         self._tasks: set[asyncio.Future] = set()
         self._nodes: dict[str, str] = {}
+        # Where the session socket is (set by the server once it listens); port 0: none.
+        self.endpoint = pb.SessionEndpoint()
 
     async def Session(self, request_iterator, context):
         """Serve one data plane: placements are answered, reports need no answer.
@@ -223,6 +225,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         task = asyncio.ensure_future(release())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def GetSessionEndpoint(self, request, context):
+        return self.endpoint
 
     async def Place(self, request, context):
         answer = await self._place(request, "")

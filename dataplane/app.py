@@ -126,7 +126,8 @@ class DataPlane:
                                           timeout_s=config.placement_timeout_s,
                                           fallback_after_s=config.fallback_after_s,
                                           token=config.controlplane_token,
-                                          credentials=client_auth.grpc_credentials(*config.controlplane_tls))
+                                          credentials=client_auth.grpc_credentials(*config.controlplane_tls),
+                                          ssl_context=client_auth.ssl_context(*config.controlplane_tls))
         self.metrics.registry.register(_ControlPlaneLink(self.placements))
         self.loopwatch = LoopWatch(self.metrics.registry)   # event-loop stalls on /metrics
         try:
@@ -372,7 +373,7 @@ class DataPlane:
         local fallback over the last known workers, which says so."""
         pc = self.placements
         if pc.connected:
-            return web.json_response({"status": "ok", "controlplane": pc.target})
+            return web.json_response({"status": "ok", "controlplane": pc.target, "session": pc.transport})
         if pc.fallback.known:
             return web.json_response({"status": "degraded", "controlplane": None,
                                       "fallback_workers": pc.fallback.known})

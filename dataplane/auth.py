@@ -53,6 +53,20 @@ def grpc_credentials(ca: str = "", cert: str = "", key: str = ""):
                                         certificate_chain=read(cert, "--controlplane-tls-cert"))
 
 
+def ssl_context(ca: str = "", cert: str = "", key: str = ""):
+    """The same TLS as :func:`grpc_credentials`, for the control plane's session socket.
+
+    Called after :func:`grpc_credentials`, which has already refused unreadable files."""
+    if not (ca or cert or key):
+        return None
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 def parse_keys(text: str, where: str = "api keys") -> dict[str, str]:
     """key -> name."""
     out: dict[str, str] = {}

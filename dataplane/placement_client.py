@@ -1,6 +1,8 @@
-"""The data plane's side of the control-plane session: one bidirectional gRPC stream.
+"""The data plane's side of the control-plane session: one bidirectional stream.
 
-Placements ride the stream as request/answer pairs matched by ``seq``; lifecycle reports
+The stream is the control plane's session socket (``dataplane.session_socket``: the same
+messages, length-prefixed on plain TCP, far less CPU per message) when it has one, and
+the gRPC ``Session`` call otherwise. Placements ride the stream as request/answer pairs matched by ``seq``; lifecycle reports
 ride it one way. A data plane may know several control-plane replicas: it holds one
 session at a time, starting with the replica its node id hashes to (so a fleet of data
 planes spreads over them) and moving to the next when that one stops answering.
@@ -19,14 +21,19 @@ import asyncio
 import collections
 import itertools
 import logging
+import ssl
 import time
 import zlib
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from dataplane.fallback import FallbackPlacer
+from dataplane.session_socket import SessionRefused, SocketCall
+from dataplane.session_socket import connect as connect_socket
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
+from protos.framing import FrameError, split_target
 from protos.options import CLIENT_KEEPALIVE_MS, client_options
 
 log = logging.getLogger(__name__)
@@ -40,6 +47,8 @@ MAX_BATCH = 256
 # written: at low load the next request's placement, or the other reports of a request,
 # then share the write. A placement never waits.
 REPORT_HOLD_S = 0.002
+# A control plane whose session socket could not be reached is asked on gRPC meanwhile.
+SOCKET_RETRY_S = 60.0
 
 
 class ControlPlaneUnavailable(Exception):
@@ -73,8 +82,15 @@ class PlacementClient:
     def __init__(self, targets: str | list[str], node_id: str, *, timeout_s: float = 5.0,
                  keepalive_ms: int = CLIENT_KEEPALIVE_MS, max_buffered_reports: int = 100_000,
                  connect_timeout_s: float = 1.0, fallback_after_s: float = 1.0, token: str = "",
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 ssl_context: ssl.SSLContext | None = None, session_socket: bool = True) -> None:
         self._credentials = credentials      # TLS to the control plane; None: plaintext
+        self._ssl_context = ssl_context      # the same TLS, for the session socket
+        self._use_socket = session_socket    # False: sessions on the gRPC stream only
+        self._token = token
+        # target -> when to try its session socket again after it could not be reached
+        self._socket_retry_at: dict[str, float] = {}
+        self.transport = ""                  # "socket" or "grpc": the current session's
         self.targets = parse_targets(targets)
         # the control plane's dataplane token ([auth] dataplane_tokens), when it asks for one
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -98,7 +114,7 @@ class PlacementClient:
         self._connected = asyncio.Event()
         self._down_since = time.monotonic()
         self._task: asyncio.Task | None = None
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall | SocketCall | None = None
         self._closing = False
         self._in_fallback = False
         self._cp_batches = False
@@ -252,15 +268,45 @@ class PlacementClient:
             if not self._closing:
                 await asyncio.sleep(0.05)
 
+    async def _open_socket(self, target: str) -> SocketCall | None:
+        """The session socket of ``target``'s control plane, or None: use the gRPC stream
+        (the socket is off there, an older control plane, or it cannot be reached)."""
+        if not self._use_socket or time.monotonic() < self._socket_retry_at.get(target, 0.0):
+            return None
+        try:
+            endpoint = await self._stub.GetSessionEndpoint(pb.SessionEndpointRequest(), timeout=self.connect_timeout_s,
+                                                           metadata=self._metadata)
+        except grpc.aio.AioRpcError:
+            return None          # UNIMPLEMENTED (older) or unreachable: the stream will tell
+        if not endpoint.port or (endpoint.tls and self._ssl_context is None):
+            return None
+        host = split_target(target)[0]
+        try:
+            return await connect_socket(host, endpoint.port, ssl_context=self._ssl_context if endpoint.tls else None,
+                                        timeout_s=self.connect_timeout_s)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
+            self._socket_retry_at[target] = time.monotonic() + SOCKET_RETRY_S
+            log.warning("control plane %s: session socket port %d unreachable (%s); sessions use the gRPC "
+                        "stream, trying the socket again in %.0fs", target, endpoint.port,
+                        f"{type(exc).__name__} {exc}".strip(), SOCKET_RETRY_S)
+            return None
+
     async def _session(self, target: str, channel: grpc.aio.Channel) -> None:
         self.target = target
         self._stub = pb_grpc.SchedulerStub(channel)
+        sock = await self._open_socket(target)
         queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id, live_requests=self._live,
-                                                                 batches=True)))
+        queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(
+            node_id=self.node_id, live_requests=self._live, batches=True,
+            token=self._token if sock is not None else "")))     # gRPC carries it as metadata
         self._queue = queue          # what waits in _unsent follows once the control plane answers
         self._cp_batches = False   # batch only once this control plane says it reads batches
-        call = self._stub.Session(self._outgoing(queue), metadata=self._metadata)
+        if sock is not None:
+            sock.send_from(self._outgoing(queue))
+            call = sock
+        else:
+            call = self._stub.Session(self._outgoing(queue), metadata=self._metadata)
+        self.transport = "socket" if sock is not None else "grpc"
         self._call = call
         self.sessions_started += 1
         try:
@@ -279,6 +325,11 @@ class PlacementClient:
         except grpc.aio.AioRpcError as exc:
             if not self._closing:
                 log.warning("control-plane session with %s ended: %s %s", target, exc.code().name, exc.details())
+        except SessionRefused as exc:
+            log.warning("control-plane session with %s ended: refused: %s", target, exc)
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, FrameError, DecodeError) as exc:
+            if not self._closing:
+                log.warning("control-plane session with %s ended: %s", target, f"{type(exc).__name__} {exc}".strip())
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closing or (task is not None and task.cancelling()):

@@ -296,14 +296,16 @@ class LifecycleEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ..., streamed: _Optional[bool] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("node_id", "live_requests", "batches")
+    __slots__ = ("node_id", "live_requests", "batches", "token")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     live_requests: _containers.RepeatedScalarFieldContainer[str]
     batches: bool
-    def __init__(self, node_id: _Optional[str] = ..., live_requests: _Optional[_Iterable[str]] = ..., batches: _Optional[bool] = ...) -> None: ...
+    token: str
+    def __init__(self, node_id: _Optional[str] = ..., live_requests: _Optional[_Iterable[str]] = ..., batches: _Optional[bool] = ..., token: _Optional[str] = ...) -> None: ...
 
 class DataPlaneMessage(_message.Message):
     __slots__ = ("open", "place", "event", "batch")
@@ -366,16 +368,30 @@ class KnownWorker(_message.Message):
     def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ControlPlaneMessage(_message.Message):
-    __slots__ = ("placement", "info", "fleet", "batch")
+    __slots__ = ("placement", "info", "fleet", "batch", "refused")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     FLEET_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
     info: SessionInfo
     fleet: FleetSnapshot
     batch: ControlPlaneBatch
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ..., fleet: _Optional[_Union[FleetSnapshot, _Mapping]] = ..., batch: _Optional[_Union[ControlPlaneBatch, _Mapping]] = ...) -> None: ...
+    refused: str
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ..., fleet: _Optional[_Union[FleetSnapshot, _Mapping]] = ..., batch: _Optional[_Union[ControlPlaneBatch, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class SessionEndpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionEndpoint(_message.Message):
+    __slots__ = ("port", "tls")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ControlPlaneBatch(_message.Message):
     __slots__ = ("messages",)

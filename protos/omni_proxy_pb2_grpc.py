@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_omni__proxy__pb2.DataPlaneMessage.SerializeToString,
                 response_deserializer=protos_dot_omni__proxy__pb2.ControlPlaneMessage.FromString,
                 _registered_method=True)
+        self.GetSessionEndpoint = channel.unary_unary(
+                '/omni_proxy.v1.Scheduler/GetSessionEndpoint',
+                request_serializer=protos_dot_omni__proxy__pb2.SessionEndpointRequest.SerializeToString,
+                response_deserializer=protos_dot_omni__proxy__pb2.SessionEndpoint.FromString,
+                _registered_method=True)
         self.Place = channel.unary_unary(
                 '/omni_proxy.v1.Scheduler/Place',
                 request_serializer=protos_dot_omni__proxy__pb2.PlaceRequest.SerializeToString,
@@ -62,6 +67,14 @@ class SchedulerServicer:
     def Session(self, request_iterator, context):
         """One long-lived stream per data-plane node: placements and lifecycle reports
         share it, so a placement costs one message each way and no connection setup.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSessionEndpoint(self, request, context):
+        """Where the same session is served on a plain socket, which costs far less CPU per
+        message than the gRPC stream; data planes prefer it and keep Session as the fallback.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +106,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=protos_dot_omni__proxy__pb2.DataPlaneMessage.FromString,
                     response_serializer=protos_dot_omni__proxy__pb2.ControlPlaneMessage.SerializeToString,
+            ),
+            'GetSessionEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSessionEndpoint,
+                    request_deserializer=protos_dot_omni__proxy__pb2.SessionEndpointRequest.FromString,
+                    response_serializer=protos_dot_omni__proxy__pb2.SessionEndpoint.SerializeToString,
             ),
             'Place': grpc.unary_unary_rpc_method_handler(
                     servicer.Place,
@@ -137,6 +155,33 @@ class Scheduler:
             '/omni_proxy.v1.Scheduler/Session',
             protos_dot_omni__proxy__pb2.DataPlaneMessage.SerializeToString,
             protos_dot_omni__proxy__pb2.ControlPlaneMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSessionEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omni_proxy.v1.Scheduler/GetSessionEndpoint',
+            protos_dot_omni__proxy__pb2.SessionEndpointRequest.SerializeToString,
+            protos_dot_omni__proxy__pb2.SessionEndpoint.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,8 @@ async def test_omni_ctl_needs_a_client_certificate(tls_cluster, pki):
 
 async def test_data_plane_places_over_mutual_tls(tls_cluster, http):
     _, dp = tls_cluster
+    async with http.get(dp.url + "/health") as r:       # the session socket, with the same TLS
+        assert (await r.json())["session"] == "socket"
     async with http.post(dp.url + "/v1/completions", json={"model": "sim-model", "prompt": "hi",
                                                            "max_tokens": 1}) as r:
         assert r.status == 200

@@ -62,6 +62,7 @@ TOML_CASES = {
     "unknown_key": ('polcy = "random"\n', ["unknown config key", "polcy"]),
     "http_port": ("http_port = 70000\n", ["http_port", "0 to 65535"]),
     "listen": ('listen = "localhost"\n', ["listen", "host:port"]),
+    "session_listen": ('session_listen = "on"\n', ["session_listen", "host:port"]),
     "heartbeat_ttl": ("heartbeat_ttl_s = -1\n", ["heartbeat_ttl_s"]),
     "prefill_retries": ("prefill_retries = true\n", ["prefill_retries"]),
     "layerwise_wildcard": ('pd_flow = "layerwise"\nhttp_host = "0.0.0.0"\n', ["metaserver_host"]),
@@ -182,6 +183,12 @@ def test_controlplane_grpc_port_in_use(busy_port, tmp_path):
 def test_controlplane_http_port_in_use(busy_port, tmp_path):
     proc = run_cli(["controlplane", "--listen", "127.0.0.1:0", "--http-port", str(busy_port)], tmp_path)
     assert_one_line_error(proc, "omni-proxy controlplane", "http_port", str(busy_port), "in use")
+
+
+def test_controlplane_session_port_in_use(busy_port, tmp_path):
+    proc = run_cli(["controlplane", "--listen", "127.0.0.1:0", "--session-listen", f"127.0.0.1:{busy_port}"],
+                   tmp_path)
+    assert_one_line_error(proc, "omni-proxy controlplane", "session_listen", str(busy_port), "in use")
 
 
 def test_dataplane_port_in_use(busy_port, tmp_path):

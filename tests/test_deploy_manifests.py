@@ -374,7 +374,13 @@ def test_controlplane() -> None:
     redis_svc = find("Service", "omni-proxy-redis", docs)
     assert cfg.state.redis_url == f"redis://{redis_svc['metadata']['name']}:{redis_svc['spec']['ports'][0]['port']}/0"
     svc = find("Service", "omni-proxy-controlplane", docs)
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": ports["grpc"], "http": ports["http"]}
+    # the session socket (data planes reach it at the port they dialled gRPC on, plus this one)
+    assert cfg.session_listen == f"0.0.0.0:{ports['session']}"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": ports["grpc"], "http": ports["http"],
+                                                                   "session": ports["session"]}
+    headless = find("Service", "omni-proxy-controlplane-headless", docs)
+    assert {p["name"]: p["port"] for p in headless["spec"]["ports"]} == {"grpc": ports["grpc"],
+                                                                        "session": ports["session"]}
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(ports["http"])
 

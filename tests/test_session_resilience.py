@@ -42,7 +42,7 @@ def _entry(rid: str) -> pb.PlaceRequest:
 async def test_quiet_session_survives_frequent_keepalive_pings(cp):
     """Pings every 0.6 s on a silent stream: gRPC's default server policy would GOAWAY the
     session after two or three of them; the aligned policy keeps it."""
-    client = await _client(cp, keepalive_ms=600)
+    client = await _client(cp, keepalive_ms=600, session_socket=False)   # gRPC's pings
     try:
         assert not (await client.place(_entry("r1"))).error
         # Watch a quiet stream for 4 s (about 6 pings); the condition is that nothing happens.
@@ -55,8 +55,10 @@ async def test_quiet_session_survives_frequent_keepalive_pings(cp):
         await client.close()
 
 
-async def test_reconnecting_data_plane_claims_its_live_requests(cp):
-    client = await _client(cp)
+@pytest.mark.parametrize("session_socket", [True, False], ids=["socket", "grpc"])
+async def test_reconnecting_data_plane_claims_its_live_requests(cp, session_socket):
+    client = await _client(cp, session_socket=session_socket)
+    assert client.transport == ("socket" if session_socket else "grpc")
     try:
         assert not (await client.place(_entry("live"))).error
         assert not (await client.place(_entry("ends-during-blip"))).error

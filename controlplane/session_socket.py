@@ -1,0 +1,128 @@
+"""Data-plane sessions on a plain TCP socket: the same session as gRPC's, at a fraction of the CPU.
+
+``SchedulerService.Session`` is written against an async iterator of ``DataPlaneMessage``
+in and an async generator of ``ControlPlaneMessage`` out; gRPC is one way to feed it and
+this socket (``protos/framing.py``: length-prefixed messages) is another. Everything a
+session does (placement order, batching, claims on reconnect, orphaning when it ends) is
+therefore the same on both; only the transport's cost differs. Data planes ask
+``GetSessionEndpoint`` on the gRPC port where this socket is and fall back to the gRPC
+stream when it is off or unreachable.
+
+Who may open a session is decided as on gRPC: the first message is ``open``, carrying the
+node's dataplane token when ``[auth]`` asks for one (checked by the same
+:class:`~controlplane.auth.AuthInterceptor`), and with TLS configured the socket speaks TLS
+with the same certificate (mutual TLS too). A refused node hears why (``refused``) and the
+connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+
+from google.protobuf.message import DecodeError
+
+from controlplane.auth import AuthInterceptor
+from protos import omni_proxy_pb2 as pb
+from protos.framing import STREAM_LIMIT, FrameError, encode, read_frames, split_target, tune
+
+log = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 5.0          # a connection that sends no ``open`` this long is closed
+WRITE_HIGH_WATER = 1 << 20    # answers buffered for a slow reader before writes wait
+
+
+class SessionSocketServer:
+    """Listens on ``listen`` and serves each connection as one data-plane session."""
+
+    def __init__(self, service, auth: AuthInterceptor | None, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.service = service        # SchedulerService
+        self.auth = auth              # None: sessions need no token
+        self.ssl_context = ssl_context
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, listen: str) -> int:
+        host, port = split_target(listen)
+        self._server = await asyncio.start_server(self._serve, host, port, ssl=self.ssl_context,
+                                                  limit=STREAM_LIMIT, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+        try:
+            tune(writer)
+            peer = writer.get_extra_info("peername")
+            frames = read_frames(reader)
+            opening = await self._opening(frames, writer, peer)
+            if opening is not None:
+                await self._relay(opening, frames, writer, peer)
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass        # the node went away; the session (if any) ended with its reader
+        finally:
+            if task is not None:
+                self._connections.discard(task)
+            writer.close()
+
+    async def _opening(self, frames, writer: asyncio.StreamWriter, peer) -> pb.DataPlaneMessage | None:
+        """The session's ``open`` message, once it is known to be one and allowed; else None."""
+        try:
+            raw = await asyncio.wait_for(frames.__anext__(), OPEN_TIMEOUT_S)
+            first = pb.DataPlaneMessage.FromString(raw)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            return self._refuse(writer, peer, f"no session opening within {OPEN_TIMEOUT_S:g}s")
+        except (DecodeError, FrameError) as exc:
+            return self._refuse(writer, peer, f"malformed session opening: {type(exc).__name__}")
+        if first.WhichOneof("body") != "open":
+            return self._refuse(writer, peer, "the first message of a session must be 'open'")
+        if self.auth is not None and self.auth.who("dataplane", first.open.token, "session socket") is None:
+            return self._refuse(writer, peer, "dataplane calls need a valid token", quiet=True)
+        first.open.token = ""
+        return first
+
+    def _refuse(self, writer: asyncio.StreamWriter, peer, why: str, *, quiet: bool = False) -> None:
+        if not quiet:      # token refusals are logged, rate-limited, by the interceptor
+            log.warning("session socket: refused %s: %s", peer, why)
+        writer.write(encode(pb.ControlPlaneMessage(refused=why)))
+        return None
+
+    async def _relay(self, opening: pb.DataPlaneMessage, frames, writer: asyncio.StreamWriter, peer) -> None:
+        """Run the session: decoded frames in, its answers out as frames."""
+        async def incoming():
+            yield opening
+            try:
+                async for raw in frames:
+                    yield pb.DataPlaneMessage.FromString(raw)
+            except (DecodeError, FrameError) as exc:
+                log.warning("session socket: malformed message from %s ends its session: %s",
+                            peer, f"{type(exc).__name__}: {exc}"[:300])
+            except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+                pass
+
+        answers = self.service.Session(incoming(), None)
+        transport = writer.transport
+        try:
+            async for msg in answers:
+                if transport.is_closing():
+                    break
+                writer.write(encode(msg))
+                if transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                    await writer.drain()
+        finally:
+            await answers.aclose()
