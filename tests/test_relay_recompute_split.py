@@ -21,18 +21,20 @@ def event(text: str, stop: str | None = None) -> bytes:
     return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
 
 
-class _Content:
-    def __init__(self, chunks):
-        self.chunks = chunks
-
-    async def iter_any(self):
-        for c in self.chunks:
-            yield c
-
-
 class _Resp:
+    """An engine answer read as ``engine_api.client.EngineResponse`` is: its chunks, in order."""
+
     def __init__(self, chunks):
-        self.content = _Content(chunks)
+        self._chunks = iter(chunks)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            raise StopAsyncIteration from None
 
     def close(self):
         pass

@@ -12,11 +12,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-import aiohttp
-
 from dataplane.flows.context import FlowContext
 from dataplane.retry import retry_after_s
 from dataplane.upstream import UpstreamError, dp_rank
+from engine_api.client import EngineResponse
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ Replace = Callable[[list[str], UpstreamError], Awaitable[pb.Endpoint]]
 
 
 async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: str,
-                   replace: Replace) -> tuple[aiohttp.ClientResponse, pb.Endpoint]:
+                   replace: Replace) -> tuple[EngineResponse, pb.Endpoint]:
     """The engine's response and the worker that gave it."""
     tried: list[str] = []
     while True:

@@ -17,7 +17,6 @@ import logging
 import secrets
 from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 
 from dataplane.body import with_fields
@@ -26,6 +25,7 @@ from dataplane.flows.relay import relay
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, dp_rank, read_body
 from engine_api.bodies import prefill_body
+from engine_api.client import EngineResponse
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
     prefill, decode = placement.prefill, placement.decode
     p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang", decode)
     open_p = asyncio.ensure_future(ctx.upstream.open(prefill.worker_id, prefill.url + req.path, p_body,
-                                                     req.request_id, timeout=ctx.upstream.prefill_timeout(),
+                                                     req.request_id, total_timeout_s=ctx.upstream.prefill_timeout(),
                                                      trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id),
                                                      dp_rank=dp_rank(prefill)))
     open_d = asyncio.ensure_future(ctx.upstream.open(decode.worker_id, decode.url + req.path, d_body,
@@ -110,7 +110,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
 
 
 async def _drain_prefill(ctx: FlowContext, open_p: asyncio.Future, prefill: pb.Endpoint,
-                         d_resp: aiohttp.ClientResponse) -> None:
+                         d_resp: EngineResponse) -> None:
     """Read P's answer to the end; on failure before D's first byte, stop D too."""
     tracker = ctx.tracker
     try:

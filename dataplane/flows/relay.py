@@ -1,7 +1,7 @@
 """Relaying an engine's answer to the client: the per-chunk hot path.
 
 Chunks go out as they arrive, byte for byte: no parsing, no re-encoding, no buffering
-of the stream, and no per-chunk logging or allocation beyond what aiohttp does.
+of the stream, and no per-chunk logging or allocation beyond what the engine client does.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import re
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -18,6 +17,7 @@ from dataplane.flows.context import FlowContext
 from dataplane.flows.recompute import (RECOMPUTED, Recomputed, StreamText, is_recomputed, merge_prior,
                                        prefix_before_recompute)
 from dataplane.upstream import UpstreamError, read_body
+from engine_api.client import EngineClientError, EngineResponse
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -25,7 +25,7 @@ _USAGE = b'"usage"'
 _EVENT_END = b"\n\n"
 
 
-def _headers(resp: aiohttp.ClientResponse, ctx: FlowContext, content_type: str,
+def _headers(resp: EngineResponse, ctx: FlowContext, content_type: str,
              extra: dict[str, str] | None = None) -> dict[str, str]:
     """Our response's headers. Engines are asked for identity encoding; one that encodes
     anyway has its Content-Encoding passed on, so the bytes are never mislabelled."""
@@ -38,7 +38,7 @@ def _headers(resp: aiohttp.ClientResponse, ctx: FlowContext, content_type: str,
     return headers
 
 
-async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
+async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *,
                        on_first_chunk=None) -> web.StreamResponse:
     """Stream ``resp`` (SSE) to the client; report first token, end, and failures."""
     out = ctx.out
@@ -54,8 +54,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
             out = ctx.out = web.StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
                 "Cache-Control": "no-cache"}))
             await out.prepare(ctx.http)
-        content = resp.content
-        async for chunk in content.iter_any():
+        async for chunk in resp:
             if first:
                 first = False
                 tracker.first_token()
@@ -87,7 +86,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
         if tail:   # the engine ended without a blank line after its last event
             await out.write(tail)
             before_last, last = last, tail
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+    except (EngineClientError, ConnectionResetError, asyncio.TimeoutError) as exc:
         if isinstance(exc, ConnectionResetError) or ctx.http.transport is None or ctx.http.transport.is_closing():
             tracker.cancelled()
             ctx.metrics.cancelled.inc()
@@ -101,7 +100,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
             # An engine cut mid-event left a partial line: end it, so the error is an event of its own.
             cut = b"" if not last or last.endswith(_EVENT_END) else _EVENT_END
             await out.write(cut + sse_error_event(502, message))
-        except (ConnectionResetError, aiohttp.ClientConnectionError):
+        except ConnectionResetError:
             pass
         return out
     finally:
@@ -115,7 +114,7 @@ async def relay_stream(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id
     tracker.completion_tokens += ctx.prior_tokens   # a recompute's earlier attempts
     try:
         await out.write_eof()
-    except (ConnectionResetError, aiohttp.ClientConnectionError):
+    except ConnectionResetError:
         pass
     return out
 
@@ -134,7 +133,7 @@ def _stream_usage(tracker, last: bytes, before_last: bytes, counted: int) -> int
     return counted
 
 
-async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str) -> web.Response:
+async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> web.Response:
     """Pass a non-streamed answer through unchanged."""
     try:
         data = await read_body(worker_id, resp)
@@ -159,7 +158,7 @@ async def relay_json(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: 
     return web.Response(status=200, body=data, headers=_headers(resp, ctx, "application/json"))
 
 
-async def relay(ctx: FlowContext, resp: aiohttp.ClientResponse, worker_id: str, *,
+async def relay(ctx: FlowContext, resp: EngineResponse, worker_id: str, *,
                 on_first_chunk=None) -> web.StreamResponse:
     if ctx.req.stream:
         return await relay_stream(ctx, resp, worker_id, on_first_chunk=on_first_chunk)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[str, Any]:
     resp = await ctx.upstream.open(prefill.worker_id, prefill.url + ctx.req.path, body, ctx.req.request_id,
-                                   timeout=ctx.upstream.prefill_timeout(),
+                                   total_timeout_s=ctx.upstream.prefill_timeout(),
                                    trace=ctx.tracker.leg(LEG_PREFILL, prefill.worker_id), dp_rank=dp_rank(prefill))
     data = await read_body(prefill.worker_id, resp)
     try:

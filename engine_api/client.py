@@ -1,0 +1,550 @@
+"""A lean pooled HTTP/1.1 client for engine legs: POST a body, stream the answer back.
+
+Why not aiohttp's ClientSession: on the data plane's hot path it cost 60-90 us of CPU per
+request (request/response objects, connector bookkeeping, header handling, StreamReader).
+Engine legs need far less: one POST per leg to a few known hosts, a keep-alive pool, and
+the answer's bytes as they arrive. Here a request is one ``bytes`` join and one write; an
+asyncio Protocol feeds ``httptools.HttpResponseParser`` (llhttp, which also decodes
+chunked bodies) and the decoded body goes into a small buffer the consumer drains.
+
+What the callers rely on:
+
+* ``close()`` on a response that is not finished drops its connection: an engine sees a
+  cancelled client as a disconnect and aborts the request (frees its KV and its slot).
+* A slow consumer never makes us buffer an engine's whole answer: reading from the
+  engine's socket pauses past ``BUFFER_HIGH`` unread bytes and resumes as they are read.
+* Timeouts raise ``asyncio.TimeoutError``: ``connect_timeout_s`` to get a connection,
+  ``read_timeout_s`` for the longest silence of an engine we are waiting for (paused
+  reading is our doing, not the engine's, and does not count), and an optional
+  ``total_timeout_s`` for a whole leg, answer read included.
+* A request that fails on a reused pooled connection before any byte of an answer came
+  (the engine closed an idle keep-alive connection as we sent) is retried once on a new
+  connection; a POST the engine never answered was not processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections import deque
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict
+
+BUFFER_HIGH = 256 * 1024    # unread body bytes past which we stop reading the engine's socket
+_URL_CACHE_MAX = 4096       # distinct URLs remembered (workers x paths); cleared past this
+_NO_BODY = (204, 304)
+
+
+class EngineClientError(Exception):
+    """Base of this client's failures (timeouts are asyncio.TimeoutError)."""
+
+
+class EngineConnectError(EngineClientError):
+    """No connection to the engine could be made."""
+
+
+class EngineDisconnected(EngineClientError):
+    """The connection broke (or was closed by us) before the answer was complete."""
+
+
+class EngineProtocolError(EngineClientError):
+    """The engine's answer is not valid HTTP/1.1."""
+
+
+class _Host:
+    """One engine address: its idle keep-alive connections, LIFO (the freshest is reused)."""
+
+    __slots__ = ("host", "port", "ssl", "idle", "open", "waiters")
+
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None) -> None:
+        self.host = host
+        self.port = port
+        self.ssl = tls
+        self.idle: list[_Connection] = []
+        self.open = 0                                   # connections made and not yet lost
+        self.waiters: deque[asyncio.Future] = deque()   # requests waiting for a slot (pool_size)
+
+
+class _Target:
+    """A URL parsed once: its host's pool and the request head up to the per-request headers."""
+
+    __slots__ = ("url", "host", "head")
+
+    def __init__(self, url: str, host: _Host, head: bytes) -> None:
+        self.url = url
+        self.host = host
+        self.head = head
+
+
+class EngineResponse:
+    """An engine's answer, from the moment its status line and headers arrived.
+
+    Read it with ``read()`` or ``async for chunk in resp`` (decoded body chunks, each all
+    that arrived since the last one). Fully read, its connection goes back to the pool by
+    itself; ``release()`` does so when it can and drops it otherwise; ``close()`` drops it.
+    """
+
+    __slots__ = ("status", "reason", "url", "_raw_headers", "_headers", "_conn", "_chunks", "_buffered",
+                 "_eof", "_exc", "_waiter")
+
+    def __init__(self, url: str) -> None:
+        self.status = 0
+        self.reason = ""
+        self.url = url
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers: CIMultiDict[str] | None = None
+        self._conn: _Connection | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        if self._headers is None:   # built on first use: most legs look at two headers or none
+            self._headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self._raw_headers)
+        return self._headers
+
+    async def read(self) -> bytes:
+        """The whole body; raises if the answer breaks off (the connection is then dropped)."""
+        if self._eof:   # the common case: the body came with the head
+            return self._take()
+        return b"".join([chunk async for chunk in self])
+
+    def __aiter__(self) -> EngineResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._chunks:
+                return self._take()
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                self.release()
+                raise StopAsyncIteration
+            if self._conn is None:
+                raise EngineDisconnected("the response was released before it was read")
+            self._waiter = waiter = self._conn.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    def release(self) -> None:
+        """Back to the pool if fully read and the engine keeps the connection; else drop it."""
+        conn = self._conn
+        if conn is None:
+            return
+        self._conn = None
+        if self._eof and not self._chunks and conn.keep_alive:
+            conn.client._put(conn)
+        else:
+            conn.drop()
+
+    def close(self) -> None:
+        """Drop the connection unless the answer is complete (the engine sees a disconnect)."""
+        conn = self._conn
+        if conn is None:
+            return
+        if self._eof and not self._chunks:
+            self.release()
+            return
+        self._conn = None
+        self._chunks.clear()
+        self._fail(EngineDisconnected("the response was closed before its end"))
+        conn.drop()
+
+    def _take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        conn = self._conn
+        if conn is not None:
+            if conn.paused:
+                conn.resume()
+            if self._eof:
+                self.release()
+        return data
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > BUFFER_HIGH:
+            self._conn.pause()
+        self._wake()
+
+    def _end(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._eof and self._exc is None:
+            self._exc = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _reads_until_eof(self) -> bool:
+        """No length and not chunked: the body is all the engine sends before it closes."""
+        headers = self.headers
+        return (self.status not in _NO_BODY and "Content-Length" not in headers
+                and "chunked" not in headers.get("Transfer-Encoding", "").lower())
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time (no pipelining)."""
+
+    __slots__ = ("client", "host", "loop", "transport", "_parser", "_resp", "_head", "_reason", "_read_timer",
+                 "_total_timer", "_last_rx", "got_bytes", "complete", "keep_alive", "lost", "paused", "reused",
+                 "idle_since")
+
+    def __init__(self, client: EngineClient, host: _Host) -> None:
+        self.client = client
+        self.host = host
+        self.loop = client._loop
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._resp: EngineResponse | None = None
+        self._head: asyncio.Future | None = None
+        self._reason = b""
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._total_timer: asyncio.TimerHandle | None = None
+        self._last_rx = 0.0
+        self.got_bytes = False    # any byte of the current answer arrived
+        self.complete = False     # the current answer was parsed to its end
+        self.keep_alive = False
+        self.lost = False
+        self.paused = False
+        self.reused = False
+        self.idle_since = 0.0
+
+    # ---- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.client._conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_rx = self.loop.time()
+        if self._resp is None:   # an idle connection has nothing to say: treat it as broken
+            self.drop()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(EngineProtocolError(f"malformed answer from {self._resp.url}: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._cancel_timers()
+        self.client._lost(self)
+        resp = self._resp
+        if resp is None or self.complete:
+            return
+        if resp.status and resp._reads_until_eof():
+            self.on_message_complete()
+            return
+        reason = f": {exc}" if exc else ""
+        self._fail(EngineDisconnected(f"{resp.url} closed the connection before the answer was complete{reason}"))
+
+    # ---- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise EngineProtocolError("data after the end of the answer")
+        self.got_bytes = True
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._resp._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        resp = self._resp
+        resp.status = self._parser.get_status_code()
+        resp.reason = self._reason.decode("latin-1")
+        self._reason = b""
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._resp._feed(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = not self.lost and self._parser.should_keep_alive()
+        self._cancel_timers()
+        self._resp._end()
+
+    # ---- driving a request
+
+    async def request(self, resp: EngineResponse, data: bytes, total_timeout_s: float | None) -> None:
+        """Send ``data`` and return once the answer's head arrived."""
+        self._resp = resp
+        resp._conn = self
+        self.got_bytes = self.complete = False
+        self._head = head = self.loop.create_future()
+        self._last_rx = self.loop.time()
+        self._read_timer = self.loop.call_later(self.client.read_timeout_s, self._on_read_timer)
+        if total_timeout_s is not None:
+            self._total_timer = self.loop.call_later(max(total_timeout_s, 0.0), self._on_total_timer)
+        self.transport.write(data)
+        try:
+            await head
+        except BaseException:
+            self.drop()
+            raise
+        finally:
+            self._head = None
+
+    def pause(self) -> None:
+        if not self.paused and not self.lost:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._last_rx = self.loop.time()   # the silence while paused was ours
+        if not self.lost and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def drop(self) -> None:
+        """Close the connection; its response (if any) is no longer ours to finish."""
+        self._cancel_timers()
+        self._resp = None
+        self.keep_alive = False
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._cancel_timers()
+        self.keep_alive = False
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        if self._resp is not None:
+            self._resp._fail(exc)
+        if not self.lost:
+            self.transport.close()
+
+    def _on_read_timer(self) -> None:
+        self._read_timer = None
+        if self._resp is None or self.complete:
+            return
+        timeout = self.client.read_timeout_s
+        silent = self.loop.time() - self._last_rx
+        if self.paused:
+            silent = 0.0
+        if silent >= timeout:
+            self._fail(asyncio.TimeoutError(f"{self._resp.url} sent nothing for {timeout:g} s"))
+        else:
+            self._read_timer = self.loop.call_later(timeout - silent, self._on_read_timer)
+
+    def _on_total_timer(self) -> None:
+        self._total_timer = None
+        if self._resp is not None and not self.complete:
+            self._fail(asyncio.TimeoutError(f"{self._resp.url} did not answer in time"))
+
+    def _cancel_timers(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        if self._total_timer is not None:
+            self._total_timer.cancel()
+            self._total_timer = None
+
+
+def _encode_headers(headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> bytes:
+    if not headers:
+        return b""
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    text = "".join([f"{name}: {value}\r\n" for name, value in items])
+    lines = text.count("\n")
+    if lines != len(items) or text.count("\r") != lines:   # a CR or LF would inject a header
+        raise ValueError("an HTTP header name or value contains CR or LF")
+    return text.encode("utf-8", "surrogateescape")
+
+
+class EngineClient:
+    """Pooled keep-alive HTTP/1.1 POSTs to engines (``pool_size`` 0: no limit per host)."""
+
+    def __init__(self, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0, pool_size: int = 0,
+                 keepalive_s: float = 60.0,
+                 default_headers: Mapping[str, str] | list[tuple[str, str]] = ()) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.pool_size = pool_size
+        self.keepalive_s = keepalive_s
+        self._default_headers = _encode_headers(default_headers)   # sent on every request
+        self._targets: dict[str, _Target] = {}
+        self._hosts: dict[tuple[str, int, bool], _Host] = {}
+        self._conns: set[_Connection] = set()
+        self._tls: ssl.SSLContext | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    async def post(self, url: str, body: bytes,
+                   headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...] = (), *,
+                   total_timeout_s: float | None = None) -> EngineResponse:
+        """POST ``body``; returns once the answer's status line and headers arrived."""
+        if self._closed:
+            raise EngineClientError("the client is closed")
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        target = self._targets.get(url) or self._target(url)
+        data = b"".join((target.head, _encode_headers(headers), b"Content-Length: %d\r\n\r\n" % len(body), body))
+        deadline = None if total_timeout_s is None else self._loop.time() + total_timeout_s
+        conn = await self._acquire(target.host, deadline, fresh=False)
+        resp = EngineResponse(target.url)
+        try:
+            await conn.request(resp, data, None if deadline is None else deadline - self._loop.time())
+            return resp
+        except EngineDisconnected:
+            if not conn.reused or conn.got_bytes:
+                raise
+        # The engine closed this idle connection as we sent: nothing was processed.
+        conn = await self._acquire(target.host, deadline, fresh=True)
+        resp = EngineResponse(target.url)
+        await conn.request(resp, data, None if deadline is None else deadline - self._loop.time())
+        return resp
+
+    def close(self) -> None:
+        """Close every connection; answers still being read fail with EngineDisconnected."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for conn in list(self._conns):
+            if not conn.lost:
+                conn.transport.close()
+
+    def _target(self, url: str) -> _Target:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        tls = scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        key = (parts.hostname, port, tls)
+        host = self._hosts.get(key)
+        if host is None:
+            if tls and self._tls is None:
+                self._tls = ssl.create_default_context()
+            host = self._hosts[key] = _Host(parts.hostname, port, self._tls if tls else None)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        authority = parts.netloc.rpartition("@")[2]
+        head = f"POST {path} HTTP/1.1\r\nHost: {authority}\r\n".encode("ascii") + self._default_headers
+        if len(self._targets) >= _URL_CACHE_MAX:
+            self._targets.clear()
+        target = self._targets[url] = _Target(url, host, head)
+        return target
+
+    async def _acquire(self, host: _Host, deadline: float | None, fresh: bool) -> _Connection:
+        loop = self._loop
+        if not fresh:
+            conn = self._idle(host)
+            if conn is not None:
+                return conn
+        timeout = self.connect_timeout_s if deadline is None else min(self.connect_timeout_s, deadline - loop.time())
+        async with asyncio.timeout(timeout):   # waiting for a pool slot counts as connecting
+            while self.pool_size and host.open >= self.pool_size:
+                waiter = loop.create_future()
+                host.waiters.append(waiter)
+                try:
+                    await waiter
+                except BaseException:
+                    if waiter in host.waiters:
+                        host.waiters.remove(waiter)
+                    elif waiter.done() and not waiter.cancelled():
+                        self._wake(host)   # woken, then cancelled: the slot is the next waiter's
+                    raise
+                conn = None if fresh else self._idle(host)
+                if conn is not None:
+                    return conn
+            return await self._connect(host)
+
+    def _idle(self, host: _Host) -> _Connection | None:
+        now = self._loop.time()
+        while host.idle:
+            conn = host.idle.pop()
+            if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < self.keepalive_s:
+                conn.reused = True
+                return conn
+            conn.drop()
+        return None
+
+    async def _connect(self, host: _Host) -> _Connection:
+        made: list[_Connection] = []
+
+        def factory() -> _Connection:
+            made.append(_Connection(self, host))
+            return made[-1]
+
+        host.open += 1
+        try:
+            await self._loop.create_connection(factory, host.host, host.port, ssl=host.ssl,
+                                               server_hostname=host.host if host.ssl else None)
+        except BaseException as exc:
+            if not made or made[0].transport is None:   # else connection_lost gives the slot back
+                host.open -= 1
+                self._wake(host)
+            if isinstance(exc, OSError):
+                raise EngineConnectError(f"cannot connect to {host.host}:{host.port}: {exc}") from exc
+            raise
+        return made[0]
+
+    def _put(self, conn: _Connection) -> None:
+        """A connection whose answer was read to its end: keep it for the next request."""
+        conn._resp = None
+        if self._closed or conn.lost or self.keepalive_s <= 0:
+            conn.drop()
+            return
+        conn.idle_since = self._loop.time()
+        conn.host.idle.append(conn)
+        self._wake(conn.host)
+        if self._sweeper is None:
+            self._sweeper = self._loop.call_later(max(self.keepalive_s / 2, 0.5), self._sweep)
+
+    def _lost(self, conn: _Connection) -> None:
+        self._conns.discard(conn)
+        host = conn.host
+        host.open -= 1
+        if conn in host.idle:
+            host.idle.remove(conn)
+        self._wake(host)
+
+    def _wake(self, host: _Host) -> None:
+        while host.waiters:
+            waiter = host.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _sweep(self) -> None:
+        """Close connections idle for longer than ``keepalive_s``; runs only while any are idle."""
+        self._sweeper = None
+        now = self._loop.time()
+        left = False
+        for host in self._hosts.values():
+            for conn in [c for c in host.idle if now - c.idle_since >= self.keepalive_s]:
+                host.idle.remove(conn)
+                conn.drop()
+            left = left or bool(host.idle)
+        if left:
+            self._sweeper = self._loop.call_later(max(self.keepalive_s / 2, 0.5), self._sweep)

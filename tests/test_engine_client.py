@@ -1,0 +1,471 @@
+"""engine_api.client against real HTTP servers on loopback, on both event loops the planes
+use (uvloop in production, asyncio's own where uvloop is missing).
+
+The servers are raw asyncio servers, so each test says byte for byte what the engine does:
+chunked or sized bodies, keep-alive or ``Connection: close``, dying mid-body, silence,
+closing an idle keep-alive connection just as the next request comes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+import uvloop
+
+from engine_api import client as client_mod
+from engine_api.client import (EngineClient, EngineConnectError, EngineDisconnected, EngineProtocolError,
+                               EngineResponse)
+
+
+class Request:
+    def __init__(self, head: bytes, body: bytes, conn: int, nth: int) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        self.line = lines[0]
+        self.headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        self.body = body
+        self.conn = conn     # which connection (0, 1, ...)
+        self.nth = nth       # which request on that connection (0, 1, ...)
+
+
+Handler = Callable[[Request, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+class RawServer:
+    """HTTP/1.1 on loopback: reads requests, lets ``handler`` write the answer by hand;
+    the connection is kept for the next request while the handler returns True."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[Request] = []
+        self.closed = asyncio.Event()   # set when a client closed a connection we were serving
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tasks.add(asyncio.current_task())
+        conn = self.connections
+        self.connections += 1
+        try:
+            nth = 0
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self.closed.set()
+                    return
+                req = Request(head, b"", conn, nth)
+                req.body = await reader.readexactly(int(req.headers.get("content-length", "0")))
+                self.requests.append(req)
+                nth += 1
+                if not await self.handler(req, reader, writer):
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed.set()
+        finally:
+            writer.close()
+
+
+async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def answer(body: bytes = b"", status: str = "200 OK", extra: str = "") -> bytes:
+    return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+async def sized(req, reader, writer) -> bool:
+    writer.write(answer(b'{"echo": %d}' % len(req.body), extra="Content-Type: application/json\r\nX-Thing: a\r\n"))
+    await writer.drain()
+    return True
+
+
+class Harness:
+    """Servers and clients of one test, closed at its end."""
+
+    def __init__(self) -> None:
+        self.servers: list[RawServer] = []
+        self.clients: list[EngineClient] = []
+
+    async def __call__(self, handler: Handler, **kwargs) -> tuple[RawServer, str, EngineClient]:
+        server = RawServer(handler)
+        url = await server.start()
+        self.servers.append(server)
+        self.clients.append(EngineClient(**{"connect_timeout_s": 5.0, "read_timeout_s": 10.0, **kwargs}))
+        return server, url, self.clients[-1]
+
+    async def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for s in self.servers:
+            await s.stop()
+
+
+LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request):
+    """Runs a test's coroutine on each event loop the planes use, with a fresh Harness."""
+
+    def run(case: Callable[[Harness], Awaitable[None]]) -> None:
+        async def main() -> None:
+            harness = Harness()
+            try:
+                await case(harness)
+            finally:
+                await harness.close()
+
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+            runner.run(main())
+
+    return run
+
+
+def test_sized_answer_headers_and_request_bytes(run):
+    async def case(make):
+        server, url, client = await make(sized)
+        resp = await client.post(url + "/v1/completions?x=1", b'{"prompt": "hi"}',
+                                 [("X-Request-Id", "r-1"), ("Authorization", "Bearer k")])
+        assert (resp.status, resp.reason) == (200, "OK")
+        assert resp.headers["content-type"] == "application/json"
+        assert resp.headers["X-THING"] == "a"
+        assert await resp.read() == b'{"echo": 16}'
+        req = server.requests[0]
+        assert req.line == "POST /v1/completions?x=1 HTTP/1.1"
+        assert req.headers["host"] == url.removeprefix("http://")
+        assert req.headers["x-request-id"] == "r-1"
+        assert req.headers["authorization"] == "Bearer k"
+        assert req.headers["content-length"] == "16"
+        assert req.body == b'{"prompt": "hi"}'
+
+    run(case)
+
+
+def test_chunked_answer_is_decoded_chunk_by_chunk(run):
+    async def case(make):
+        parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+        step = asyncio.Event()
+
+        async def chunked(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n")
+            for part in parts:
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+                if req.nth == 0:      # the next chunk only once the client has the previous one
+                    await step.wait()
+                    step.clear()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return True
+
+        server, url, client = await make(chunked)
+        resp = await client.post(url + "/v1/completions", b"{}")
+        got = []
+        async for chunk in resp:
+            got.append(chunk)
+            step.set()
+        assert got == parts
+        # Fully read: its connection went back to the pool and serves the next request.
+        resp = await client.post(url + "/v1/completions", b"{}", {"X-N": "2"})
+        assert b"".join([c async for c in resp]).startswith(b"data: one")
+        assert server.connections == 1
+
+    run(case)
+
+
+def test_keep_alive_one_connection_for_sequential_requests(run):
+    async def case(make):
+        server, url, client = await make(sized)
+        for i in range(5):
+            resp = await client.post(url + "/v1/completions", b"x" * i)
+            assert await resp.read() == b'{"echo": %d}' % i
+        assert server.connections == 1
+        assert [r.nth for r in server.requests] == [0, 1, 2, 3, 4]
+
+    run(case)
+
+
+def test_connection_close_answer_is_not_reused(run):
+    async def case(make):
+        async def closing(req, reader, writer) -> bool:
+            writer.write(answer(b"bye", extra="Connection: close\r\n"))
+            await writer.drain()
+            return True   # and keeps the socket open: only the header says not to reuse it
+
+        server, url, client = await make(closing)
+        for _ in range(3):
+            resp = await client.post(url + "/", b"")
+            assert await resp.read() == b"bye"
+            resp.release()
+        assert server.connections == 3
+        assert all(r.nth == 0 for r in server.requests)
+
+    run(case)
+
+
+def test_body_until_close_without_length(run):
+    async def case(make):
+        async def until_eof(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart one, ")
+            await writer.drain()
+            writer.write(b"part two")
+            return False
+
+        server, url, client = await make(until_eof)
+        resp = await client.post(url + "/", b"")
+        assert await resp.read() == b"part one, part two"
+
+    run(case)
+
+
+def test_server_dying_mid_body_is_a_disconnect(run):
+    async def case(make):
+        async def dies(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten..")
+            await writer.drain()
+            return False
+
+        server, url, client = await make(dies)
+        resp = await client.post(url + "/", b"")
+        with pytest.raises(EngineDisconnected):
+            await resp.read()
+        # A stream gets what came, then the error.
+        resp = await client.post(url + "/", b"")
+        got = b""
+        with pytest.raises(EngineDisconnected):
+            async for chunk in resp:
+                got += chunk
+        assert got == b"only ten.."
+
+    run(case)
+
+
+def test_malformed_answer(run):
+    async def case(make):
+        async def garbage(req, reader, writer) -> bool:
+            writer.write(b"SMTP ready\r\n\r\n")
+            await writer.drain()
+            return True
+
+        server, url, client = await make(garbage)
+        with pytest.raises(EngineProtocolError):
+            await client.post(url + "/", b"")
+
+    run(case)
+
+
+def test_read_timeout_waiting_for_head_and_for_body(run):
+    async def case(make):
+        hung_up = []
+
+        async def silent(req, reader, writer) -> bool:
+            if req.conn == 1:   # the second connection: a head, then silence
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+                await writer.drain()
+            assert await reader.read(1) == b""   # silent until the client gives up
+            hung_up.append(req.conn)
+            return False
+
+        server, url, client = await make(silent, read_timeout_s=0.3)
+        start = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await client.post(url + "/", b"")
+        assert time.monotonic() - start >= 0.29
+        resp = await client.post(url + "/", b"")
+        with pytest.raises(asyncio.TimeoutError):
+            await resp.read()
+        await wait_until(lambda: sorted(hung_up) == [0, 1], "both timed-out connections closed")
+
+    run(case)
+
+
+def test_total_timeout_covers_a_trickling_answer(run):
+    async def case(make):
+        async def trickle(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:   # a byte every 20 ms: never silent for the read timeout, never done
+                writer.write(b"1\r\nx\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.02)
+
+        server, url, client = await make(trickle, read_timeout_s=0.2)
+        start = time.monotonic()
+        resp = await client.post(url + "/", b"", total_timeout_s=0.5)
+        with pytest.raises(asyncio.TimeoutError):
+            await resp.read()
+        assert 0.49 <= time.monotonic() - start < 5
+
+    run(case)
+
+
+def test_early_close_drops_the_connection(run):
+    async def case(make):
+        release = asyncio.Event()
+
+        async def streams(req, reader, writer) -> bool:
+            if req.conn == 0:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+                await writer.drain()
+                assert await reader.read(1) == b""    # the client hung up: the engine aborts
+                release.set()
+                return False
+            return await sized(req, reader, writer)
+
+        server, url, client = await make(streams)
+        resp = await client.post(url + "/", b"")
+        assert await resp.__anext__() == b"first"
+        resp.close()
+        await asyncio.wait_for(release.wait(), 5)
+        with pytest.raises(EngineDisconnected):
+            await resp.read()
+        resp = await client.post(url + "/", b"")
+        assert await resp.read() == b'{"echo": 0}'
+        assert server.connections == 2
+
+    run(case)
+
+
+def test_stale_pooled_connection_is_retried_on_a_new_one(run):
+    async def case(make):
+        async def closes_idle(req, reader, writer) -> bool:
+            if req.nth == 1:
+                return False   # the engine closed the kept connection as the request came: no answer
+            return await sized(req, reader, writer)
+
+        server, url, client = await make(closes_idle)
+        assert await (await client.post(url + "/", b"a")).read() == b'{"echo": 1}'
+        assert await (await client.post(url + "/", b"bb")).read() == b'{"echo": 2}'
+        assert server.connections == 2
+        assert [(r.conn, r.nth, r.body) for r in server.requests] == [(0, 0, b"a"), (0, 1, b"bb"), (1, 0, b"bb")]
+
+    run(case)
+
+
+def test_a_new_connection_that_breaks_is_not_retried(run):
+    async def case(make):
+        async def hangs_up(req, reader, writer) -> bool:
+            return False
+
+        server, url, client = await make(hangs_up)
+        with pytest.raises(EngineDisconnected):
+            await client.post(url + "/", b"")
+        assert len(server.requests) == 1
+
+    run(case)
+
+
+def test_slow_consumer_keeps_buffer_bounded(run, monkeypatch):
+    async def case(make):
+        size, piece = 8 * 1024 * 1024, b"y" * 65536
+
+        async def big(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            for _ in range(size // len(piece)):
+                writer.write(piece)
+                await writer.drain()
+            return True
+
+        most = 0
+        feed = EngineResponse._feed
+
+        def watched(self, data):
+            nonlocal most
+            feed(self, data)
+            most = max(most, self._buffered)
+
+        monkeypatch.setattr(EngineResponse, "_feed", watched)
+        server, url, client = await make(big)
+        resp = await client.post(url + "/", b"")
+        got = 0
+        async for chunk in resp:
+            got += len(chunk)
+            await asyncio.sleep(0.005)   # a slow client
+        assert got == size
+        # Reading pauses past the bound; what was already read from the socket still lands.
+        assert most <= client_mod.BUFFER_HIGH + 512 * 1024, most
+
+    run(case)
+
+
+def test_client_error_answer_body_is_read(run):
+    async def case(make):
+        async def not_found(req, reader, writer) -> bool:
+            writer.write(answer(b'{"error": {"message": "no such model"}}', status="404 Not Found"))
+            await writer.drain()
+            return True
+
+        server, url, client = await make(not_found)
+        resp = await client.post(url + "/", b"")
+        assert (resp.status, resp.reason) == (404, "Not Found")
+        assert await resp.read() == b'{"error": {"message": "no such model"}}'
+        resp.release()
+        await (await client.post(url + "/", b"")).read()
+        assert server.connections == 1
+
+    run(case)
+
+
+def test_connect_error(run):
+    async def case(make):
+        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()
+        client = EngineClient(connect_timeout_s=5)
+        with pytest.raises(EngineConnectError):
+            await client.post(f"http://127.0.0.1:{port}/", b"")
+        client.close()
+
+    run(case)
+
+
+def test_pool_size_limits_connections_per_host(run):
+    async def case(make):
+        server, url, client = await make(sized, pool_size=1)
+        first = await client.post(url + "/", b"1")
+        second = asyncio.ensure_future(client.post(url + "/", b"22"))
+        await asyncio.sleep(0.05)
+        assert not second.done()          # waits for the only connection
+        assert await first.read() == b'{"echo": 1}'
+        assert await (await second).read() == b'{"echo": 2}'
+        assert server.connections == 1
+
+    run(case)
+
+
+def test_close_closes_pooled_connections(run):
+    async def case(make):
+        server, url, client = await make(sized)
+        await (await client.post(url + "/", b"")).read()
+        client.close()
+        await asyncio.wait_for(server.closed.wait(), 5)
+        with pytest.raises(Exception):
+            await client.post(url + "/", b"")
+
+    run(case)
+
+
+def test_header_injection_is_refused(run):
+    async def case(make):
+        server, url, client = await make(sized)
+        with pytest.raises(ValueError):
+            await client.post(url + "/", b"", {"X-Request-Id": "a\r\nX-Evil: 1"})
+        assert server.requests == []
+
+    run(case)
