@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, replace
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.fleet import Fleet
 from controlplane.registry import WorkerRegistry
@@ -34,26 +34,39 @@ class HealthConfig:
     eject_max_s: float = 300.0
 
 
+# The only samples placement reads from an engine's /metrics. vLLM's page is hundreds of
+# lines (histograms with dozens of buckets each), polled every second from every worker on
+# the loop that answers placements: prometheus_client's parser builds an object per line
+# of it in Python. One regex scan in C picks out these few lines instead.
+_WANTED = re.compile(
+    r"^(vllm:(?:num_requests_running|num_requests_waiting|prefix_cache_hits_total|prefix_cache_queries_total"
+    r"|kv_cache_usage_perc|gpu_cache_usage_perc))(?:\{.*\})?[ \t]+(\S+)", re.MULTILINE)
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
 def parse_engine_metrics(text: str) -> tuple[int, int, float, float, float]:
     """Sum vLLM's running/waiting gauges and prefix-cache counters over engines; average
-    KV usage. -1 = absent."""
-    running = waiting = -1
-    hits = queries = -1.0
+    KV usage (of the first of its two names the page has). -1 = absent."""
+    sums: dict[str, float] = {}
+    kv_name = ""
     kv_total, kv_n = 0.0, 0
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:prefix_cache_hits":
-            hits = sum(s.value for s in family.samples if s.name.endswith("_total"))
-        elif family.name == "vllm:prefix_cache_queries":
-            queries = sum(s.value for s in family.samples if s.name.endswith("_total"))
-        if family.name == "vllm:num_requests_running":
-            running = int(sum(s.value for s in family.samples))
-        elif family.name == "vllm:num_requests_waiting":
-            waiting = int(sum(s.value for s in family.samples))
-        elif family.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc") and not kv_n:
-            for s in family.samples:
-                kv_total += s.value
+    for name, value in _WANTED.findall(text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue      # not a sample value: prometheus_client would refuse the page
+        if name in _KV_USAGE:
+            kv_name = kv_name or name
+            if name == kv_name:
+                kv_total += number
                 kv_n += 1
-    return running, waiting, (kv_total / kv_n if kv_n else -1.0), hits, queries
+        else:
+            sums[name] = sums.get(name, 0.0) + number
+    running = sums.get("vllm:num_requests_running")
+    waiting = sums.get("vllm:num_requests_waiting")
+    return (-1 if running is None else int(running), -1 if waiting is None else int(waiting),
+            kv_total / kv_n if kv_n else -1.0, sums.get("vllm:prefix_cache_hits_total", -1.0),
+            sums.get("vllm:prefix_cache_queries_total", -1.0))
 
 
 class HealthChecker:
