@@ -288,7 +288,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.complete = True
         self.keep_alive = not self.lost and self._parser.should_keep_alive()
-        self._cancel_timers()
+        if self._total_timer is not None:
+            self._total_timer.cancel()
+            self._total_timer = None
         self._resp._end()
 
     # ---- driving a request
@@ -300,7 +302,8 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = self.complete = False
         self._head = head = self.loop.create_future()
         self._last_rx = self.loop.time()
-        self._read_timer = self.loop.call_later(self.client.read_timeout_s, self._on_read_timer)
+        if self._read_timer is None:   # kept armed across the connection's requests (one per read timeout)
+            self._read_timer = self.loop.call_later(self.client.read_timeout_s, self._on_read_timer)
         if total_timeout_s is not None:
             self._total_timer = self.loop.call_later(max(total_timeout_s, 0.0), self._on_total_timer)
         self.transport.write(data)
@@ -344,7 +347,7 @@ class _Connection(asyncio.Protocol):
 
     def _on_read_timer(self) -> None:
         self._read_timer = None
-        if self._resp is None or self.complete:
+        if self._resp is None or self.complete:   # nothing to wait for: the next request re-arms it
             return
         timeout = self.client.read_timeout_s
         silent = self.loop.time() - self._last_rx

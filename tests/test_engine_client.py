@@ -295,6 +295,25 @@ def test_read_timeout_waiting_for_head_and_for_body(run):
     run(case)
 
 
+def test_read_timeout_on_a_reused_connection(run):
+    async def case(make):
+        async def second_is_silent(req, reader, writer) -> bool:
+            if req.nth == 0:
+                return await sized(req, reader, writer)
+            assert await reader.read(1) == b""
+            return False
+
+        server, url, client = await make(second_is_silent, read_timeout_s=0.3)
+        assert await (await client.post(url + "/", b"")).read() == b'{"echo": 0}'
+        start = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await client.post(url + "/", b"")
+        assert time.monotonic() - start >= 0.29
+        assert [(r.conn, r.nth) for r in server.requests] == [(0, 0), (0, 1)]   # a timeout is not retried
+
+    run(case)
+
+
 def test_total_timeout_covers_a_trickling_answer(run):
     async def case(make):
         async def trickle(req, reader, writer) -> bool:
