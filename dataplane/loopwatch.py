@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 INTERVAL_S = 0.01
 WINDOW_S = 10
-BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 
 
 class LoopWatch:
