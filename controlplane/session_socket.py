@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from controlplane.auth import AuthInterceptor
 from protos import omni_proxy_pb2 as pb
-from protos.framing import STREAM_LIMIT, FrameError, encode, read_frames, split_target, tune
+from protos.framing import STREAM_LIMIT, FrameError, FrameWriter, encode, read_frames, split_target, tune
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +114,18 @@ class SessionSocketServer:
                             peer, f"{type(exc).__name__}: {exc}"[:300])
             except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
                 pass
+            except Exception:   # a bug must show, not end the session silently
+                log.exception("session socket: reading from %s failed", peer)
 
         answers = self.service.Session(incoming(), None)
-        transport = writer.transport
+        out = FrameWriter(writer)
         try:
             async for msg in answers:
-                if transport.is_closing():
+                if out.closing:
                     break
-                writer.write(encode(msg))
-                if transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                out.write(msg)
+                if out.backlog > WRITE_HIGH_WATER:
                     await writer.drain()
+            out.flush()
         finally:
             await answers.aclose()

@@ -15,7 +15,7 @@ import ssl
 from collections.abc import AsyncIterator
 
 from protos import omni_proxy_pb2 as pb
-from protos.framing import STREAM_LIMIT, encode, read_frames, tune
+from protos.framing import STREAM_LIMIT, FrameWriter, read_frames, tune
 
 WRITE_HIGH_WATER = 1 << 20     # queued bytes before the writer waits for the socket
 
@@ -45,15 +45,16 @@ class SocketCall:
 
     async def _write_all(self, outgoing: AsyncIterator[pb.DataPlaneMessage]) -> None:
         writer = self._writer
-        transport = writer.transport
+        frames = FrameWriter(writer)
         try:
             async for msg in outgoing:
-                if transport.is_closing():
+                if frames.closing:
                     return
-                writer.write(encode(msg))
-                if transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                frames.write(msg)
+                if frames.backlog > WRITE_HIGH_WATER:
                     await writer.drain()
-            if not transport.is_closing():
+            frames.flush()
+            if not frames.closing:
                 # The control plane ends the session once it has read everything before this.
                 if writer.can_write_eof():
                     writer.write_eof()
