@@ -65,6 +65,11 @@ def _drain(queue: asyncio.Queue, batch: list) -> bool:
     return False
 
 
+def _wake(fut: asyncio.Future | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_exception(asyncio.TimeoutError())
@@ -119,6 +124,7 @@ class PlacementClient:
         self._in_fallback = False
         self._cp_batches = False
         self._holding: list | None = None    # reports held for company by _outgoing
+        self._hold: asyncio.Future | None = None   # what _outgoing waits on while it holds them
         self.fallback = FallbackPlacer()
         # What the control plane told us about this deployment at session start.
         self.info = pb.SessionInfo()
@@ -160,6 +166,7 @@ class PlacementClient:
         self._closing = True
         if self._queue is not None:
             self._queue.put_nowait(None)   # ends the stream after what is queued (held reports too)
+            _wake(self._hold)
         if self._task is not None:
             if self._connected.is_set():
                 # Let the last reports go out: the control plane releases their load now,
@@ -195,6 +202,7 @@ class PlacementClient:
             self._pending[seq] = fut
             assert self._queue is not None
             self._queue.put_nowait(pb.DataPlaneMessage(place=req))
+            _wake(self._hold)        # held reports leave with it
             # A timer on the future itself, not wait_for: no extra task or timeout scope per
             # placement on the hot path.
             timer = loop.call_later(max(remaining, 0.001), _expire, fut)
@@ -393,23 +401,17 @@ class PlacementClient:
             batch = [msg]
             end = _drain(queue, batch)
             if not end and REPORT_HOLD_S > 0 and not any(m.HasField("place") for m in batch):
+                # Hold until a placement is queued (place() wakes us), the session is
+                # closing (close() does), or the hold time is up; then take what came.
                 self._holding = batch
-                deadline = loop.time() + REPORT_HOLD_S
-                while len(batch) < MAX_BATCH:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    try:
-                        nxt = await asyncio.wait_for(queue.get(), remaining)
-                    except asyncio.TimeoutError:
-                        break
-                    if nxt is None:
-                        end = True
-                        break
-                    batch.append(nxt)
-                    if nxt.HasField("place"):
-                        end = _drain(queue, batch)
-                        break
+                waiter = self._hold = loop.create_future()
+                timer = loop.call_later(REPORT_HOLD_S, _wake, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                    self._hold = None
+                end = _drain(queue, batch)
                 self._holding = None
             yield pb.DataPlaneMessage(batch=pb.DataPlaneBatch(messages=batch)) if len(batch) > 1 else batch[0]
             if end:

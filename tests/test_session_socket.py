@@ -202,3 +202,40 @@ async def test_an_oversized_or_malformed_frame_ends_only_its_session(inproc_cp):
         assert bystander.sessions_started == 1
     finally:
         await bystander.close()
+
+
+async def test_held_reports_leave_with_the_next_placement(monkeypatch):
+    """Reports alone wait for company; a placement ends the wait at once (whatever the
+    hold time) and both leave in one write."""
+    import dataplane.placement_client as module
+
+    monkeypatch.setattr(module, "REPORT_HOLD_S", 60.0)   # only a wake-up can end the hold in time
+    client = PlacementClient("127.0.0.1:1", "dp-test")
+    client._cp_batches = True
+    queue: asyncio.Queue = asyncio.Queue()
+    client._queue = queue
+    client._connected.set()
+    writes = client._outgoing(queue)
+    client.report(pb.LifecycleEvent(request_id="done", kind=pb.EVENT_FINISHED))
+    first = asyncio.ensure_future(writes.__anext__())
+
+    async def holding() -> bool:
+        return client._hold is not None
+    await wait_until(holding, what="the report to be held")
+    placing = asyncio.ensure_future(client.place(_entry("next")))
+    try:
+        msg = await asyncio.wait_for(first, 10)
+        assert msg.WhichOneof("body") == "batch"
+        assert [m.WhichOneof("body") for m in msg.batch.messages] == ["event", "place"]
+        # closing wakes a hold too: the last reports go out, then the stream ends
+        client.report(pb.LifecycleEvent(request_id="next", kind=pb.EVENT_CANCELLED))
+        last = asyncio.ensure_future(writes.__anext__())
+        await wait_until(holding, what="the second report to be held")
+        await client.close()
+        msg = await asyncio.wait_for(last, 10)
+        assert msg.WhichOneof("body") == "event" and msg.event.request_id == "next"
+        with pytest.raises(StopAsyncIteration):
+            await writes.__anext__()
+    finally:
+        placing.cancel()
+        await asyncio.gather(placing, return_exceptions=True)
