@@ -89,6 +89,17 @@ def answer(body: bytes = b"", status: str = "200 OK", extra: str = "") -> bytes:
     return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
+def replies(data: bytes, keep: bool = True) -> Handler:
+    """A handler that answers every request with ``data`` as it is; ``keep``: keep the connection."""
+
+    async def handler(req, reader, writer) -> bool:
+        writer.write(data)
+        await writer.drain()
+        return keep
+
+    return handler
+
+
 async def sized(req, reader, writer) -> bool:
     writer.write(answer(b'{"echo": %d}' % len(req.body), extra="Content-Type: application/json\r\nX-Thing: a\r\n"))
     await writer.drain()
@@ -203,12 +214,8 @@ def test_keep_alive_one_connection_for_sequential_requests(run):
 
 def test_connection_close_answer_is_not_reused(run):
     async def case(make):
-        async def closing(req, reader, writer) -> bool:
-            writer.write(answer(b"bye", extra="Connection: close\r\n"))
-            await writer.drain()
-            return True   # and keeps the socket open: only the header says not to reuse it
-
-        server, url, client = await make(closing)
+        # The socket stays open: only the header says not to reuse it.
+        server, url, client = await make(replies(answer(b"bye", extra="Connection: close\r\n")))
         for _ in range(3):
             resp = await client.post(url + "/", b"")
             assert await resp.read() == b"bye"
@@ -221,26 +228,17 @@ def test_connection_close_answer_is_not_reused(run):
 
 def test_body_until_close_without_length(run):
     async def case(make):
-        async def until_eof(req, reader, writer) -> bool:
-            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart one, ")
-            await writer.drain()
-            writer.write(b"part two")
-            return False
-
-        server, url, client = await make(until_eof)
+        server, url, client = await make(replies(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall until close",
+                                                 keep=False))
         resp = await client.post(url + "/", b"")
-        assert await resp.read() == b"part one, part two"
+        assert await resp.read() == b"all until close"
 
     run(case)
 
 
 def test_server_dying_mid_body_is_a_disconnect(run):
     async def case(make):
-        async def dies(req, reader, writer) -> bool:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten..")
-            await writer.drain()
-            return False
-
+        dies = replies(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten..", keep=False)
         server, url, client = await make(dies)
         resp = await client.post(url + "/", b"")
         with pytest.raises(EngineDisconnected):
@@ -258,12 +256,7 @@ def test_server_dying_mid_body_is_a_disconnect(run):
 
 def test_malformed_answer(run):
     async def case(make):
-        async def garbage(req, reader, writer) -> bool:
-            writer.write(b"SMTP ready\r\n\r\n")
-            await writer.drain()
-            return True
-
-        server, url, client = await make(garbage)
+        server, url, client = await make(replies(b"SMTP ready\r\n\r\n"))
         with pytest.raises(EngineProtocolError):
             await client.post(url + "/", b"")
 
@@ -378,10 +371,7 @@ def test_stale_pooled_connection_is_retried_on_a_new_one(run):
 
 def test_a_new_connection_that_breaks_is_not_retried(run):
     async def case(make):
-        async def hangs_up(req, reader, writer) -> bool:
-            return False
-
-        server, url, client = await make(hangs_up)
+        server, url, client = await make(replies(b"", keep=False))
         with pytest.raises(EngineDisconnected):
             await client.post(url + "/", b"")
         assert len(server.requests) == 1
@@ -424,12 +414,8 @@ def test_slow_consumer_keeps_buffer_bounded(run, monkeypatch):
 
 def test_client_error_answer_body_is_read(run):
     async def case(make):
-        async def not_found(req, reader, writer) -> bool:
-            writer.write(answer(b'{"error": {"message": "no such model"}}', status="404 Not Found"))
-            await writer.drain()
-            return True
-
-        server, url, client = await make(not_found)
+        server, url, client = await make(replies(answer(b'{"error": {"message": "no such model"}}',
+                                                        status="404 Not Found")))
         resp = await client.post(url + "/", b"")
         assert (resp.status, resp.reason) == (404, "Not Found")
         assert await resp.read() == b'{"error": {"message": "no such model"}}'
