@@ -14,9 +14,12 @@ Everything here runs once per request; nothing per streamed chunk.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import io
 import logging
 import re
+import sys
 import time
 
 import orjson
@@ -103,9 +106,56 @@ def skip_unused_record_fields() -> None:
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
 
 
+class BatchedStreamHandler(logging.StreamHandler):
+    """Log lines to a block-buffered stream, flushed within ``FLUSH_S`` (at once from WARNING up).
+
+    stderr is line-buffered: with the access log on, every request cost one write system
+    call for its line (a third of the data plane's writes per request at concurrency 32).
+    Here lines collect in the stream's buffer and leave together: a timer on the event
+    loop flushes what is buffered at most ``FLUSH_S`` after the first line of a batch;
+    WARNING and worse, and lines logged off the loop's thread, flush at once. A process
+    killed without warning loses at most that much of its access log.
+    """
+
+    FLUSH_S = 0.1
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(io.TextIOWrapper(io.BufferedWriter(io.FileIO(fd, "wb", closefd=False), 1 << 16),
+                                          encoding="utf-8", errors="backslashreplace", write_through=False))
+        self._timer: asyncio.TimerHandle | None = None
+
+    def flush(self) -> None:      # logging calls it after each record: only when due here
+        return
+
+    def flush_now(self) -> None:
+        self._timer = None
+        self.acquire()
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.release()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if record.levelno >= logging.WARNING:
+            self.flush_now()
+        elif self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(self.FLUSH_S, self.flush_now)
+            except RuntimeError:      # no loop in this thread (start-up, an executor thread)
+                self.flush_now()
+
+    def close(self) -> None:
+        self.flush_now()
+        super().close()
+
+
 def configure_logging(level: str) -> None:
-    """The data plane's own process: its log format, request ids on every line."""
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    """The data plane's own process: its log format, request ids on every line, lines
+    written in batches (``BatchedStreamHandler``)."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, handlers=[BatchedStreamHandler(sys.stderr.fileno())])
     skip_unused_record_fields()
     for handler in logging.getLogger().handlers:
         handler.setFormatter(CachedTimeFormatter())
