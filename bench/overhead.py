@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from omni_proxy.launcher import Child, LaunchError, ProcessGroup, port_in  # noqa: E402
 
 import peers  # noqa: E402
+import prom  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 PEERS = ("vllm-router", "sglang-router", "smg")
@@ -99,33 +100,39 @@ def cpu_seconds(pids: list[int]) -> float:
 def loop_lag(url: str) -> dict | None:
     """The data plane's event-loop lag histogram (cumulative bucket counts) and its 10 s
     max, from /metrics; None where it has none."""
-    import urllib.request
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
+    text = prom.scrape(url)
+    hist = prom.histogram(text, "omni_dp_event_loop_lag_seconds") if text else None
+    if hist is None:
         return None
-    buckets, peak = {}, None
-    for line in text.splitlines():
-        if line.startswith("omni_dp_event_loop_lag_seconds_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("omni_dp_event_loop_lag_max_seconds "):
-            peak = float(line.rsplit(" ", 1)[1])
-    return {"buckets": buckets, "max_10s": peak} if buckets else None
+    return {**hist, "max_10s": prom.gauge(text, "omni_dp_event_loop_lag_max_seconds")}
 
 
 def lag_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Ticks over 5 ms in the cell, and the bucket its longest stall fell in (ms)."""
+    """Ticks over 5 ms between two ``loop_lag`` readings, the bucket the longest stall fell
+    in (ms), and the longest stall itself where the 10 s max tells it: the after-reading's
+    max is the window's longest when it beats the before-reading's (stalls before the window
+    are at most that) and lies in the top non-empty bucket (nothing longer in between)."""
     if not before or not after:
         return None
-    delta = {le: after["buckets"][le] - before["buckets"].get(le, 0.0) for le in after["buckets"]}
-    total = delta.get("+Inf", 0.0)
-    over5 = total - delta.get("0.005", 0.0)
-    bounds = sorted((float(le), n) for le, n in delta.items() if le != "+Inf")
-    longest = next((b * 1000 for b, n in bounds if n >= total), float("inf"))
-    return {"ticks": total, "ticks_over_5ms": over5, "longest_le_ms": longest,
-            "max_10s_ms": (after["max_10s"] or 0.0) * 1000}
+    d = prom.delta(before, after)
+    top = prom.top_bucket(d)
+    peak, prior = after["max_10s"] or 0.0, before["max_10s"] or 0.0
+    exact = top is not None and peak > prior and top[0] < peak <= top[1]
+    return {"ticks": d["count"], "ticks_over_5ms": prom.over(d, 0.005),
+            "longest_le_ms": top[1] * 1000 if top else 0.0,
+            "longest_ms": peak * 1000 if exact else None, "max_10s_ms": peak * 1000}
+
+
+def host_line() -> str:
+    return f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def write_keeping_notes(md_path: Path, md: str) -> None:
+    """Write the report; hand-written analysis below ``NOTES_MARK`` in the old one survives."""
+    old = md_path.read_text() if md_path.exists() else ""
+    if NOTES_MARK in old:
+        md = md + "\n" + old[old.index(NOTES_MARK):]
+    md_path.write_text(md)
 
 
 def free_port() -> int:
@@ -568,7 +575,7 @@ def main() -> int:
     results = run(args)
     results["args"] = vars(args)
     results["command"] = command
-    results["host"] = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    results["host"] = host_line()
     results["peer_versions"] = PEER_VERSIONS
     results["wall_s"] = round(time.time() - started, 1)
     summary = summarize(results)
@@ -577,11 +584,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
     md = markdown(results, summary, command)
-    md_path = out.with_suffix(".md")
-    old = md_path.read_text() if md_path.exists() else ""
-    if NOTES_MARK in old:   # hand-written analysis below the mark survives a rerun
-        md = md + "\n" + old[old.index(NOTES_MARK):]
-    md_path.write_text(md)
+    write_keeping_notes(out.with_suffix(".md"), md)
     try:
         plot(summary, out.with_suffix(".png"))
     except Exception as exc:   # noqa: BLE001 - plots are a convenience

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import math
 import re
@@ -141,9 +142,11 @@ def start_engines(group: ProcessGroup, mode: str, args, cost: Cost) -> list[Engi
         return list(pool.map(one, range(len(roles)), roles))
 
 
-def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine], extra_config: str = "") -> str:
+def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine], extra_config: str = "",
+               dp_args: tuple[str, ...] = ()) -> str:
     """Our control plane and one data plane; ``extra_config``: TOML appended to the control
-    plane's config (``--profiles``: custom policies, chosen by name in ``--policies``)."""
+    plane's config (``--profiles``: custom policies, chosen by name in ``--policies``);
+    ``dp_args``: more data-plane flags (a later flag wins over the defaults here)."""
     specs: list[str] = []
     for e in engines:
         spec = f"{e.url},role={e.role},id={e.name},kv_events={e.kv_events},kv_replay={e.kv_replay}"
@@ -159,7 +162,7 @@ def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine
                                       "--log-level", "WARNING", *specs])
     dp = group.start("dataplane", ["dataplane", "--host", "127.0.0.1", "--port", "0",
                                    "--controlplane", cp.address, "--log-level", "WARNING",
-                                   "--read-timeout", "600"])
+                                   "--read-timeout", "600", *dp_args])
     return dp.url
 
 
@@ -324,6 +327,30 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
+async def open_loop(offsets: list[float], send, limit_s: float) -> tuple[list[Outcome], float]:
+    """``await send(i)`` for every i, each at ``offsets[i]`` seconds after the start (open
+    loop: arrivals never wait for earlier answers), all within ``limit_s``. Returns the
+    outcomes (one per i; unfinished ones: "run time limit") and the wall time."""
+    outcomes: list[Outcome] = []
+    start = time.perf_counter()
+
+    async def one(i: int) -> None:
+        delay = offsets[i] - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)   # open-loop arrival at trace time
+        outcomes.append(await send(i))
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(offsets))]
+    _done, pending = await asyncio.wait(tasks, timeout=limit_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - start
+    finished = {o.idx for o in outcomes}
+    outcomes += [Outcome(i, error="run time limit") for i in range(len(offsets)) if i not in finished]
+    return outcomes, wall
+
+
 async def drive(engines: list[Engine], rows: list[dict], bodies: list[dict], offsets: list[float], args,
                 router_url: str | None, assignment: dict | None) -> dict:
     timeout = aiohttp.ClientTimeout(total=args.max_run_seconds, sock_connect=10)
@@ -336,28 +363,15 @@ async def drive(engines: list[Engine], rows: list[dict], bodies: list[dict], off
             base.append(await sim_state(session, e.url))
         watcher = EngineWatcher(session, engines, args.poll_s)
         poller = asyncio.create_task(watcher.loop())
-        outcomes: list[Outcome] = []
-        start = time.perf_counter()
 
-        async def one(i: int) -> None:
-            delay = offsets[i] - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)   # open-loop arrival at trace time
+        async def send(i: int) -> Outcome:
             if router_url is not None:
-                outcomes.append(await send_router(session, router_url, bodies[i], i))
-            elif i in assignment:
-                outcomes.append(await send_direct(session, engines, assignment[i], bodies[i], i))
-            else:
-                outcomes.append(Outcome(i, error="no assignment recorded"))
+                return await send_router(session, router_url, bodies[i], i)
+            if i in assignment:
+                return await send_direct(session, engines, assignment[i], bodies[i], i)
+            return Outcome(i, error="no assignment recorded")
 
-        tasks = [asyncio.create_task(one(i)) for i in range(len(bodies))]
-        done, pending = await asyncio.wait(tasks, timeout=args.max_run_seconds)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        wall = time.perf_counter() - start
-        finished = {o.idx for o in outcomes}
-        outcomes += [Outcome(i, error="run time limit") for i in range(len(bodies)) if i not in finished]
+        outcomes, wall = await open_loop(offsets, send, args.max_run_seconds)
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
         await watcher.poll(with_state=False)
@@ -712,27 +726,41 @@ def main(argv=None) -> int:
     args.out = args.out.resolve()
     if args.keep_logs:
         args.keep_logs = args.keep_logs.resolve()
+    with code_from(args.git_ref) as code:
+        return _main(parser, args, trace, code)
+
+
+@contextlib.contextmanager
+def code_from(git_ref: str | None):
+    """Yields what code the children run (commit, dirty working tree). With ``git_ref``,
+    from ``git archive git_ref`` in a temp dir (cwd and PYTHONPATH point there meanwhile),
+    so uncommitted edits in the working tree do not leak into the measurement."""
     snapshot = None
-    code = {"git_ref": args.git_ref}
+    code = {"git_ref": git_ref}
     try:
-        code["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.git_ref or "HEAD"],
+        code["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", git_ref or "HEAD"],
                                         capture_output=True, text=True).stdout.strip()
-        if not args.git_ref:
+        if not git_ref:
             dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
                                    capture_output=True, text=True).stdout
             code["working_tree_dirty"] = bool(dirty.strip())
     except OSError:
         pass
-    if args.git_ref:
-        snapshot, code["commit"] = source_snapshot(args.git_ref)
+    saved_path = os.environ.get("PYTHONPATH")
+    if git_ref:
+        snapshot, code["commit"] = source_snapshot(git_ref)
         # python -m puts the cwd first on sys.path, PYTHONPATH comes next: both the snapshot.
-        os.environ["PYTHONPATH"] = str(snapshot) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = str(snapshot) + os.pathsep + (saved_path or "")
         os.chdir(snapshot)
     try:
-        return _main(parser, args, trace, code)
+        yield code
     finally:
         if snapshot is not None:
             os.chdir(ROOT)
+            if saved_path is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved_path
             shutil.rmtree(snapshot, ignore_errors=True)
 
 

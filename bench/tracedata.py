@@ -101,3 +101,29 @@ async def sim_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple
         hits += st.get("prefix_cache_hits_tokens", 0)
         queries += st.get("prefix_cache_queries_tokens", 0)
     return hits, queries
+
+
+def densest_window(rows: list[dict], seconds: float) -> tuple[int, int]:
+    """(first row, row count) of the ``seconds``-long window of arrivals holding the most
+    rows (the earliest such window); ``rows`` in trace order (timestamps ascending, ms)."""
+    best = (0, 0)
+    end = 0
+    for i, row in enumerate(rows):
+        limit = row["timestamp"] + seconds * 1000
+        end = max(end, i)
+        while end < len(rows) and rows[end]["timestamp"] < limit:
+            end += 1
+        if end - i > best[1]:
+            best = (i, end - i)
+    return best
+
+
+def peak_rate(offsets: list[float], seconds: float = 1.0) -> float:
+    """Most arrivals in any ``seconds``-long span of ``offsets`` (sorted, seconds), per second."""
+    best = end = 0
+    for i, t in enumerate(offsets):
+        end = max(end, i)
+        while end < len(offsets) and offsets[end] < t + seconds:
+            end += 1
+        best = max(best, end - i)
+    return best / seconds
