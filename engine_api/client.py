@@ -387,8 +387,8 @@ class EngineClient:
     """Pooled keep-alive HTTP/1.1 POSTs to engines (``pool_size`` 0: no limit per host)."""
 
     def __init__(self, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0, pool_size: int = 0,
-                 keepalive_s: float = 60.0,
-                 default_headers: Mapping[str, str] | list[tuple[str, str]] = ()) -> None:
+                 keepalive_s: float = 60.0, default_headers: Mapping[str, str] | list[tuple[str, str]] = (),
+                 tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.pool_size = pool_size
@@ -397,7 +397,7 @@ class EngineClient:
         self._targets: dict[str, _Target] = {}
         self._hosts: dict[tuple[str, int, bool], _Host] = {}
         self._conns: set[_Connection] = set()
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls   # for https URLs; made on first use (the system's CAs) when not given
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False

@@ -8,6 +8,9 @@ closing an idle keep-alive connection just as the next request comes."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 
@@ -36,8 +39,9 @@ class RawServer:
     """HTTP/1.1 on loopback: reads requests, lets ``handler`` write the answer by hand;
     the connection is kept for the next request while the handler returns True."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.connections = 0
         self.requests: list[Request] = []
         self.closed = asyncio.Event()   # set when a client closed a connection we were serving
@@ -45,8 +49,8 @@ class RawServer:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     async def stop(self) -> None:
         self._server.close()
@@ -113,8 +117,9 @@ class Harness:
         self.servers: list[RawServer] = []
         self.clients: list[EngineClient] = []
 
-    async def __call__(self, handler: Handler, **kwargs) -> tuple[RawServer, str, EngineClient]:
-        server = RawServer(handler)
+    async def __call__(self, handler: Handler, server_tls: ssl.SSLContext | None = None,
+                       **kwargs) -> tuple[RawServer, str, EngineClient]:
+        server = RawServer(handler, server_tls)
         url = await server.start()
         self.servers.append(server)
         self.clients.append(EngineClient(**{"connect_timeout_s": 5.0, "read_timeout_s": 10.0, **kwargs}))
@@ -472,5 +477,28 @@ def test_header_injection_is_refused(run):
         with pytest.raises(ValueError):
             await client.post(url + "/", b"", {"X-Request-Id": "a\r\nX-Evil: 1"})
         assert server.requests == []
+
+    run(case)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_engine(run, tmp_path):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out",
+                    "cert.pem", "-days", "2", "-subj", "/CN=engine", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+
+    async def case(make):
+        server, url, client = await make(sized, server_tls=server_tls,
+                                         tls=ssl.create_default_context(cafile=str(tmp_path / "cert.pem")))
+        assert url.startswith("https://")
+        for _ in range(2):
+            assert await (await client.post(url + "/", b"abc")).read() == b'{"echo": 3}'
+        assert server.connections == 1
+        untrusted = EngineClient()   # the system's CAs do not know this engine's certificate
+        with pytest.raises(EngineConnectError):
+            await untrusted.post(url + "/", b"")
+        untrusted.close()
 
     run(case)
