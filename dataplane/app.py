@@ -168,6 +168,7 @@ class DataPlane:
 
     async def _cleanup(self, app: web.Application) -> None:
         self.loopwatch.stop()
+        self.prefix.close()
         await self.placements.close()
         await self.upstream.close()
         if self.tracing is not None:    # flush the last spans, off the event loop

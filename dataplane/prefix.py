@@ -4,12 +4,23 @@ The data plane has the token ids, and hashing here spreads the cost over the sta
 replicas instead of the one control plane. The engines' hashing settings arrive with the
 control-plane session (SessionInfo.kv_hash); nothing is computed when placement does not
 use the prefix cache.
+
+Where it runs, by chain length: short chains inline; longer ones in a thread; long ones in
+a separate process (``HashProcess``). vLLM's hash is per-block Python (a pickle and a
+sha256 of each 16-token block) that holds the GIL: in a thread, a 50k-token prompt still
+took the event loop from every other request in 0.5 ms slices for ~5 ms, and a burst of
+them stretched placements by tens of ms (bench/burst.py). The process gets the token ids
+as packed 64-bit integers and answers the chain the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from kvhash.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
 from protos import omni_proxy_pb2 as pb
@@ -18,12 +29,67 @@ log = logging.getLogger(__name__)
 
 # Above this many blocks the hashing runs off the event loop (about 1 ms per 1,000 blocks).
 INLINE_MAX_BLOCKS = 256
+# From this many blocks on it runs in another process (packing the ids costs ~1 % of hashing).
+PROCESS_MIN_BLOCKS = 1024
+
+# In a hashing process: one BlockHasher per hashing configuration (the process's own cache).
+_worker_hashers: dict[BlockHashConfig, BlockHasher] = {}
+
+
+def _hash_packed(config: BlockHashConfig, packed: bytes, salt: str | None) -> bytes:
+    """Runs in the hashing process: the event-form chain of the packed ids, packed."""
+    hasher = _worker_hashers.get(config)
+    if hasher is None:
+        hasher = _worker_hashers[config] = BlockHasher(config)
+    ids = array("q")
+    ids.frombytes(packed)
+    return array("Q", hasher.event_hashes(ids.tolist(), cache_salt=salt)).tobytes()
+
+
+class HashProcess:
+    """One process (started on first use, by spawn: the data plane has threads and a loop)
+    that hashes long chains; closed with the data plane, and gone with it if it dies."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    async def event_hashes(self, config: BlockHashConfig, ids: list[int], salt: str | None) -> list[int] | None:
+        """The chain, or None when the ids cannot be packed (beyond 64 bits) or the process
+        failed (the caller hashes in a thread instead)."""
+        try:
+            packed = array("q", ids).tobytes()
+        except OverflowError:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            out = await loop.run_in_executor(self._executor(), _hash_packed, config, packed, salt)
+        except BrokenProcessPool:
+            log.warning("the block-hashing process died; hashing in threads until a new one starts")
+            self._pool = None
+            return None
+        hashes = array("Q")
+        hashes.frombytes(out)
+        return hashes.tolist()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
 
 class PrefixHasher:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._hasher: BlockHasher | None = None
+        self.process = HashProcess()
+
+    def close(self) -> None:
+        self.process.close()
 
     def _hasher_for(self, cfg: pb.KVHashConfig) -> BlockHasher | None:
         key = (cfg.block_size, cfg.algo, cfg.seed, cfg.seed_set, cfg.lora_key_format)
@@ -53,7 +119,12 @@ class PrefixHasher:
         if not usable:
             return []
         ids = token_ids[:usable]
-        if usable // max(cfg.block_size, 1) <= INLINE_MAX_BLOCKS:
+        blocks = usable // max(cfg.block_size, 1)
+        if blocks <= INLINE_MAX_BLOCKS:
             return hasher.event_hashes(ids, cache_salt=salt)
+        if blocks >= PROCESS_MIN_BLOCKS:
+            chain = await self.process.event_hashes(hasher.config, ids, salt)
+            if chain is not None:
+                return chain
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, lambda: hasher.event_hashes(ids, cache_salt=salt))
