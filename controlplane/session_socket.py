@@ -30,7 +30,6 @@ from protos.framing import STREAM_LIMIT, FrameError, FrameWriter, encode, read_f
 log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 5.0          # a connection that sends no ``open`` this long is closed
-WRITE_HIGH_WATER = 1 << 20    # answers buffered for a slow reader before writes wait
 
 
 class SessionSocketServer:
@@ -118,14 +117,7 @@ class SessionSocketServer:
                 log.exception("session socket: reading from %s failed", peer)
 
         answers = self.service.Session(incoming(), None)
-        out = FrameWriter(writer)
         try:
-            async for msg in answers:
-                if out.closing:
-                    break
-                out.write(msg)
-                if out.backlog > WRITE_HIGH_WATER:
-                    await writer.drain()
-            out.flush()
+            await FrameWriter(writer).send_all(answers)
         finally:
             await answers.aclose()

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from protos import omni_proxy_pb2 as pb
 from protos.framing import STREAM_LIMIT, FrameWriter, read_frames, tune
 
-WRITE_HIGH_WATER = 1 << 20     # queued bytes before the writer waits for the socket
 
 
 class SessionRefused(Exception):
@@ -45,16 +44,8 @@ class SocketCall:
 
     async def _write_all(self, outgoing: AsyncIterator[pb.DataPlaneMessage]) -> None:
         writer = self._writer
-        frames = FrameWriter(writer)
         try:
-            async for msg in outgoing:
-                if frames.closing:
-                    return
-                frames.write(msg)
-                if frames.backlog > WRITE_HIGH_WATER:
-                    await writer.drain()
-            frames.flush()
-            if not frames.closing:
+            if await FrameWriter(writer).send_all(outgoing):
                 # The control plane ends the session once it has read everything before this.
                 if writer.can_write_eof():
                     writer.write_eof()

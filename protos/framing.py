@@ -30,6 +30,7 @@ _LENGTH = struct.Struct(">I")
 # noticed by TCP keepalive after KEEPIDLE + KEEPINTVL * KEEPCNT seconds, as gRPC's pings did.
 KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 10, 5, 3
 STREAM_LIMIT = 1 << 20   # StreamReader buffer before it pauses the socket
+WRITE_HIGH_WATER = 1 << 20   # bytes queued for a slow reader before writers wait
 
 
 class FrameError(Exception):
@@ -54,9 +55,10 @@ class FrameWriter:
     start of the next turn: no timer, no added wait beyond the turn.
     """
 
-    __slots__ = ("_transport", "_loop", "_pending")
+    __slots__ = ("_writer", "_transport", "_loop", "_pending")
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
         self._transport = writer.transport
         self._loop = asyncio.get_running_loop()
         self._pending: list[bytes] = []
@@ -80,10 +82,17 @@ class FrameWriter:
     def closing(self) -> bool:
         return self._transport.is_closing()
 
-    @property
-    def backlog(self) -> int:
-        """Bytes written but not yet taken by the socket."""
-        return self._transport.get_write_buffer_size()
+    async def send_all(self, messages: AsyncIterator) -> bool:
+        """Write what ``messages`` yields until it ends (True) or the stream closes (False),
+        waiting for the socket whenever more than WRITE_HIGH_WATER bytes are queued."""
+        async for msg in messages:
+            if self._transport.is_closing():
+                return False
+            self.write(msg)
+            if self._transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                await self._writer.drain()
+        self.flush()
+        return not self._transport.is_closing()
 
 
 async def read_frames(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> AsyncIterator[bytes]:
