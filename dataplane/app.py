@@ -229,11 +229,19 @@ class DataPlane:
             if http.get("omni_admitted"):
                 self.admission.release()
             self.metrics.inflight_requests -= 1
-            try:
-                self.observer.complete(tracker, route, code, "" if tracker.req is not None else
-                                       sanitize_client_id(http.headers.get("X-Request-Id")))
-            except Exception:   # bookkeeping never changes how a request ends
-                log.exception("recording a request's metrics and access log failed")
+            if not tracker.done:
+                tracker.done = tracker.last_token or time.perf_counter()
+            # The rest of the bookkeeping runs once the answer is on its way: aiohttp writes a
+            # returned response before the loop takes the next callback.
+            asyncio.get_running_loop().call_soon(
+                self._complete, tracker, route, code,
+                "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")))
+
+    def _complete(self, tracker: RequestTracker, route: str, code: int, client_id: str) -> None:
+        try:
+            self.observer.complete(tracker, route, code, client_id)
+        except Exception:   # bookkeeping never changes how a request ends
+            log.exception("recording a request's metrics and access log failed")
 
     async def _generate(self, http: web.Request, tracker: RequestTracker) -> web.StreamResponse:
         raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
