@@ -14,7 +14,8 @@ The configurations are measured in interleaved rounds (every configuration once 
 noisy neighbour slows all of them alike; the spread of the per-round medians is reported.
 Bounded: fixed counts, a few minutes in all. Usage:
 
-    python bench/placement.py [--quick] [--rounds 3] [--placements 1500] [--out docs/benchmarks]
+    python bench/placement.py [--quick] [--rounds 3] [--placements 1500] [--chain-blocks 128]
+                              [--out docs/benchmarks]
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from controlplane.state import MemoryStore  # noqa: E402
 from controlplane.workers import Health, HealthState, Role, WorkerSpec  # noqa: E402
 from protos import omni_proxy_pb2 as pb  # noqa: E402
 
-CHAIN = 128          # blocks per prompt
+CHAIN = 128          # blocks per prompt (--chain-blocks)
+MEM_CHAIN = 128      # blocks per chain in the memory measure (fixed, so its rows stay comparable)
 BLOCK = 16           # tokens per block
 DOCS = 256           # shared prefixes ("documents", system prompts, conversations)
 TARGET_US = 100.0
@@ -261,14 +263,14 @@ def bench_memory(blocks: int, workers: int = 16) -> dict:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     kv = KVCache(KVCacheConfig(block_size=BLOCK, max_blocks=blocks * 2))
-    chains = blocks // CHAIN
+    chains = blocks // MEM_CHAIN
     for c in range(chains):
-        chain = [h64(rng) for _ in range(CHAIN)]
+        chain = [h64(rng) for _ in range(MEM_CHAIN)]
         wid = f"w{c % workers:04d}"
-        for i in range(0, CHAIN, 32):
+        for i in range(0, MEM_CHAIN, 32):
             kv.exact.apply(wid, 0, [BlockStored(tuple(chain[i:i + 32]), chain[i - 1] if i else None, (), BLOCK)])
         if c % 1000 == 0:
-            log(f"  memory (exact): {c * CHAIN:,} / {blocks:,} blocks")
+            log(f"  memory (exact): {c * MEM_CHAIN:,} / {blocks:,} blocks")
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -285,10 +287,10 @@ def bench_memory(blocks: int, workers: int = 16) -> dict:
     base = tracemalloc.get_traced_memory()[0]
     kv = KVCache(KVCacheConfig(block_size=BLOCK, max_blocks=blocks * 2, approx_ttl_s=3600))
     for c in range(chains):
-        chain = [h64(rng) for _ in range(CHAIN)]
+        chain = [h64(rng) for _ in range(MEM_CHAIN)]
         kv.placed(specs[c % workers], chain, 0)
         if c % 1000 == 0:
-            log(f"  memory (approx): {c * CHAIN:,} / {blocks:,} blocks")
+            log(f"  memory (approx): {c * MEM_CHAIN:,} / {blocks:,} blocks")
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -329,15 +331,16 @@ def write(result: dict, out: Path, command: str, baseline: dict | None) -> None:
     ev, mem = result.get("events"), result.get("memory")
     md = ["# Placement core benchmark", "",
           f"Command: `{command}`", "",
-          f"Machine: {result['machine']}. In process, one core, {CHAIN}-block chains; every row's p50 is "
-          f"the median of {result['rounds']} interleaved rounds' samples, with each round's own p50 listed "
-          "to show the spread. `CPU` columns count this thread's CPU time (`time.thread_time_ns`), which a "
-          "busy shared machine inflates far less than wall time; placements/s (CPU) = placements / CPU "
-          "seconds in `Placer.place`, i.e. one core's rate. The release of older requests (to keep load "
-          "realistic) is not counted; each request's first token (settling its prefill work in the "
-          "ledger) is reported a quarter of the way through its life. `exact`: workers publish KV "
-          "events (index fed synthetic BlockStored runs: each of 256 shared prefixes cached to a random depth "
-          "on 3 workers); `approx`: no events, the index remembers routed prefixes. Target: p50 <= 100 us "
+          f"Machine: {result['machine']}. In process, one core, {result.get('chain_blocks', 128)}-block "
+          f"chains; every row's p50 is the median of {result['rounds']} interleaved rounds' samples, with "
+          "each round's own p50 listed to show the spread. `CPU` columns count this thread's CPU time "
+          "(`time.thread_time_ns`), which a busy shared machine inflates far less than wall time; "
+          "placements/s (CPU) = placements / CPU seconds in `Placer.place`, i.e. one core's rate. The release "
+          "of older requests (to keep load realistic) is not counted; each request's first token (settling "
+          "its prefill work in the ledger) is reported a quarter of the way through its life. `exact`: "
+          "workers publish KV events (index fed synthetic BlockStored runs: each of 256 shared prefixes "
+          "cached to a random depth on 3 workers; placed prompts count as pending on their worker, no "
+          "events follow); `approx`: no events, the index remembers routed prefixes. Target: p50 <= 100 us "
           "at 1,000 workers for every policy (⚠ marks rows above it), >= 20,000 placements/s.", "",
           table(result, baseline), ""]
     if ev:
@@ -353,8 +356,10 @@ def write(result: dict, out: Path, command: str, baseline: dict | None) -> None:
         for mode, m in mem.items():
             md.append(f"| {mode} | {m['blocks']:,} | {m['entries']:,} | {m['bytes'] / 2**20:.0f} | "
                       f"{m['bytes_per_entry']:.0f} |")
-        md += ["", "16 workers, 1M distinct blocks, each held by one worker (no sharing: the worst case per "
-               "entry), measured with tracemalloc. Approximate mode includes its expiry bookkeeping. "
+        md += ["", "16 workers, 1M distinct blocks in 128-block chains, each held by one worker (no sharing: "
+               "the worst case per entry), measured with tracemalloc. Approximate mode includes its expiry "
+               "bookkeeping; its entries are marks (every `routed_stride`-th block of a routed chain and its "
+               "last), so per routed (block, worker) it costs bytes/entry / 16 at the default stride. "
                "Target: <= 150 bytes/entry.", ""]
     if baseline:
         md += [f"`before` columns: {baseline.get('label', 'baseline')} ({baseline.get('commit', '?')}).", ""]
@@ -387,7 +392,8 @@ def write(result: dict, out: Path, command: str, baseline: dict | None) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("placement p50 (us)")
     axes[1].legend(fontsize=8)
-    fig.suptitle("One placement, 128-block chain" + (" (grey dashed: before)" if baseline else ""))
+    fig.suptitle(f"One placement, {result.get('chain_blocks', 128)}-block chain"
+                 + (" (grey dashed: before)" if baseline else ""))
     fig.tight_layout()
     fig.savefig(out / "placement.png", dpi=110)
 
@@ -426,12 +432,15 @@ async def bench_placement(policies: list[str], sizes: list[int], modes: list[str
 
 
 def main() -> None:
+    global CHAIN
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--placements", type=int, default=1500, help="per configuration, over all rounds")
     ap.add_argument("--sizes", default="16,256,1000")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--modes", default="exact,approx")
+    ap.add_argument("--chain-blocks", type=int, default=CHAIN,
+                    help="blocks per prompt chain (the Mooncake burst's prompts are ~1,300)")
     ap.add_argument("--event-frames", type=int, default=20_000)
     ap.add_argument("--memory-blocks", type=int, default=1_000_000)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: placement,events,memory")
@@ -450,10 +459,12 @@ def main() -> None:
     if a.quick:
         a.placements, a.event_frames, a.memory_blocks, a.rounds = 150, 2000, 100_000, 2
     skip = set(filter(None, a.skip.split(",")))
+    CHAIN = a.chain_blocks
     policies = a.policies.split(",")
     command = "python bench/placement.py " + " ".join(sys.argv[1:])
     commit = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
     result: dict = {"label": a.label or "current", "commit": commit, "rounds": a.rounds, "policies": policies,
+                    "chain_blocks": CHAIN,
                     "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
                                f"Python {platform.python_version()}", "command": command}
     t0 = time.time()

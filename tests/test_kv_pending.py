@@ -25,7 +25,12 @@ def test_a_placed_prompt_counts_on_its_worker_until_its_events():
     a, b = evented("a"), evented("b")
     kv.placed(a, CHAIN, 0)
     assert kv.match(CHAIN + [107], [a, b]) == {"a": 6}
-    assert kv.match(CHAIN[:3] + [999], [a, b]) == {"a": 3}
+    # A prompt sharing only part of it: counted at the last multiple of routed_stride (16) blocks
+    # of the shared part, here none (kvcache/routed.py); with every block marked, exactly.
+    assert kv.match(CHAIN[:3] + [999], [a, b]) == {}
+    dense = KVCache(KVCacheConfig(routed_stride=1))
+    dense.placed(a, CHAIN, 0)
+    assert dense.match(CHAIN[:3] + [999], [a, b]) == {"a": 3}
     group = kv.group_match(CHAIN, ("a", "b"), 2, random.Random(0))
     assert group.top == {"a": 6} and group.depths(["a", "b"]) == {"a": 6}
     # The events, once they come, are deeper or equal: the deeper of the two counts.
@@ -60,7 +65,7 @@ def test_workers_without_events_are_remembered_by_routing_not_as_pending():
     plain = spec("p")
     kv.placed(plain, CHAIN, 0)
     assert kv.match(CHAIN, [plain]) == {"p": 6}
-    assert kv.approx.size() == 6 and kv.pending.index.size() == 0
+    assert kv.approx.size() == 1 and kv.pending.index.size() == 0     # one mark: the chain's end
 
 
 def test_an_untracked_worker_ignores_its_pending_prefixes():
@@ -91,8 +96,22 @@ async def test_a_follow_up_goes_where_its_predecessor_was_placed_before_any_even
 
 
 def test_blocks_the_engine_removes_leave_its_pending_prefixes():
-    kv = KVCache(KVCacheConfig())
+    kv = KVCache(KVCacheConfig(routed_stride=1))     # every block a mark: any removed block counts
     a = evented("a")
     kv.placed(a, CHAIN, 0)
     kv._on_events("a", None, [BlockRemoved(block_hashes=(CHAIN[0],))])
     assert kv.match(CHAIN, [a]) == {}
+
+
+def test_removed_marks_leave_pending_prefixes_at_the_default_stride():
+    """At routed_stride 16 a removal counts where the removed block is a mark (every 16th and the
+    chain's last, which an engine freeing a request's blocks last first evicts among the first)."""
+    kv = KVCache(KVCacheConfig())
+    a = evented("a")
+    chain = list(range(1000, 1040))                  # marks at depths 16, 32 and 40
+    kv.placed(a, chain, 0)
+    assert kv.match(chain, [a]) == {"a": 40}
+    kv._on_events("a", None, [BlockRemoved(block_hashes=tuple(chain[36:]))])
+    assert kv.match(chain, [a]) == {"a": 32}         # at most stride - 1 blocks more than left
+    kv._on_events("a", None, [BlockRemoved(block_hashes=tuple(chain[:32]))])
+    assert kv.match(chain, [a]) == {}

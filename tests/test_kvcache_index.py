@@ -119,6 +119,27 @@ def test_eviction_bounds_size_and_takes_leaves_first():
     consistent(idx)
 
 
+def test_touching_part_of_a_recently_touched_prefix_skips_most_of_it():
+    idx = PrefixIndex()
+    chain = list(range(1, 1301))
+    idx.apply("a", 0, [stored(chain)])
+    clock = idx._clock
+    idx.touch(chain)
+    assert idx._clock - clock == 1300                  # new: every block
+    clock = idx._clock
+    idx.touch(chain[:1000])                            # shares 1,000 blocks: remembered at 960
+    assert idx._clock - clock == 40
+    clock = idx._clock
+    idx.touch(chain[:1000])                            # remembered at 992 now
+    assert idx._clock - clock == 8
+    order = list(idx._holders)
+    assert order[-8:] == list(range(1000, 992, -1))   # the touched tail, deepest least recent
+    idx._clock += idx.config.max_blocks                # long ago: touched in full again
+    clock = idx._clock
+    idx.touch(chain[:1000])
+    assert idx._clock - clock == 1000
+
+
 def test_random_operations_match_a_naive_model():
     rng = random.Random(1)
     idx = PrefixIndex()

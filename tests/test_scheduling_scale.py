@@ -297,7 +297,8 @@ def test_approximate_index_is_capped_by_expiring_the_oldest_buckets(monkeypatch)
 
 
 def test_a_burst_over_the_cap_within_one_time_bucket_drops_only_the_oldest(monkeypatch):
-    kv = KVCache(KVCacheConfig(approx_ttl_s=3600, max_blocks=4096))
+    # every block a mark, so the linear walk over blocks is the reference (strided: test_kvcache_routed_stride)
+    kv = KVCache(KVCacheConfig(approx_ttl_s=3600, max_blocks=4096, routed_stride=1))
     monkeypatch.setattr("controlplane.kvcache.routed.time.monotonic", lambda: 50.0)   # no time passes
     specs = [WorkerSpec(id=wid(i), url="http://x", role=Role.BOTH, model="m") for i in range(8)]
     rng = random.Random(8)
@@ -335,7 +336,7 @@ def test_routed_blocks_expire_by_bucket_unless_routed_again():
 
 
 async def test_cached_blocks_for_candidates_equal_the_full_count():
-    kv = KVCache(KVCacheConfig())
+    kv = KVCache(KVCacheConfig(routed_stride=1))     # routed blocks counted exactly, not marks x 16
     kv.exact.apply("a", 0, [stored([1, 2, 3])])
     kv.exact.apply("a", 1, [stored([4])])
     kv.approx.route(("b", 0), [7, 8], 1)
@@ -365,16 +366,18 @@ def test_slot_arrays_stay_bounded_under_churn():
     assert len(mine) == idx.stats().block_refs and len(mine.hashes) <= 2 * len(mine) + 64 + 50
 
 
-@pytest.mark.parametrize("mode", ["exact", "approx"])
+@pytest.mark.parametrize("mode", ["exact", "approx", "approx-strided"])
 def test_index_memory_per_entry_is_bounded(mode):
-    """Same measure as bench/placement.py, smaller: 16 workers, 64K distinct blocks."""
+    """Same measure as bench/placement.py, smaller: 16 workers, 64K distinct blocks. ``approx``:
+    every routed block a mark (the worst case per entry); ``approx-strided``: the default, a mark
+    every 16 blocks, bounded per mark and 16 times smaller per routed block."""
     rng = random.Random(4)
     specs = [WorkerSpec(id=wid(i), url="http://x", role=Role.BOTH, model="m") for i in range(16)]
     chains = [[rng.getrandbits(64) for _ in range(128)] for _ in range(500)]
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    kv = KVCache(KVCacheConfig(approx_ttl_s=3600))
+    kv = KVCache(KVCacheConfig(approx_ttl_s=3600, routed_stride=1 if mode == "approx" else 16))
     for c, chain in enumerate(chains):
         if mode == "exact":
             for i in range(0, 128, 32):
@@ -385,8 +388,9 @@ def test_index_memory_per_entry_is_bounded(mode):
     tracemalloc.stop()
     del chains
     refs = (kv.exact if mode == "exact" else kv.approx).stats().block_refs
-    assert refs == 64_000
+    assert refs == (4_000 if mode == "approx-strided" else 64_000)
     assert used / refs <= 150, f"{used / refs:.0f} bytes per entry"
+    assert used / 64_000 <= (150 / 16 if mode == "approx-strided" else 150)
 
 
 def test_group_masks_follow_new_slots_without_a_rebuild():

@@ -478,28 +478,41 @@ class PrefixIndex:
 
         A prefix touched since fewer than max_blocks / 4 blocks were stored or touched is still
         far from eviction, so touching it again is skipped; prefixes are remembered in steps of
-        16 blocks, so a hot prefix costs at most 16 block touches, not O(depth).
+        16 blocks at their end and at every 64th block on the way, so a hot prefix costs at most
+        16 block touches, and a new prompt sharing part of a touched one at most 64 more plus a
+        probe per 64 blocks of the small table of remembered prefixes, not O(depth).
         """
         n = len(chain)
         if not n:
             return
         cut = n & ~15                 # the prefix up to a multiple of 16 blocks is remembered
+        fresh = 0                     # chain[:fresh] was touched recently enough
         if cut:
-            seen = self._touched.get(chain[cut - 1])
-            if seen is not None and self._clock - seen < self.config.max_blocks >> 2:
-                chain = chain[cut:]   # fresh enough: only the last few blocks need touching
-                cut = 0
+            touched, horizon = self._touched, self._clock - (self.config.max_blocks >> 2)
+            seen = touched.get(chain[cut - 1])
+            if seen is not None and seen > horizon:
+                fresh = cut
+            else:
+                for p in range(((cut - 1) >> 6) << 6, 0, -64):
+                    seen = touched.get(chain[p - 1])
+                    if seen is not None and seen > horizon:
+                        fresh = p
+                        break
         holders = self._holders
         pop = holders.pop
-        for h in reversed(chain):
+        for h in reversed(chain[fresh:] if fresh else chain):
             m = pop(h, None)
             if m is not None:
                 holders[h] = m
-        self._clock += len(chain)
-        if cut:
-            if len(self._touched) >= 4096:
-                self._touched.clear()
-            self._touched[chain[cut - 1]] = self._clock
+        self._clock += n - fresh
+        if cut > fresh:
+            touched = self._touched
+            if len(touched) >= 16384:
+                touched.clear()
+            clock = self._clock
+            touched[chain[cut - 1]] = clock
+            for p in range(((fresh >> 6) + 1) << 6, cut, 64):
+                touched[chain[p - 1]] = clock
 
     def parent_of(self, h: int) -> int | None:
         return self._parent.get(h) if self._parent is not None else None
@@ -533,87 +546,160 @@ class RoutedIndex(PrefixIndex):
     the expiry bookkeeping at 8 bytes per routed block instead of one timestamp per
     (worker, block), at the price of that coarser expiry for blocks routed to several workers.
 
+    Sparse marks (``stride`` K > 1): a routed chain of n blocks is recorded only at depths K, 2K,
+    ... and at its end n (``marks``), so routing costs n / K + 1 probes and writes instead of n,
+    and so does the memory. A chain's block hash commits to its whole prefix, so a mark at depth d
+    on worker w says "chain[:d] was routed to w", and the depth of a mark is the same in every
+    chain that holds it. A walk probes the depths K, 2K, ... (galloping, as below) and, where a
+    worker's run of them stops, the at most K - 1 depths between its last and the next for the
+    end of a chain routed there. So the depth found for a worker is the deepest routed chain's
+    end it shares with the prompt where the prompt *is* that chain or extends it (the next turn
+    of a conversation: exact), and otherwise the deepest multiple of K of the shared part: at
+    most K - 1 blocks short of the shared depth, never deeper than what was routed. With
+    K = 1 every block is a mark and the walk is the exact one over routed blocks. Stats and
+    ``size()`` count marks; :meth:`blocks_by_worker` estimates blocks as marks x K.
+
     Unlike the exact index it is not bounded by LRU eviction: its owner (``KVCache``) keeps it
-    under ``max_blocks`` by expiring the oldest buckets early, which, like expiry itself, keeps
-    every routed prefix prefix-closed; that is what lets :meth:`_walk` gallop.
+    under ``max_blocks`` (marks) by expiring the oldest buckets early, which, like expiry itself,
+    keeps every routed prefix prefix-closed; that is what lets :meth:`_walk` gallop.
     """
 
     _shift = _STAMP_BITS
 
-    def _walk(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
-        """As :meth:`PrefixIndex._walk`, in O(levels x log(chain)) probes instead of O(depth).
+    def __init__(self, config: PrefixIndexConfig | None = None, stride: int = 1) -> None:
+        super().__init__(config)
+        if stride < 1:
+            raise ValueError("stride must be at least 1")
+        self.stride = stride
 
-        Routed prefixes are closed under prefixes: a routing stores a whole chain, deepest
-        least recent, and expiry and eviction take deeper blocks no later than shallower ones
-        (a block's stamp is never older than a deeper block's of the same chain). So along a
-        chain the holders only ever shrink, and the depth at which the alive set changes can
-        be found by galloping and bisection. The index is large and its probes miss the CPU
-        caches: fewer probes is what makes the walk cheap.
+    def marks(self, chain: Sequence[int], after: int = 0) -> list[int]:
+        """The blocks of ``chain`` that routing it records: depths K, 2K, ... and its last block,
+        those deeper than ``after`` only; deepest last."""
+        k, n = self.stride, len(chain)
+        if k == 1:
+            return list(chain[after:])
+        out = list(chain[(after // k + 1) * k - 1::k])
+        if n % k and n > after:
+            out.append(chain[n - 1])
+        return out
+
+    def _walk(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
+        """As :meth:`PrefixIndex._walk` over the marks, in O(levels x (log(chain / K) + K)) probes.
+
+        Routed prefixes are closed under prefixes: a routing marks a whole chain, deepest
+        least recent, and expiry and eviction take deeper marks no later than shallower ones
+        (a mark's stamp is never older than a deeper mark's of the same chain). So along a
+        chain the holders of the depths K, 2K, ... only ever shrink, and the depth at which the
+        alive set changes can be found by galloping and bisection; the slots that drop there
+        are then given the deepest chain end routed to them in the K - 1 depths before (probed
+        in one C pass, deepest first). The index is large and its probes miss the CPU caches:
+        fewer probes is what makes the walk cheap.
         """
-        get, shift = self._holders.get, self._shift
+        get, shift, k = self._holders.get, self._shift, self.stride
         levels: list[tuple[int, int]] = []
         n = len(chain)
+        sparse = chain if k == 1 else chain[k - 1::k]     # sparse[j] lies at depth (j + 1) * k
+        s = len(sparse)
         alive <<= shift
-        i = 0
-        while i < n:
-            v = get(chain[i])
-            m = v & alive if v is not None else 0
-            if m != alive:
-                if i:
-                    levels.append((i, (alive & ~m) >> shift))
-                alive = m
-                if not alive:
-                    break
-            lo, step = i, 1                  # every alive slot holds chain[lo]: gallop forward
-            while True:
-                j = lo + step
-                if j >= n:
-                    hi = n
-                    break
-                v = get(chain[j])
+        i = 0                                # every alive slot holds sparse[:i]
+        while True:
+            # hi: the first index >= i not held by every alive slot (s: none), vh: its value
+            if i < s:
+                v = get(sparse[i])
                 if v is not None and v & alive == alive:
-                    lo, step = j, step * 2
+                    lo, step = i, 1          # gallop forward
+                    while True:
+                        j = lo + step
+                        if j >= s:
+                            hi = s
+                            break
+                        vh = get(sparse[j])
+                        if vh is not None and vh & alive == alive:
+                            lo, step = j, step * 2
+                        else:
+                            hi = j
+                            break
+                    while hi - lo > 1:       # bisect (lo, hi]
+                        mid = (lo + hi) >> 1
+                        v = get(sparse[mid])
+                        if v is not None and v & alive == alive:
+                            lo = mid
+                        else:
+                            hi, vh = mid, v
                 else:
-                    hi = j
-                    break
-            while hi - lo > 1:               # the first index in (lo, hi] not held by all alive
-                mid = (lo + hi) >> 1
-                v = get(chain[mid])
-                if v is not None and v & alive == alive:
-                    lo = mid
-                else:
-                    hi = mid
-            i = hi
-        if alive:
-            levels.append((n, alive >> shift))
+                    hi, vh = i, v
+            else:
+                hi = s
+            m = vh & alive if hi < s and vh is not None else 0
+            drop = alive & ~m                # these stop between depth hi * k and the next mark
+            base = hi * k
+            if k > 1:
+                top = min(base + k - 1, n)
+                ends: list[tuple[int, int]] = []
+                if top > base:
+                    vals = list(map(get, chain[base:top]))
+                    if vals.count(None) != len(vals):
+                        for off in range(len(vals) - 1, -1, -1):
+                            v = vals[off]
+                            if v is not None and v & drop:
+                                ends.append((base + off + 1, (v & drop) >> shift))
+                                drop &= ~v
+                                if not drop:
+                                    break
+                if drop and base:
+                    levels.append((base, drop >> shift))
+                if ends:
+                    levels.extend(reversed(ends))
+            elif drop and base:
+                levels.append((base, drop >> shift))
+            alive = m
+            if not alive:
+                break
+            i = hi + 1
         return levels
 
     def route(self, key: WorkerKey, chain: Sequence[int], stamp: int, held: int = 0) -> list[int]:
         """``chain`` was routed to ``key`` now; ``stamp`` (32 bits) names the time bucket. Returns
-        the blocks whose stamp changed (the caller queues them for that bucket's expiry); blocks
+        the marks whose stamp changed (the caller queues them for that bucket's expiry); marks
         this worker already holds with this stamp are left as they are, so a hot prefix routed
-        again within its bucket costs one probe a block. ``held``: the leading blocks the walk
+        again within its bucket costs one probe a mark. ``held``: the leading blocks the walk
         found this worker holding; if the deepest of them already carries this stamp, so do all
-        before it (see :meth:`_walk`) and they are not probed at all."""
+        marks before it (see :meth:`_walk`) and they are not probed at all."""
         if not chain:
             return []
+        after = 0
+        if 0 < held <= len(chain):
+            m = self._holders.get(chain[held - 1])
+            slot = self._slot_of.get(key)
+            if m is not None and slot is not None and m & self._blocks_of[slot].bit \
+                    and m & _STAMP == stamp & _STAMP:
+                after = held                # the held prefix was routed in this bucket already
+        changed = self._mark(key, self.marks(chain, after), stamp)
+        self._stored += len(chain)
+        return changed
+
+    def mark(self, key: WorkerKey, hashes: Sequence[int], stamp: int) -> list[int]:
+        """Record ``hashes`` as marks of ``key`` with ``stamp`` as they are (a snapshot's marks,
+        kvcache/persist.py); returns those whose stamp changed, as :meth:`route`."""
+        changed = self._mark(key, hashes, stamp)
+        self._stored += len(hashes)
+        return changed
+
+    def _mark(self, key: WorkerKey, chain: Sequence[int], stamp: int) -> list[int]:
         slot = self._slot(key)
+        if not chain:
+            return []
         holders, mine = self._holders, self._blocks_of[slot]
         sbit, keep = mine.bit, ~_STAMP
         stamp &= _STAMP
         get = holders.get
         intern = self._intern.setdefault
         current = intern(sbit | stamp, sbit | stamp)
-        fresh = current                     # one int object shared by the blocks new to the index
+        fresh = current                     # one int object shared by the marks new to the index
         changed: list[int] = []
         new: list[int] = []
-        full = chain
-        if 0 < held <= len(chain):
-            m = get(chain[held - 1])
-            if m is not None and m & sbit and m & _STAMP == stamp:
-                chain = chain[held:]        # the held prefix was routed in this bucket already
         values = list(map(get, chain))      # every probe first, in C (the index is large: misses)
-        # Runs of blocks share one (interned) value: decide once per run what becomes of it.
+        # Runs of marks share one (interned) value: decide once per run what becomes of it.
         last = last2 = None
         act = 0                             # 0: leave it; else 1 | 2 (new to this worker) | 4 (restamped)
         for h, m in zip(reversed(chain), reversed(values)):
@@ -643,7 +729,6 @@ class RoutedIndex(PrefixIndex):
             mine.extend(new)
             mine.live += len(new)
             self._refs += len(new)
-        self._stored += len(full)
         if len(mine.hashes) > 2 * mine.live + 64:
             mine.compact()
         # No LRU eviction here: the owner caps the size by expiring the oldest buckets early,
@@ -652,8 +737,14 @@ class RoutedIndex(PrefixIndex):
             self._intern.clear()
         return changed
 
+    def blocks_by_worker(self, worker_ids: Iterable[str] | None = None) -> dict[str, int]:
+        """Blocks routed per worker id, estimated as its marks x ``stride`` (exact at stride 1)."""
+        got = super().blocks_by_worker(worker_ids)
+        k = self.stride
+        return {wid: n * k for wid, n in got.items()} if k > 1 else got
+
     def expire(self, chain: Iterable[int], stamp: int) -> int:
-        """Forget the blocks of the routing ``stamp`` that no later routing refreshed."""
+        """Forget the marks of the routing ``stamp`` that no later routing refreshed."""
         get, stamp = self._holders.get, stamp & _STAMP
         gone = 0
         for h in chain:

@@ -48,6 +48,9 @@ class KVCacheConfig:
     replay_timeout_s: float = 2.0
     max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP   # wider sequence gaps reset the worker instead
     snapshot_interval_s: float = 3.0    # Redis store: index snapshot period (kvcache/persist.py); 0 = off
+    routed_stride: int = 16             # routed and pending chains are recorded every this many
+                                        # blocks and at their end: depth precision stride - 1 blocks
+                                        # (kvcache/routed.py); 1 = every block
 
 
 def _offset_port(endpoint: str, rank: int) -> str:
@@ -64,8 +67,10 @@ class KVCache:
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
         self.exact = PrefixIndex(PrefixIndexConfig(max_blocks=config.max_blocks, keep_parents=False))
-        self.routed = RoutingMemory(config.approx_ttl_s, config.max_blocks)
-        self.pending = RoutingMemory(config.pending_ttl_s, config.max_blocks) if config.pending_ttl_s > 0 else None
+        stride = config.routed_stride
+        self.routed = RoutingMemory(config.approx_ttl_s, config.max_blocks, stride)
+        self.pending = RoutingMemory(config.pending_ttl_s, config.max_blocks, stride) \
+            if config.pending_ttl_s > 0 else None
         # Masks of the slots of a routable group, per index generation (see deepest()).
         self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted

@@ -164,7 +164,8 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
         entries.append([kind, owner[0], owner[1], b, len(arr)])
         parts.append(arr)
     header = json.dumps({"ts": wall, "hashing": hashing_of(kv), "buckets": [w for _, w in buckets],
-                         "runs": entries, "seqs": seqs}, separators=(",", ":")).encode()
+                         "runs": entries, "seqs": seqs, "routed_stride": approx.stride},
+                        separators=(",", ":")).encode()
     body, crc, done = bytearray(), 0, 0
     for arr in parts:                 # copied in pieces, yielding between them
         body += arr
@@ -223,6 +224,9 @@ def load(kv: KVCache, header: dict[str, Any], runs, specs: Iterable, *, now: flo
     loaded = {"exact": 0, "approx": 0}
     # routed runs grouped by bucket, oldest bucket first (expiry queue order)
     by_bucket: dict[int, list] = {}
+    # Routed marks are read at depths that are multiples of the stride (index.RoutedIndex): marks
+    # of another stride would be misread, except every-block ones (stride 1, older snapshots).
+    routed_ok = header.get("routed_stride", 1) in (1, kv.approx.stride)
     for kind, wid, rank, bucket, arr in runs:
         spec = by_id.get(wid)
         if spec is None:
@@ -232,7 +236,7 @@ def load(kv: KVCache, header: dict[str, Any], runs, specs: Iterable, *, now: flo
                 continue
             kv.exact.store((wid, rank), arr[::-1].tolist(), None)   # store() walks it backwards
             loaded["exact"] += len(arr)
-        else:
+        elif routed_ok:
             by_bucket.setdefault(bucket, []).append((wid, rank, arr))
     starts = header["buckets"]
     for b in sorted(by_bucket):
@@ -242,7 +246,7 @@ def load(kv: KVCache, header: dict[str, Any], runs, specs: Iterable, *, now: flo
         number = kv.routed.last_bucket
         blocks = array("Q")
         for wid, rank, arr in by_bucket[b]:
-            blocks.extend(kv.approx.route((wid, rank), arr[::-1].tolist(), number))
+            blocks.extend(kv.approx.mark((wid, rank), arr[::-1].tolist(), number))   # marks as they were
             loaded["approx"] += len(arr)
         kv.routed.expiry.append((number, mono - (wall - starts[b]), blocks))
     for wid, ranks in (header.get("seqs") or {}).items():

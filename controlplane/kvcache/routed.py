@@ -15,6 +15,17 @@ blocks whose routing stamp moved to it. :class:`RoutedIndex` stamps each block w
 of its last routing, so a block routed again (the next turn of a conversation, a shared system
 prompt) outlives its earlier bucket; a block routed many times within one bucket costs one
 entry. Blocks count for ``ttl_s`` after their last routing, less at most a bucket.
+
+Sparse marks (``stride``, ``[kv_cache] routed_stride``, 16 by default): a routed chain is
+recorded at every 16th block and at its last block only (:class:`RoutedIndex` says how the walk
+reads them), so remembering a 1,300-block prompt costs some 82 dict probes and writes, not 1,300,
+and memory, expiry and the cap all count marks. The price, bounded: a prompt that shares part of a
+routed chain without extending or ending where it ends is matched at the last multiple of 16
+blocks of the shared part (at most 15 blocks, 240 tokens at 16-token blocks, short; a shared part
+under 16 blocks counts 0); a prompt that extends a routed chain (the next turn) or repeats it
+matches it exactly. Pending prefixes lose the same depth at most; a BlockRemoved event takes a
+pending mark out only when the removed block is one (an engine frees a request's blocks last
+first, so the chain's end mark is among the first to go).
 """
 
 from __future__ import annotations
@@ -29,13 +40,14 @@ from controlplane.kvcache.index import PrefixIndexConfig, RoutedIndex, WorkerKey
 
 class RoutingMemory:
     """A :class:`RoutedIndex` with its expiry: routings count for ``ttl_s``, the whole under
-    ``max_blocks`` (the oldest buckets go first when it is over)."""
+    ``max_blocks`` marks (the oldest buckets go first when it is over); ``stride``: see the
+    module docstring."""
 
-    def __init__(self, ttl_s: float, max_blocks: int) -> None:
+    def __init__(self, ttl_s: float, max_blocks: int, stride: int = 1) -> None:
         self.ttl_s = ttl_s
-        self.max_blocks = max_blocks
+        self.max_blocks = max_blocks        # marks (blocks at stride 1)
         # Parent links are not kept: lookup does not need them and they cost ~50 bytes a block.
-        self.index = RoutedIndex(PrefixIndexConfig(max_blocks=max_blocks, keep_parents=False))
+        self.index = RoutedIndex(PrefixIndexConfig(max_blocks=max_blocks, keep_parents=False), stride)
         self.expiry: deque[tuple[int, float, array | list]] = deque()   # (number, start, blocks)
         self.last_bucket = 0
 

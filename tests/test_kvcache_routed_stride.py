@@ -1,0 +1,175 @@
+"""Routed and pending chains recorded as sparse marks (``[kv_cache] routed_stride``,
+controlplane/kvcache/routed.py): every K-th block and the chain's last one.
+
+What is promised: routing a chain costs n / K + 1 entries; a walk finds, per worker, at most
+K - 1 blocks fewer than the every-block index fed the same routings and never more; a prompt that
+repeats or extends a routed chain (the next turn) matches all of it; expiry and the cap work as
+before, in marks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from controlplane.kvcache import persist
+from controlplane.kvcache.index import RoutedIndex
+from controlplane.kvcache.manager import KVCache, KVCacheConfig
+from controlplane.kvcache.routed import RoutingMemory
+from tests.test_dp_ranks import entry, placer_of, spec
+
+K = 16
+
+
+def wid(i: int) -> str:
+    return f"w{i:02d}"
+
+
+def reference_depth(idx: RoutedIndex, chain: list[int], worker: str) -> int:
+    """The marks read linearly: the leading run of held depths K, 2K, ..., then the deepest held
+    mark in the K - 1 depths after it."""
+    slot = idx._slot_of.get((worker, 0))
+    if slot is None:
+        return 0
+    bit = 1 << (slot + idx._shift)
+    held = lambda d: bool(idx._holders.get(chain[d - 1], 0) & bit)   # noqa: E731
+    k, n = idx.stride, len(chain)
+    base = 0
+    while base + k <= n and held(base + k):
+        base += k
+    for d in range(min(base + k - 1, n), base, -1):
+        if held(d):
+            return d
+    return base
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_strided_depths_are_within_stride_of_every_block_and_never_deeper(seed):
+    rng = random.Random(seed)
+    trunks = [[rng.getrandbits(64) for _ in range(120)] for _ in range(4)]
+    chains = [t[:rng.randrange(1, 120)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 60))]
+              for t in trunks for _ in range(6)]
+    dense, sparse = RoutedIndex(), RoutedIndex(stride=K)
+    queued: dict[int, list[tuple[int, list, list]]] = {}
+    order: list[int] = []
+    bucket = 0
+    for step in range(1500):
+        if rng.random() < 0.05:
+            bucket += 1
+        chain = rng.choice(chains)
+        cut = chain[:rng.randrange(1, len(chain) + 1)]
+        w = wid(rng.randrange(10))
+        # each index is told what its own walk found there, as placement does
+        held_d = max(dense.match_depths(cut, [(w, 0)]).values(), default=0)
+        held_s = max(sparse.match_depths(cut, [(w, 0)]).values(), default=0)
+        changed_d = dense.route((w, 0), cut, bucket, held=held_d)
+        changed_s = sparse.route((w, 0), cut, bucket, held=held_s)
+        if bucket not in queued:
+            queued[bucket] = []
+            order.append(bucket)
+        queued[bucket].append((bucket, changed_d, changed_s))
+        if rng.random() < 0.03 and order:               # oldest bucket first, as RoutingMemory expires
+            b = order.pop(0)
+            for _, cd, cs in queued.pop(b):
+                dense.expire(cd, b)
+                sparse.expire(cs, b)
+        if rng.random() < 0.005:
+            gone = wid(rng.randrange(10))
+            dense.drop_worker(gone)
+            sparse.drop_worker(gone)
+        if step % 10 == 0:
+            workers = [wid(i) for i in rng.sample(range(10), rng.randrange(1, 11))]
+            alive = sparse.mask_of(workers)
+            for probe in rng.sample(chains, 4):
+                probe = probe[:rng.randrange(1, len(probe) + 1)] + ([rng.getrandbits(64)] if rng.random() < 0.5 else [])
+                got = sparse.depths(probe, alive)
+                want = dense.depths(probe, dense.mask_of(workers))
+                for x in workers:
+                    g, d = got.get(x, 0), want.get(x, 0)
+                    assert g == reference_depth(sparse, probe, x)
+                    assert d - (K - 1) <= g <= d, (x, g, d)
+
+
+def test_a_long_chain_costs_a_mark_every_stride_blocks_and_its_end():
+    idx = RoutedIndex(stride=K)
+    chain = list(range(1, 1301))
+    changed = idx.route(("a", 0), chain, stamp=1)
+    assert len(changed) == idx.size() == 1300 // K + 1 == 82
+    assert idx.route(("a", 0), chain, stamp=1, held=1300) == []          # same bucket: nothing
+    assert idx.match_depths(chain) == {("a", 0): 1300}
+    assert idx.match_depths(chain[:1000] + [0]) == {("a", 0): 992}       # the last multiple of 16
+    assert idx.match_depths(chain[:7]) == {}                             # under one stride: none
+    assert idx.stats().stored == 2600 and idx.blocks_by_worker() == {"a": 82 * K}
+
+
+def test_a_follow_up_matches_its_predecessor_exactly():
+    idx = RoutedIndex(stride=K)
+    turn1 = list(range(1, 38))                    # 37 blocks: marks at 16, 32 and 37
+    idx.route(("a", 0), turn1, stamp=1)
+    idx.route(("b", 0), turn1[:20], stamp=1)      # another worker holds a shorter prefix of it
+    turn2 = turn1 + list(range(500, 550))
+    assert idx.match_depths(turn2) == {("a", 0): 37, ("b", 0): 20}
+    assert idx.match_depths(turn1) == {("a", 0): 37, ("b", 0): 20}
+
+
+def test_strided_marks_expire_by_bucket_unless_routed_again():
+    mem = RoutingMemory(ttl_s=16.0, max_blocks=10_000, stride=K)
+    a, b = ("a", 0), ("b", 0)
+    chain = list(range(1, 101))
+    mem.route(a, chain, now=0.0)
+    mem.route(b, chain[:40], now=8.0)             # its marks at 16 and 32 are routed again
+    mem.expire(now=10.0)
+    assert mem.index.match_depths(chain) == {a: 100, b: 40}
+    mem.expire(now=16.5)                          # a's routing is over; b's refreshed marks stay
+    assert mem.index.match_depths(chain) == {a: 32, b: 40}
+    mem.expire(now=24.5)
+    assert mem.index.size() == 0 and mem.index.stats().block_refs == 0
+
+
+def test_the_cap_counts_marks_and_drops_the_oldest_buckets_first():
+    mem = RoutingMemory(ttl_s=3600.0, max_blocks=1000, stride=K)
+    rng = random.Random(5)
+    chains = [[rng.getrandbits(64) for _ in range(160)] for _ in range(300)]   # 10 marks each
+    for i, chain in enumerate(chains):
+        mem.route(("a", 0), chain, now=float(i * 300))    # 1,000 marks would take 100 chains
+        assert mem.index.size() <= 1000
+    assert mem.index.size() > 900
+    assert mem.index.match_depths(chains[0]) == {}
+    assert mem.index.match_depths(chains[-1]) == {("a", 0): 160}
+
+
+async def test_a_follow_up_turn_lands_on_its_predecessors_worker_with_long_prompts():
+    for kv_events in (False, True):               # approximate mode, and pending before any event
+        extra = {"kv_events": "tcp://x:1"} if kv_events else {}
+        placer, _, _ = await placer_of(*[spec(w, **extra) for w in "abcd"], policy="cache_aware")
+        rng = random.Random(7)
+        turn1 = [rng.getrandbits(64) for _ in range(1301)]
+        first = (await placer.place(entry("t1", turn1, tokens=16 * len(turn1)))).decode.worker_id
+        for i in range(6):                        # other prompts in between spread by load
+            other = [rng.getrandbits(64) for _ in range(300)]
+            await placer.place(entry(f"n{i}", other, tokens=16 * len(other)))
+        turn2 = turn1 + [rng.getrandbits(64) for _ in range(40)]
+        p = await placer.place(entry("t2", turn2, tokens=16 * len(turn2)))
+        assert p.decode.worker_id == first
+        assert placer.stats.predicted_hit_blocks[first] == 1301          # all of turn 1, exactly
+
+
+async def test_snapshots_keep_marks_and_refuse_another_strides():
+    w = spec("w")
+    rng = random.Random(9)
+    chain = [rng.getrandbits(64) for _ in range(50)]
+    kv = KVCache(KVCacheConfig(approx_ttl_s=100.0))
+    kv.placed(w, chain, 0)
+    header, runs = persist.parse(await persist.dump(kv))
+    same = KVCache(KVCacheConfig(approx_ttl_s=100.0))
+    persist.load(same, header, runs, [w], now=header["ts"])
+    assert same.match(chain + [1], [w]) == {"w": 50} and same.approx.size() == kv.approx.size() == 4
+    other = KVCache(KVCacheConfig(approx_ttl_s=100.0, routed_stride=8))
+    persist.load(other, header, runs, [w], now=header["ts"])
+    assert other.approx.size() == 0                                       # would be misread
+    dense = KVCache(KVCacheConfig(approx_ttl_s=100.0, routed_stride=1))   # every block: fits any stride
+    dense.placed(w, chain, 0)
+    header, runs = persist.parse(await persist.dump(dense))
+    persist.load(other, header, runs, [w], now=header["ts"])
+    assert other.match(chain[:45] + [1], [w]) == {"w": 45}
