@@ -65,31 +65,57 @@ the least loaded by the ledger (a lazy per-group heap fed by the ledger's load c
 O(k log n)) and a few uniform samples: at most 6 + 3 + 3 candidates. `round_robin` is stride
 scheduling over the group and `random` a draw on cumulative weights (O(log n)), `power_of_two`
 draws its uniform pair directly. At 32 workers or fewer every routable worker is a candidate,
-exactly as before. The same walk gives every candidate's depth, so the index is walked once;
-the approximate index, prefix-closed by construction, is walked by galloping (O(levels x log
-chain) probes). Memory: a plain dict in LRU order, per-worker hash arrays, interned holder masks
-and no parent links keep an entry under 100 bytes; approximate expiry is a bucket stamp per
-block plus 8 bytes per block per bucket.
+exactly as before. The same walk gives every candidate's depth, so the index is walked once.
+Memory: a plain dict in LRU order, per-worker hash arrays, interned holder masks and no parent
+links keep an entry under 100 bytes.
 
-## What remains (py-spy, 1,000 workers)
+## Routed and pending chains as sparse marks
 
-Cache-aware policies cost about twice the others because of the prompt's 128-block chain:
-copying it out of the request, walking the prefix index (each probe of a large dict misses the
-CPU caches, so a walk that takes 6 us alone costs more amid placement's other work), and,
-without KV events, remembering the routed chain: about 50 new dict entries a placement at some
-300 ns each in a dict of hundreds of thousands. Profiles at 1,000 workers, share of
-`Placer.place`:
+Since pending prefixes (a prompt placed on a worker with KV events counts there until its events
+come), `exact` rows also remember every placed chain, so they cost more than `approx` ones here;
+the rows above are not comparable with the grey `before` (an older baseline without pending).
+Both kinds of remembered chains (`controlplane/kvcache/routed.py`) used to be recorded block by
+block: 1,300 dict probes and writes for a Mooncake-sized prompt. They are now recorded as marks
+at every 16th block and at the chain's last block (`KVCacheConfig.routed_stride`, 16), found by
+galloping over the marks plus at most 15 probes per level for chain ends. What it costs in
+precision (bounded, tested against the every-block index): a prompt that repeats or extends a
+remembered chain (the next turn of a conversation) matches all of it; one that shares part of
+it matches the last multiple of 16 blocks of the shared part (at most 15 blocks, 240 tokens,
+short; a shared part under 16 blocks counts 0), never more than the every-block index says.
+Expiry buckets and the `max_blocks` cap count marks. The event-fed index is exact as before;
+touching its matched prefix now also remembers every 64th block, so a prompt sharing part of a
+recent one touches at most 64 blocks more instead of the whole prefix.
 
-* `cache_aware`, exact: candidate stage 37% (index walk 18%, least-loaded heap 5%, top/depths
-  7%), pipeline (scorers, picker) 14%, ledger reserve 10%, worker views 8%, touching the matched
-  prefix 7%, the rest protobuf, records and counters.
-* `cache_aware`, approximate: remembering the routed chain 32%, candidate stage 20% (galloping
-  walk 7%), pipeline 11%, reserve 8%, views 6%. `predicted_latency` adds its per-candidate
-  latency predictions (about 8%) and, choosing workers that do not hold the prefix more often,
-  more index writes.
-* `least_load`: ledger reserve 19% (a `dataclasses.replace` per request and the load-order
-  listener), candidate stage 21% (least-loaded heap 13%), pipeline 16%, views 10%, dataclass
-  construction (context, records, decision) 10%.
+Before/after in one session, same machine (`python bench/placement.py --rounds 6 --placements
+3000 --policies cache_aware,apc_first,predicted_latency --sizes 16,1000`; long chains: add
+`--placements 1500 --chain-blocks 1300 --skip events,memory`), before = 999b00d, p50 us:
+
+| chain | cache | workers | cache_aware | apc_first | predicted_latency |
+|---|---|---:|---|---|---|
+| 128 | exact | 16 | 140.8 -> 103.2 | 140.9 -> 101.0 | 158.5 -> 115.8 |
+| 128 | exact | 1000 | 173.1 -> 127.2 | 169.5 -> 126.5 | 192.6 -> 146.2 |
+| 128 | approx | 16 | 101.6 -> 74.9 | 99.8 -> 73.8 | 120.4 -> 90.8 |
+| 128 | approx | 1000 | 114.8 -> 84.8 | 114.5 -> 84.5 | 147.3 -> 112.5 |
+| 1,300 | exact | 16 | 1,319 -> 395 | 1,327 -> 392 | 1,278 -> 436 |
+| 1,300 | exact | 1000 | 1,422 -> 435 | 1,233 -> 411 | 1,320 -> 429 |
+| 1,300 | approx | 16 | 666 -> 128 | 661 -> 127 | 714 -> 146 |
+| 1,300 | approx | 1000 | 691 -> 142 | 772 -> 170 | 727 -> 170 |
+
+Approximate memory for the same 1M routed blocks: 90 MiB (999,936 entries) before, 6 MiB
+(62,496 marks, 94 bytes each, about 6 bytes per routed block) after.
+
+## What remains (py-spy, 1,000 workers, 128-block chains)
+
+* `cache_aware`, exact (still above 100 us): walking the event-fed index 18% (one probe per
+  matched block: it cannot gallop, an engine's removals leave holes), the pending index's walk
+  8%, remembering the placed chain as pending 8%, candidate stage otherwise (least-loaded heap,
+  top/depths, masks) about 15%, pipeline 12%, ledger reserve 6%, worker views 5%, touch 4%.
+* `cache_aware`, approximate: the routed walk and remembering the chain are now about 11% and
+  12%; the rest is the generic placement path (pipeline, reserve, views, dataclasses).
+  `predicted_latency` adds its per-candidate latency predictions.
+* 1,300-block chains, exact: the event-fed walk (about 1,300 probes when the prompt is held
+  deep) and copying the chain out of the request dominate; approximate placements are within
+  1.5x of 128-block ones.
 
 p99 is dominated by the machine: on a shared 2-core host, a descheduled process shows
 milliseconds; with the host quiet p99 stays near 2-3x p50.
