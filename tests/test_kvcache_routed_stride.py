@@ -1,4 +1,4 @@
-"""Routed and pending chains recorded as sparse marks (``[kv_cache] routed_stride``,
+"""Routed and pending chains recorded as sparse marks (``KVCacheConfig.routed_stride``,
 controlplane/kvcache/routed.py): every K-th block and the chain's last one.
 
 What is promised: routing a chain costs n / K + 1 entries; a walk finds, per worker, at most
