@@ -125,6 +125,7 @@ KV_CACHE: dict[str, Check] = {
     "max_blocks": lambda x, f: v.int_range(x, f, 1, 1_000_000_000),
     "approx_ttl_s": lambda x, f: v.positive_seconds(x, f, max_s=86400),
     "pending_ttl_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=3600),
+    "routed_stride": lambda x, f: v.int_range(x, f, 1, 1024),
     "replay_timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=600),
     "max_replay_gap": lambda x, f: v.int_range(x, f, 1, 10_000_000),
     "snapshot_interval_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=3600),

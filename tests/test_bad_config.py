@@ -56,6 +56,7 @@ TOML_CASES = {
     "hash_seed_text": ('[kv_cache]\nhash_seed = "abc"\n', ["kv_cache.hash_seed", "random"]),
     "hash_seed_top_level": ("hash_seed = 0\n", ["hash_seed", "[kv_cache]"]),
     "block_size": ("[kv_cache]\nblock_size = 0\n", ["kv_cache.block_size"]),
+    "routed_stride": ("[kv_cache]\nrouted_stride = 0\n", ["kv_cache.routed_stride", "1 to 1024"]),
     "kv_unknown": ("[kv_cache]\nblocksize = 16\n", ["unknown kv_cache key", "blocksize"]),
     "xxhash_without_seed": ('policy = "cache_aware"\n[kv_cache]\nhash_algo = "xxhash"\n',
                             ["kv_cache.hash_seed"]),
