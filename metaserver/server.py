@@ -17,7 +17,6 @@ import secrets
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -25,6 +24,7 @@ from controlplane.lifecycle import Lifecycle
 from controlplane.placement import Placer
 from engine_api.answers import upstream_message
 from engine_api.bodies import prefill_body
+from engine_api.client import EngineClient, EngineClientError
 from metaserver.ids import candidates, engine_request_ids
 from metaserver.pending import PendingPrefill, PendingTable
 from omni_runtime import cancel_and_wait
@@ -45,8 +45,8 @@ class Metaserver:
         self.table = PendingTable()
         self.prefill_retries = prefill_retries
         self.timeout_s = timeout_s
-        self._timeouts = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._client = EngineClient(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
+                                    default_headers=self._headers or ())
         self._reaper: asyncio.Task | None = None
         self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0, "forbidden": 0}
         placer.on_layerwise = self.register
@@ -62,15 +62,13 @@ class Metaserver:
         return f"http://{host}:{port}/v1/metaserver"
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeouts, headers=self._headers)
         self._reaper = asyncio.create_task(self._reap())
 
     async def stop(self) -> None:
         await cancel_and_wait(self._reaper)
         for entry in self.table.entries():
             self.drop(entry.placement_id)
-        if self._session:
-            await self._session.close()
+        self._client.close()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/metaserver", self.handle)
@@ -199,13 +197,15 @@ class Metaserver:
 
     async def _send_prefill(self, url: str, body: bytes, request_id: str,
                             trace: dict[str, str] | None = None) -> tuple[int, str]:
-        assert self._session is not None
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **(trace or {})}
         try:
-            async with self._session.post(url, data=body, headers=headers) as resp:
+            resp = await self._client.post(url, body, headers)
+            try:
                 data = await resp.read()
-                return resp.status, ("" if resp.status == 200 else f"{resp.status} {upstream_message(data)}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            finally:
+                resp.release()      # pooled when read whole; dropped otherwise
+            return resp.status, ("" if resp.status == 200 else f"{resp.status} {upstream_message(data)}")
+        except (EngineClientError, asyncio.TimeoutError, OSError) as exc:
             return 0, f"{type(exc).__name__} {exc}".strip()
 
     async def _reap(self) -> None:
