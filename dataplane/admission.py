@@ -38,10 +38,10 @@ import tomllib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dataplane.errors import APIError
+from dataplane.messages import Request
 
 PRIORITY_MIN = -(2 ** 31)
 PRIORITY_MAX = 2 ** 31 - 1
@@ -106,7 +106,7 @@ def load_rate_limits(path: str) -> tuple[Limit | None, dict[str, Limit]]:
         raise ValueError(f"--rate-limits {path}: {exc}") from None
 
 
-def client_identity(http: web.Request, api_keys=None) -> str:
+def client_identity(http: Request, api_keys=None) -> str:
     """Who a request counts against: the API key's name when the data plane checks keys
     (``dataplane.auth``), else a hash of the Bearer token, else the client's address."""
     name = http.get("api_key_name")           # set by an auth middleware that records it
@@ -124,7 +124,7 @@ def client_identity(http: web.Request, api_keys=None) -> str:
     return f"ip-{http.remote or 'unknown'}"
 
 
-def request_priority(http: web.Request, body: dict) -> int:
+def request_priority(http: Request, body: dict) -> int:
     """The queue priority: X-Priority, else the body's ``priority``, else 0 (400 when bad)."""
     header = http.headers.get("X-Priority")
     if header is not None:
@@ -290,7 +290,7 @@ class Admission:
             self._heap = [e for e in self._heap if not e[2].done()]
             heapq.heapify(self._heap)
 
-    async def admit(self, http: web.Request, req, api_keys=None) -> None:
+    async def admit(self, http: Request, req, api_keys=None) -> None:
         """Rate limit, then a slot, for a parsed request. Release with :meth:`release` only
         when this returned."""
         priority = request_priority(http, req.body)

@@ -9,7 +9,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -19,6 +18,7 @@ from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
 from dataplane.intake import read_client_body
+from dataplane.messages import Request, Response, StreamResponse, json_response
 from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
                                        generated_from_stream)
 from dataplane.hygiene import sanitize_client_id
@@ -32,7 +32,7 @@ from dataplane.prompt import PromptProcessor
 from dataplane.tokenizer import Tokenizer
 from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request, slo_header
 from dataplane.retry import RetryPolicy
-from dataplane.server import ClientLimits, guard
+from dataplane.server import App, ClientLimits
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
 from protos import omni_proxy_pb2 as pb
@@ -111,7 +111,7 @@ def _tracing(config: DataPlaneConfig):
 
 
 class DataPlane:
-    """Owns the app's long-lived parts; aiohttp's startup/cleanup hooks drive them."""
+    """Owns the app's long-lived parts; the app's startup/cleanup hooks drive them."""
 
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
@@ -141,22 +141,21 @@ class DataPlane:
             logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
         self.observer = Observer(self.metrics, access_log_on=config.access_log, tracing=self.tracing)
 
-    def build_app(self) -> web.Application:
+    def build_app(self) -> App:
         checks = ([client_auth.middleware(self.api_keys, self.config.upstream.forward_client_auth)]
                   if self.api_keys is not None or self.config.upstream.forward_client_auth else [])
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, *checks],
-                              handler_args=self.config.client.handler_args())
-        guard(app, self.config.client)
-        app.router.add_post(COMPLETIONS, self.generate)
-        app.router.add_post(CHAT, self.generate)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
+        app = App(limits=self.config.client, max_body_bytes=self.config.max_body_bytes,
+                  middlewares=[self._errors, *checks])
+        app.add_route("POST", COMPLETIONS, self.generate)
+        app.add_route("POST", CHAT, self.generate)
+        app.add_route("GET", "/v1/models", self.models)
+        app.add_route("GET", "/health", self.health)
+        app.add_route("GET", "/metrics", self.prometheus)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
 
-    async def _startup(self, app: web.Application) -> None:
+    async def _startup(self) -> None:
         install_request_id_filter()
         if self.config.tokenizer:
             loop = asyncio.get_running_loop()
@@ -166,7 +165,7 @@ class DataPlane:
         await self.placements.start()
         self.loopwatch.start()
 
-    async def _cleanup(self, app: web.Application) -> None:
+    async def _cleanup(self) -> None:
         self.loopwatch.stop()
         self.prefix.close()
         await self.placements.close()
@@ -174,28 +173,18 @@ class DataPlane:
         if self.tracing is not None:    # flush the last spans, off the event loop
             await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
+    async def _errors(self, request: Request, handler):
         """Every failure leaves as OpenAI-style JSON: never a traceback, never a hang."""
         try:
             return await handler(request)
         except APIError as exc:
-            resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json",
-                                headers=exc.headers)
+            resp = Response(status=exc.status, body=exc.body(), content_type="application/json",
+                            headers=exc.headers)
             if exc.status == 408:
-                # A body that is late: answer now and close, rather than let aiohttp linger
-                # reading the rest of it (or read it as the next request).
+                # A body that is late: answer now and close, rather than keep reading the
+                # rest of it (or read it as the next request).
                 resp.force_close()
-                await resp.prepare(request)
-                await resp.write_eof()
-                request.protocol.force_close()
             return resp
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            message = exc.text if exc.status != 413 else (
-                f"request body exceeds the limit of {self.config.max_body_bytes} bytes")
-            return error_response(exc.status, message or exc.reason)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -204,7 +193,7 @@ class DataPlane:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, http: web.Request) -> web.StreamResponse:
+    async def generate(self, http: Request) -> StreamResponse:
         tracker = RequestTracker(self.placements)
         route = http.path
         traceparent = http.headers.get("traceparent")
@@ -231,8 +220,8 @@ class DataPlane:
             self.metrics.inflight_requests -= 1
             if not tracker.done:
                 tracker.done = tracker.last_token or time.perf_counter()
-            # The rest of the bookkeeping runs once the answer is on its way: aiohttp writes a
-            # returned response before the loop takes the next callback.
+            # The rest of the bookkeeping runs once the answer is on its way: the server writes
+            # a returned response before the loop takes the next callback.
             asyncio.get_running_loop().call_soon(
                 self._complete, tracker, route, code,
                 "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")))
@@ -243,7 +232,7 @@ class DataPlane:
         except Exception:   # bookkeeping never changes how a request ends
             log.exception("recording a request's metrics and access log failed")
 
-    async def _generate(self, http: web.Request, tracker: RequestTracker) -> web.StreamResponse:
+    async def _generate(self, http: Request, tracker: RequestTracker) -> StreamResponse:
         raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
                                      timeout_s=self.config.client.body_timeout_s)
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"),
@@ -313,7 +302,7 @@ class DataPlane:
         req.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, req.token_ids,
                                                    req.body.get("cache_salt"))
 
-    async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> web.StreamResponse:
+    async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> StreamResponse:
         """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""
         recomputes = 0
         while True:
@@ -349,7 +338,7 @@ class DataPlane:
                 if flow is None:
                     raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported")
 
-    async def _finish_after_recompute(self, ctx: FlowContext) -> web.StreamResponse:
+    async def _finish_after_recompute(self, ctx: FlowContext) -> StreamResponse:
         ctx.tracker.finished(ctx.prior_tokens)
         if ctx.out is not None:
             await ctx.out.write(b"data: [DONE]\n\n")
@@ -359,7 +348,7 @@ class DataPlane:
         kind = "chat.completion" if ctx.req.is_chat else "text_completion"
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                   if ctx.req.is_chat else {"index": 0, "text": text, "finish_reason": "length"})
-        return web.json_response({"id": ctx.req.request_id, "object": kind, "model": ctx.req.model,
+        return json_response({"id": ctx.req.request_id, "object": kind, "model": ctx.req.model,
                                   "choices": [choice],
                                   "usage": {"prompt_tokens": ctx.req.prompt_tokens,
                                             "completion_tokens": ctx.prior_tokens,
@@ -368,26 +357,26 @@ class DataPlane:
 
     # ------------------------------------------------------------------ ops routes
 
-    async def models(self, http: web.Request) -> web.Response:
+    async def models(self, http: Request) -> Response:
         try:
             listing = await self.placements.list_models()
         except ControlPlaneUnavailable as exc:
             raise APIError(503, f"control plane unavailable: {exc}") from None
         data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "omni-proxy",
                  "root": m.id, "parent": None} for m in listing.models]
-        return web.json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
-    async def health(self, http: web.Request) -> web.Response:
+    async def health(self, http: Request) -> Response:
         """200 while requests can be served: through a control plane, or (without one) by the
         local fallback over the last known workers, which says so."""
         pc = self.placements
         if pc.connected:
-            return web.json_response({"status": "ok", "controlplane": pc.target, "session": pc.transport})
+            return json_response({"status": "ok", "controlplane": pc.target, "session": pc.transport})
         if pc.fallback.known:
-            return web.json_response({"status": "degraded", "controlplane": None,
+            return json_response({"status": "degraded", "controlplane": None,
                                       "fallback_workers": pc.fallback.known})
         return error_response(503, f"not connected to any control plane ({self.config.controlplane})")
 
-    async def prometheus(self, http: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry),
+    async def prometheus(self, http: Request) -> Response:
+        return Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})

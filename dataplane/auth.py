@@ -17,9 +17,8 @@ import logging
 import os
 import time
 
-from aiohttp import web
-
 from dataplane.errors import error_response
+from dataplane.messages import Request
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +126,14 @@ class ApiKeys:
         return found
 
 
-def presented_key(request: web.BaseRequest) -> str:
+def presented_key(request: Request) -> str:
     value = request.headers.get("Authorization", "")
     scheme, _, token = value.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def middleware(keys: ApiKeys | None, forward: bool = False):
-    @web.middleware
-    async def require_key(request: web.Request, handler):
+    async def require_key(request: Request, handler):
         if request.path in OPEN_PATHS:
             return await handler(request)
         if forward:
@@ -144,9 +142,8 @@ def middleware(keys: ApiKeys | None, forward: bool = False):
             return await handler(request)
         presented = presented_key(request)
         if not presented or keys.who(presented) is None:
-            resp = error_response(401, "missing or invalid API key: send Authorization: Bearer <key>")
-            resp.headers["WWW-Authenticate"] = "Bearer"
-            return resp
+            return error_response(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                                  headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return require_key

@@ -116,8 +116,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_runtime import (bind_error, exit_with_parent, run_main, start_http_site, wait_for_stop_signal,
-                              write_ready_file)
+    from omni_runtime import bind_error, exit_with_parent, run_main, wait_for_stop_signal, write_ready_file
 
     from dataplane.observe import configure_logging
 
@@ -134,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         from dataplane.app import DataPlane
+        from dataplane.server import serve
 
         if args.workers > 1:
             cfg.node_id = f"{cfg.node_id}-w0"
         dp = DataPlane(cfg)
         shared = args.workers > 1 or bool(args.parent_pid)
         try:
-            runner, port = await start_http_site(dp.build_app(), cfg.host, cfg.port, reuse_port=shared)
+            site, port = await serve(dp.build_app(), cfg.host, cfg.port, reuse_port=shared)
         except OSError as exc:  # one line naming the flag, not a traceback
             raise bind_error(exc, "--host/--port", cfg.host, cfg.port) from None
         if args.parent_pid:
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for proc in helpers:
                 proc.terminate()
-            await runner.cleanup()
+            await site.cleanup()
             for proc in helpers:
                 try:
                     proc.wait(timeout=10)

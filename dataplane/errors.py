@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
+
+from dataplane.messages import Response
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           405: "MethodNotAllowed", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
@@ -41,8 +42,8 @@ def error_body(status: int, message: str, *, param: str | None = None, type_: st
 
 
 def error_response(status: int, message: str, *, headers: dict[str, str] | None = None,
-                   **kw) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, **kw),
+                   **kw) -> Response:
+    return Response(status=status, body=error_body(status, message, **kw),
                         content_type="application/json", headers=headers)
 
 

@@ -30,7 +30,7 @@ PD_FIELD_PREFIX = "bootstrap_"     # SGLang: bootstrap_host/_port/_room/_pair_ke
 def sanitize_client_id(value: str | None) -> str:
     """The client's id as a safe label ([A-Za-z0-9._:-], at most 64 chars); '' for none.
 
-    Other characters (including undecodable bytes, which aiohttp hands over as
+    Other characters (including undecodable bytes, which the server hands over as
     surrogates) become one ``_`` per run, so the label stays recognisable in logs.
     """
     if not value:

@@ -1,8 +1,8 @@
 """Reading a client's request body: bounded in time, in size, and after decompression.
 
-The server runs with aiohttp's own request decompression off: aiohttp would inflate a
-gzip body in one go on the event loop, so a small "gzip bomb" stalled every other request
-for seconds before the size limit was even checked. Here a compressed body is inflated in
+The server (``dataplane.server``) hands the body over as sent: inflating a gzip body in
+one go on the event loop (as aiohttp's server did) let a small "gzip bomb" stall every
+other request for seconds before the size limit was even checked. Here a compressed body is inflated in
 steps of at most ``STEP_BYTES`` of output, yielding to the loop between steps, and the
 running total is checked against the body limit at each step. A plain body (the common
 case) is read and returned as is.
@@ -13,19 +13,18 @@ from __future__ import annotations
 import asyncio
 import zlib
 
-from aiohttp import web
-
 from dataplane.errors import APIError
+from dataplane.messages import BodyTooLarge, PayloadError, Request
 
 STEP_BYTES = 256 * 1024        # ~0.5 ms of zlib work: the longest the loop waits on one step
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-async def read_client_body(http: web.Request, *, max_bytes: int, timeout_s: float) -> bytes:
+async def read_client_body(http: Request, *, max_bytes: int, timeout_s: float) -> bytes:
     """The request body, decompressed; 408 when it does not arrive within ``timeout_s``.
 
-    The compressed size is bounded by the app's ``client_max_size`` (413 from aiohttp),
-    the decompressed size by ``max_bytes``; a corrupt body is a 400, an encoding we do
+    The size as sent is bounded by the server's ``max_body_bytes`` (the same limit), the
+    decompressed size by ``max_bytes``; both are a 413; a corrupt body is a 400, an encoding we do
     not decode a 415.
     """
     encoding = http.headers.get("Content-Encoding", "").strip().lower()
@@ -35,15 +34,19 @@ async def read_client_body(http: web.Request, *, max_bytes: int, timeout_s: floa
         raw = await _read_within(http, timeout_s)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g}s") from None
-    except web.RequestPayloadError:
+    except BodyTooLarge:
+        raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes") from None
+    except PayloadError:
         raise APIError(400, "the request body's framing is malformed (chunked encoding or length)") from None
     if encoding in ("", "identity"):
         return raw
     return await inflate(raw, encoding, max_bytes)
 
 
-async def _read_within(http: web.Request, timeout_s: float) -> bytes:
+async def _read_within(http: Request, timeout_s: float) -> bytes:
     if timeout_s <= 0:
+        return await http.read()
+    if http.complete:   # the common case: the body came with the head
         return await http.read()
     if hasattr(asyncio, "timeout"):     # Python 3.11+: no extra task per request
         async with asyncio.timeout(timeout_s):

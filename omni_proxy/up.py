@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_runtime import run_main, start_http_site, wait_for_stop_signal, write_ready_file
+    from omni_runtime import run_main, wait_for_stop_signal, write_ready_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         from controlplane.server import ControlPlane
         from dataplane.app import DataPlane, DataPlaneConfig
+        from dataplane.server import serve
         from dataplane.upstream import UpstreamConfig
 
         cp = ControlPlane(cfg)
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         dp = DataPlane(DataPlaneConfig(host=args.host, port=args.port, controlplane=f"127.0.0.1:{cp.grpc_port}",
                                        max_body_bytes=args.max_body_bytes,
                                        upstream=UpstreamConfig(engine_api_key=cfg.engine_api_key)))
-        runner, port = await start_http_site(dp.build_app(), args.host, args.port)
+        site, port = await serve(dp.build_app(), args.host, args.port)
         await dp.placements.wait_connected(10)
         write_ready_file(args.ready_file, port=port, grpc_port=cp.grpc_port, http_port=cp.http_port)
         logging.getLogger("omni_proxy").info("omni-proxy up: OpenAI API on http://%s:%d, control plane %s",
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             await wait_for_stop_signal()
         finally:
-            await runner.cleanup()
+            await site.cleanup()
             await cp.stop()
 
     run_main(main)

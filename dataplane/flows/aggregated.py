@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from aiohttp import web
 
+from dataplane.messages import StreamResponse
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.legs import open_leg
@@ -21,7 +21,7 @@ from dataplane.tracking import LEG_WHOLE
 from protos import omni_proxy_pb2 as pb
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
     resp, worker = await open_leg(ctx, placement.decode, ctx.req.raw, LEG_WHOLE, partial(_another, ctx))
     return await relay(ctx, resp, worker.worker_id)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aiohttp import web
 
+from dataplane.messages import Request, StreamResponse
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import PlacementClient
 from dataplane.requests import ClientRequest
@@ -16,7 +16,7 @@ from dataplane.upstream import Upstream
 
 @dataclass
 class FlowContext:
-    http: web.Request
+    http: Request
     req: ClientRequest
     upstream: Upstream
     placements: PlacementClient
@@ -29,6 +29,6 @@ class FlowContext:
     # Recompute support (PD flows): watch for D giving the request back; the client's
     # stream, once started, is kept across attempts; what earlier attempts produced.
     watch_recompute: bool = False
-    out: web.StreamResponse | None = None
+    out: StreamResponse | None = None
     prior_text: str = ""
     prior_tokens: int = 0

@@ -9,8 +9,8 @@ why any data-plane replica can serve a layerwise request.
 
 from __future__ import annotations
 
-from aiohttp import web
 
+from dataplane.messages import StreamResponse
 from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
@@ -19,7 +19,7 @@ from dataplane.upstream import dp_rank
 from protos import omni_proxy_pb2 as pb
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
     req = ctx.req
     decode = placement.decode
     kv = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": placement.metaserver_url}

@@ -17,8 +17,8 @@ import logging
 import secrets
 from urllib.parse import urlsplit
 
-from aiohttp import web
 
+from dataplane.messages import StreamResponse
 from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
@@ -73,7 +73,7 @@ def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str,
     return p_body, d_body
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
     req = ctx.req
     prefill, decode = placement.prefill, placement.decode
     p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang", decode)

@@ -10,8 +10,8 @@ import asyncio
 import re
 
 import orjson
-from aiohttp import web
 
+from dataplane.messages import Response, StreamResponse
 from dataplane.errors import sse_error_event
 from dataplane.flows.context import FlowContext
 from dataplane.flows.recompute import (RECOMPUTED, Recomputed, StreamText, is_recomputed, merge_prior,
@@ -39,7 +39,7 @@ def _headers(resp: EngineResponse, ctx: FlowContext, content_type: str,
 
 
 async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *,
-                       on_first_chunk=None) -> web.StreamResponse:
+                       on_first_chunk=None) -> StreamResponse:
     """Stream ``resp`` (SSE) to the client; report first token, end, and failures."""
     out = ctx.out
     tracker = ctx.tracker
@@ -51,7 +51,7 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
     last = before_last = b""
     try:
         if out is None:  # a recompute continuation keeps writing to the same response
-            out = ctx.out = web.StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
+            out = ctx.out = StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
                 "Cache-Control": "no-cache"}))
             await out.prepare(ctx.http)
         async for chunk in resp:
@@ -133,7 +133,7 @@ def _stream_usage(tracker, last: bytes, before_last: bytes, counted: int) -> int
     return counted
 
 
-async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> web.Response:
+async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> Response:
     """Pass a non-streamed answer through unchanged."""
     try:
         data = await read_body(worker_id, resp)
@@ -155,11 +155,11 @@ async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> 
         if c is not None:
             ctx.tracker.cached_tokens = int(c.group(1))
     ctx.tracker.finished(int(m.group(1)) if m else 0)
-    return web.Response(status=200, body=data, headers=_headers(resp, ctx, "application/json"))
+    return Response(status=200, body=data, headers=_headers(resp, ctx, "application/json"))
 
 
 async def relay(ctx: FlowContext, resp: EngineResponse, worker_id: str, *,
-                on_first_chunk=None) -> web.StreamResponse:
+                on_first_chunk=None) -> StreamResponse:
     if ctx.req.stream:
         return await relay_stream(ctx, resp, worker_id, on_first_chunk=on_first_chunk)
     if on_first_chunk is not None:

@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 import orjson
-from aiohttp import web
 
+from dataplane.messages import StreamResponse
 from dataplane.body import with_fields
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
@@ -46,7 +46,7 @@ async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[
     return kv_params
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> web.StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
     req = ctx.req
     prefill = placement.prefill
     body = prefill_body(req.body, PULL_PREFILL_KV_PARAMS)
