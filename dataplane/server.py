@@ -398,7 +398,12 @@ class HttpConnection(asyncio.Protocol):
         except Exception:
             log.exception("error handling %s %s from %s", req.method, req.path, req.remote)
             resp = _error_response(500, "internal error in the data plane; see its log")
-        self._finish(req, resp)
+        try:
+            self._finish(req, resp)
+        except Exception:          # e.g. a header value that cannot be sent: drop the connection
+            log.exception("writing the answer to %s %s failed", req.method, req.path)
+            if not self.lost:
+                self.transport.abort()
 
     def _finish(self, req: Request, resp: Response | StreamResponse) -> None:
         self._responded = True
