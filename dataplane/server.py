@@ -410,6 +410,9 @@ class HttpConnection(asyncio.Protocol):
         if self.lost or self.transport.is_closing():
             return         # connection_lost follows
         started = req.started
+        if started is None and isinstance(resp, StreamResponse):   # returned unprepared: an empty stream
+            self.start_stream(req, resp)
+            started = resp
         if started is not None:
             if resp is not started:
                 log.error("%s %s: an answer was returned after a streamed one had started", req.method, req.path)
