@@ -18,11 +18,11 @@ from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
 from dataplane.intake import read_client_body
-from dataplane.messages import Request, Response, StreamResponse, json_response
 from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
                                        generated_from_stream)
 from dataplane.hygiene import sanitize_client_id
 from dataplane.loopwatch import LoopWatch
+from dataplane.messages import Request, Response, StreamResponse, json_response
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.observe import ACCESS_LOGGER, Observer, current_request_id, install_request_id_filter, trace_headers
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
@@ -193,7 +193,7 @@ class DataPlane:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, http: Request) -> StreamResponse:
+    async def generate(self, http: Request) -> Response | StreamResponse:
         tracker = RequestTracker(self.placements)
         route = http.path
         traceparent = http.headers.get("traceparent")
@@ -232,7 +232,7 @@ class DataPlane:
         except Exception:   # bookkeeping never changes how a request ends
             log.exception("recording a request's metrics and access log failed")
 
-    async def _generate(self, http: Request, tracker: RequestTracker) -> StreamResponse:
+    async def _generate(self, http: Request, tracker: RequestTracker) -> Response | StreamResponse:
         raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
                                      timeout_s=self.config.client.body_timeout_s)
         req = parse_request(http.path, raw, http.headers.get("X-Request-Id"),
@@ -302,7 +302,7 @@ class DataPlane:
         req.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, req.token_ids,
                                                    req.body.get("cache_salt"))
 
-    async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> StreamResponse:
+    async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> Response | StreamResponse:
         """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""
         recomputes = 0
         while True:
@@ -338,7 +338,7 @@ class DataPlane:
                 if flow is None:
                     raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported")
 
-    async def _finish_after_recompute(self, ctx: FlowContext) -> StreamResponse:
+    async def _finish_after_recompute(self, ctx: FlowContext) -> Response | StreamResponse:
         ctx.tracker.finished(ctx.prior_tokens)
         if ctx.out is not None:
             await ctx.out.write(b"data: [DONE]\n\n")

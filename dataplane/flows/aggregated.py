@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from functools import partial
 
-
-from dataplane.messages import StreamResponse
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.legs import open_leg
 from dataplane.flows.relay import relay
+from dataplane.messages import Response, StreamResponse
 from dataplane.placing import place
 from dataplane.upstream import UpstreamError
 from dataplane.tracking import LEG_WHOLE
 from protos import omni_proxy_pb2 as pb
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamResponse:
     resp, worker = await open_leg(ctx, placement.decode, ctx.req.raw, LEG_WHOLE, partial(_another, ctx))
     return await relay(ctx, resp, worker.worker_id)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 from dataplane.messages import Request, StreamResponse
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import PlacementClient

@@ -9,17 +9,16 @@ why any data-plane replica can serve a layerwise request.
 
 from __future__ import annotations
 
-
-from dataplane.messages import StreamResponse
 from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
+from dataplane.messages import Response, StreamResponse
 from dataplane.tracking import LEG_WHOLE
 from dataplane.upstream import dp_rank
 from protos import omni_proxy_pb2 as pb
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamResponse:
     req = ctx.req
     decode = placement.decode
     kv = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": placement.metaserver_url}

@@ -17,11 +17,10 @@ import logging
 import secrets
 from urllib.parse import urlsplit
 
-
-from dataplane.messages import StreamResponse
 from dataplane.body import with_fields
 from dataplane.flows.context import FlowContext
 from dataplane.flows.relay import relay
+from dataplane.messages import Response, StreamResponse
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, dp_rank, read_body
 from engine_api.bodies import prefill_body
@@ -73,7 +72,7 @@ def bodies(ctx: FlowContext, prefill: pb.Endpoint, protocol: str,
     return p_body, d_body
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamResponse:
     req = ctx.req
     prefill, decode = placement.prefill, placement.decode
     p_body, d_body = bodies(ctx, prefill, ctx.placements.info.parallel_protocol or "sglang", decode)

@@ -11,11 +11,11 @@ import re
 
 import orjson
 
-from dataplane.messages import Response, StreamResponse
 from dataplane.errors import sse_error_event
 from dataplane.flows.context import FlowContext
 from dataplane.flows.recompute import (RECOMPUTED, Recomputed, StreamText, is_recomputed, merge_prior,
                                        prefix_before_recompute)
+from dataplane.messages import Response, StreamResponse
 from dataplane.upstream import UpstreamError, read_body
 from engine_api.client import EngineClientError, EngineResponse
 
@@ -159,7 +159,7 @@ async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> 
 
 
 async def relay(ctx: FlowContext, resp: EngineResponse, worker_id: str, *,
-                on_first_chunk=None) -> StreamResponse:
+                on_first_chunk=None) -> Response | StreamResponse:
     if ctx.req.stream:
         return await relay_stream(ctx, resp, worker_id, on_first_chunk=on_first_chunk)
     if on_first_chunk is not None:

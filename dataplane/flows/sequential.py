@@ -13,12 +13,12 @@ from typing import Any
 
 import orjson
 
-from dataplane.messages import StreamResponse
 from dataplane.body import with_fields
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.legs import open_leg
 from dataplane.flows.relay import relay
+from dataplane.messages import Response, StreamResponse
 from dataplane.placing import place
 from dataplane.retry import retry_after_s
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL
@@ -46,7 +46,7 @@ async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[
     return kv_params
 
 
-async def run(ctx: FlowContext, placement: pb.Placement) -> StreamResponse:
+async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamResponse:
     req = ctx.req
     prefill = placement.prefill
     body = prefill_body(req.body, PULL_PREFILL_KV_PARAMS)
