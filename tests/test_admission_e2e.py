@@ -51,7 +51,9 @@ async def test_queue_full_is_429_and_priority_orders_the_queue(cluster, http):
             done.append(name)
             return r.status, dict(r.headers), data
 
-    first = asyncio.create_task(post("first", SLOW))
+    # 4 s on the engine: the queue must fill (two waits for conditions) while it runs, even
+    # on a loaded machine (at 1.2 s it once ended before the first wait saw it running).
+    first = asyncio.create_task(post("first", {**SLOW, "max_tokens": 100}))
     await wait_until(lambda: _busy(cluster), what="first running")
     low = asyncio.create_task(post("low", {**SLOW, "max_tokens": 2, "priority": 10}))
     await wait_until(lambda: _is(http, cluster, 1), what="one queued")
