@@ -573,7 +573,7 @@ def main() -> int:
     command = "python bench/overhead.py " + " ".join(sys.argv[1:])
     started = time.time()
     results = run(args)
-    results["args"] = vars(args)
+    results["args"] = {k: v for k, v in vars(args).items() if k != "out"}   # no paths of this machine
     results["command"] = command
     results["host"] = host_line()
     results["peer_versions"] = PEER_VERSIONS
