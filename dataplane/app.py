@@ -349,11 +349,11 @@ class DataPlane:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                   if ctx.req.is_chat else {"index": 0, "text": text, "finish_reason": "length"})
         return json_response({"id": ctx.req.request_id, "object": kind, "model": ctx.req.model,
-                                  "choices": [choice],
-                                  "usage": {"prompt_tokens": ctx.req.prompt_tokens,
-                                            "completion_tokens": ctx.prior_tokens,
-                                            "total_tokens": ctx.req.prompt_tokens + ctx.prior_tokens}},
-                                 headers={"X-Request-Id": ctx.req.echo_id})
+                              "choices": [choice],
+                              "usage": {"prompt_tokens": ctx.req.prompt_tokens,
+                                        "completion_tokens": ctx.prior_tokens,
+                                        "total_tokens": ctx.req.prompt_tokens + ctx.prior_tokens}},
+                             headers={"X-Request-Id": ctx.req.echo_id})
 
     # ------------------------------------------------------------------ ops routes
 
@@ -374,9 +374,9 @@ class DataPlane:
             return json_response({"status": "ok", "controlplane": pc.target, "session": pc.transport})
         if pc.fallback.known:
             return json_response({"status": "degraded", "controlplane": None,
-                                      "fallback_workers": pc.fallback.known})
+                                  "fallback_workers": pc.fallback.known})
         return error_response(503, f"not connected to any control plane ({self.config.controlplane})")
 
     async def prometheus(self, http: Request) -> Response:
         return Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})

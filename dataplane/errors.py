@@ -44,7 +44,7 @@ def error_body(status: int, message: str, *, param: str | None = None, type_: st
 def error_response(status: int, message: str, *, headers: dict[str, str] | None = None,
                    **kw) -> Response:
     return Response(status=status, body=error_body(status, message, **kw),
-                        content_type="application/json", headers=headers)
+                    content_type="application/json", headers=headers)
 
 
 def sse_error_event(status: int, message: str) -> bytes:

@@ -44,14 +44,10 @@ async def read_client_body(http: Request, *, max_bytes: int, timeout_s: float) -
 
 
 async def _read_within(http: Request, timeout_s: float) -> bytes:
-    if timeout_s <= 0:
+    if timeout_s <= 0 or http.complete:   # the common case: the body came with the head
         return await http.read()
-    if http.complete:   # the common case: the body came with the head
+    async with asyncio.timeout(timeout_s):   # no extra task per request
         return await http.read()
-    if hasattr(asyncio, "timeout"):     # Python 3.11+: no extra task per request
-        async with asyncio.timeout(timeout_s):
-            return await http.read()
-    return await asyncio.wait_for(http.read(), timeout_s)
 
 
 async def inflate(data: bytes, encoding: str, max_bytes: int) -> bytes:

@@ -2,8 +2,8 @@
 
 The stream is the control plane's session socket (``dataplane.session_socket``: the same
 messages, length-prefixed on plain TCP, far less CPU per message) when it has one, and
-the gRPC ``Session`` call otherwise. Placements ride the stream as request/answer pairs matched by ``seq``; lifecycle reports
-ride it one way. A data plane may know several control-plane replicas: it holds one
+the gRPC ``Session`` call otherwise. Placements ride the stream as request/answer pairs
+matched by ``seq``; lifecycle reports ride it one way. A data plane may know several control-plane replicas: it holds one
 session at a time, starting with the replica its node id hashes to (so a fleet of data
 planes spreads over them) and moving to the next when that one stops answering.
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import logging
 import socket
 import time
@@ -46,7 +47,7 @@ from urllib.parse import unquote
 import httptools
 from multidict import CIMultiDict
 
-from dataplane.errors import error_body
+from dataplane.errors import error_body, error_response
 from dataplane.messages import Handler, PayloadError, Request, Response, StreamResponse
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class App:
         self._chains = {p: {m: self._wrap(h) for m, h in methods.items()} for p, methods in self._handlers.items()}
 
         async def not_found(request: Request) -> Response:
-            return _error_response(404, "404: Not Found")
+            return error_response(404, "404: Not Found")
 
         self._not_found = self._wrap(not_found)
 
@@ -116,7 +117,7 @@ class App:
             allow = ",".join(sorted(methods))
 
             async def not_allowed(request: Request) -> Response:
-                return _error_response(405, "405: Method Not Allowed", {"Allow": allow})
+                return error_response(405, "405: Method Not Allowed", headers={"Allow": allow})
 
             return self._wrap(not_allowed)
         return handler
@@ -130,16 +131,9 @@ class App:
             await hook()
 
 
-def _error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(status=status, body=error_body(status, message), headers=headers,
-                    content_type="application/json")
-
-
 # ---------------------------------------------------------------- writing heads
 
 _STATUS_LINES: dict[int, str] = {}
-_date_second = -1
-_date_line = ""
 
 
 def _status_line(status: int) -> str:
@@ -153,15 +147,14 @@ def _status_line(status: int) -> str:
     return line
 
 
+@functools.lru_cache(maxsize=1)
+def _date_line(second: int) -> str:
+    return f"Date: {email.utils.formatdate(second, usegmt=True)}\r\n"
+
+
 def _date() -> str:
     """``Date:``, formatted once a second."""
-    global _date_second, _date_line
-    now = time.time()
-    second = int(now)
-    if second != _date_second:
-        _date_second = second
-        _date_line = f"Date: {email.utils.formatdate(now, usegmt=True)}\r\n"
-    return _date_line
+    return _date_line(int(time.time()))
 
 
 def _head(status: int, headers: dict[str, str], framing: str) -> bytes:
@@ -397,7 +390,7 @@ class HttpConnection(asyncio.Protocol):
             return                 # the client left (or the server stops): nothing to answer
         except Exception:
             log.exception("error handling %s %s from %s", req.method, req.path, req.remote)
-            resp = _error_response(500, "internal error in the data plane; see its log")
+            resp = error_response(500, "internal error in the data plane; see its log")
         try:
             self._finish(req, resp)
         except Exception:          # e.g. a header value that cannot be sent: drop the connection
