@@ -20,7 +20,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
  && useradd --system --uid 10001 --gid omni --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin omni
 USER 10001:10001
 WORKDIR /tmp
-# data plane 8000; control plane gRPC 50051, session socket 50052 and HTTP (/health, /metrics) 8080
-EXPOSE 8000 8080 50051 50052
+# data plane 8000; control plane gRPC 50051, session socket 50052 and HTTP (/health, /metrics) 9090
+EXPOSE 8000 9090 50051 50052
 ENTRYPOINT ["omni-proxy"]
 CMD ["--help"]

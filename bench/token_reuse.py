@@ -63,7 +63,7 @@ def main() -> int:
         tok = build("tiny_llama", Path(tmp) / "tok")
         psim = group.start("p", ["sim", "--role", "prefill", "--port", "0"])
         dsim = group.start("d", ["sim", "--role", "decode", "--port", "0"])
-        cp = group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--prefill", psim.url,
+        cp = group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--prefill", psim.url,
                                 "--decode", dsim.url, "--log-level", "WARNING"])
         with_reuse = group.start("dp-reuse", ["dataplane", "--port", "0", "--controlplane", cp.address,
                                               "--tokenizer", str(tok), "--log-level", "WARNING"])

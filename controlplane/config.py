@@ -367,6 +367,11 @@ def _plugin(item: Any, where: str) -> None:
             raise ValueError(f"{where}: option names must be strings, got {v.show(k)}")
 
 
+# /metrics and /health (and the metaserver) listen here unless http_port says otherwise: a
+# fixed, documented port a scraper can be pointed at (0 = any free port, for tests).
+DEFAULT_HTTP_PORT = 9090
+
+
 @dataclass
 class ControlPlaneConfig:
     listen: str = "127.0.0.1:50051"
@@ -374,7 +379,7 @@ class ControlPlaneConfig:
     # gRPC host, any free port (data planes ask where); "off" = gRPC sessions only.
     session_listen: str = "auto"
     http_host: str = "127.0.0.1"
-    http_port: int = 0               # /metrics, /health (and the metaserver); 0 = any free port
+    http_port: int = DEFAULT_HTTP_PORT   # /metrics, /health (and the metaserver); 0 = any free port
     policy: str = "least_load"
     pd_flow: str = "sequential"
     parallel_protocol: str = "sglang"     # parallel flow: sglang bootstrap_* or vLLM "mooncake"

@@ -22,7 +22,7 @@ class _Snapshot:
         self.kv = kv
 
     def collect(self):
-        labels = ["worker", "role", "model"]
+        labels = ["worker", "role", "model", "model_name"]   # model_name: vLLM's label, same value
         reqs = GaugeMetricFamily("omni_worker_inflight_requests", "Requests placed and not finished", labels=labels)
         toks = GaugeMetricFamily("omni_worker_inflight_tokens", "Tokens charged by in-flight requests", labels=labels)
         healthy = GaugeMetricFamily("omni_worker_healthy", "1 if the worker passes health checks", labels=labels)
@@ -31,7 +31,7 @@ class _Snapshot:
         now = time.monotonic()
         draining = GaugeMetricFamily("omni_worker_draining", "1 if the worker is draining", labels=labels)
         for w in self.workers:
-            lv = [w.id, w.role.value, w.model]
+            lv = [w.id, w.role.value, w.model, w.model]
             reqs.add_metric(lv, w.inflight_requests)
             toks.add_metric(lv, w.inflight_tokens)
             healthy.add_metric(lv, 1 if w.health is Health.HEALTHY else 0)

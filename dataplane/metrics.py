@@ -1,7 +1,7 @@
 """Data-plane Prometheus metrics, on a registry owned by the app (no process globals).
 
 Everything here is updated once per request, never per streamed chunk. Request metrics are
-labelled by model and flow only (never by request); a request that was never placed has
+labelled by model (twice: ``model`` and vLLM's ``model_name``) and flow only (never by request); a request that was never placed has
 no model label of its own (its model may be anything a client typed), and is counted
 only in ``omni_dp_requests_total`` by status class.
 
@@ -107,16 +107,17 @@ class Series:
                  "prompt_tokens", "cached_tokens", "generated_tokens", "flows")
 
     def __init__(self, m: "DataPlaneMetrics", model: str, flow: str) -> None:
-        self.ttft = m.ttft.labels(model, flow)
-        self.tpot = m.tpot.labels(model, flow)
-        self.e2e = m.e2e.labels(model, flow)
-        self.placement = m.placement.labels(model, flow)
-        self.queue = m.queue.labels(model, flow)
-        self.prefill = m.prefill.labels(model, flow)
-        self.decode = m.decode.labels(model, flow)
-        self.prompt_tokens = m.prompt_tokens.labels(model, flow)
-        self.cached_tokens = m.cached_tokens.labels(model, flow)
-        self.generated_tokens = m.generated_tokens.labels(model, flow)
+        lv = (model, model, flow)      # model_name: vLLM's label, the same value
+        self.ttft = m.ttft.labels(*lv)
+        self.tpot = m.tpot.labels(*lv)
+        self.e2e = m.e2e.labels(*lv)
+        self.placement = m.placement.labels(*lv)
+        self.queue = m.queue.labels(*lv)
+        self.prefill = m.prefill.labels(*lv)
+        self.decode = m.decode.labels(*lv)
+        self.prompt_tokens = m.prompt_tokens.labels(*lv)
+        self.cached_tokens = m.cached_tokens.labels(*lv)
+        self.generated_tokens = m.generated_tokens.labels(*lv)
         self.flows = m.flows.labels(flow)
 
 
@@ -125,7 +126,9 @@ class DataPlaneMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)      # process_cpu_seconds_total, process_resident_memory_bytes, ...
-        mf = ("model", "flow")
+        # ``model_name`` carries the same value as ``model``: vLLM's per-model label, so one
+        # dashboard query (``by (model_name)``) joins the proxy's series to the engines'.
+        mf = ("model", "model_name", "flow")
         self.requests = _Family("omni_dp_requests", "Requests answered, by route and status class",
                                 ("route", "code_class"))
         self.ttft = _Family("omni_dp_time_to_first_token_seconds",

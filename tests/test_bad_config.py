@@ -233,5 +233,5 @@ url = "http://127.0.0.1:9"
 role = "decode"
 """)
     with ProcessGroup(str(tmp_path), ready_timeout=TIMEOUT_S) as group:
-        cp = group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--config", str(path)])
+        cp = group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--config", str(path)])
         assert cp.port > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import aiohttp
 import pytest
 
@@ -63,6 +65,19 @@ def test_worker_flag_syntax():
         WorkerSpec.parse_flag("http://a:1,oops")
 
 
+def test_control_plane_metrics_port_has_a_fixed_default():
+    """A scraper can be pointed at the control plane without reading its log: /metrics is on a
+    documented port by default (the manifests' test checks they use the same one)."""
+    from controlplane.cli import add_arguments, config_from_args
+    from controlplane.config import DEFAULT_HTTP_PORT, ControlPlaneConfig
+
+    assert DEFAULT_HTTP_PORT == 9090 and ControlPlaneConfig().http_port == DEFAULT_HTTP_PORT
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([])).http_port == DEFAULT_HTTP_PORT
+    assert config_from_args(parser.parse_args(["--http-port", "0"])).http_port == 0
+
+
 def test_bad_policy_stops_the_control_plane_at_start():
     with ProcessGroup(ready_timeout=20) as group, pytest.raises(LaunchError, match="unknown policy"):
         group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--policy", "nope"])
@@ -71,7 +86,7 @@ def test_bad_policy_stops_the_control_plane_at_start():
 async def test_up_runs_control_and_data_plane_in_one_process():
     with ProcessGroup() as group:
         sim = group.start("sim", ["sim", "--port", "0"])
-        up = group.start("up", ["up", "--port", "0", "--worker", sim.url])
+        up = group.start("up", ["up", "--port", "0", "--http-port", "0", "--worker", sim.url])
         async with aiohttp.ClientSession() as s:
             async with s.post(up.url + "/v1/completions",
                               json={"model": "sim-model", "prompt": "hi", "max_tokens": 3}) as r:

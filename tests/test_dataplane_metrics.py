@@ -110,7 +110,7 @@ def test_observer_fills_histograms_by_model_and_flow_only():
     t.cached_tokens = 16
     obs.complete(t, "/v1/completions", 200)
     s = _samples(metrics)
-    mf = (("flow", "aggregated"), ("model", "m"))
+    mf = (("flow", "aggregated"), ("model", "m"), ("model_name", "m"))
     for name in ("omni_dp_time_to_first_token_seconds", "omni_dp_time_per_output_token_seconds",
                  "omni_dp_e2e_request_latency_seconds", "omni_dp_placement_seconds", "omni_dp_queue_seconds",
                  "omni_dp_prefill_seconds", "omni_dp_decode_seconds"):
@@ -135,9 +135,9 @@ def test_observer_fills_histograms_by_model_and_flow_only():
 
 def test_value_on_a_bucket_edge_counts_in_that_bucket():
     metrics = DataPlaneMetrics()
-    metrics.ttft.labels("m", "f").observe(0.5)
+    metrics.ttft.labels("m", "m", "f").observe(0.5)
     s = _samples(metrics)
-    key = lambda le: ("omni_dp_time_to_first_token_seconds_bucket", (("flow", "f"), ("le", le), ("model", "m")))  # noqa: E731
+    key = lambda le: ("omni_dp_time_to_first_token_seconds_bucket", (("flow", "f"), ("le", le), ("model", "m"), ("model_name", "m")))  # noqa: E731
     assert s[key("0.25")] == 0 and s[key("0.5")] == 1
 
 
@@ -153,7 +153,7 @@ def test_non_streamed_and_unplaced_requests():
     rejected.req.model = "typed-by-a-client"
     obs.complete(rejected, "/v1/completions", 404)
     s = _samples(metrics)
-    mf = (("flow", "aggregated"), ("model", "m"))
+    mf = (("flow", "aggregated"), ("model", "m"), ("model_name", "m"))
     # No streamed tokens: no TTFT/TPOT/decode observation; e2e and placement still.
     assert s.get(("omni_dp_time_to_first_token_seconds_count", mf), 0) == 0
     assert s.get(("omni_dp_time_per_output_token_seconds_count", mf), 0) == 0

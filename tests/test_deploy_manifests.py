@@ -43,6 +43,8 @@ import pytest
 import yaml
 from aiohttp import web
 
+from controlplane.config import DEFAULT_HTTP_PORT
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
@@ -370,6 +372,7 @@ def test_controlplane() -> None:
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert cfg.listen == f"0.0.0.0:{ports['grpc']}"
     assert cfg.http_host == "0.0.0.0" and cfg.http_port == ports["http"]
+    assert cfg.http_port == DEFAULT_HTTP_PORT, "the manifests use the documented default metrics port"
     assert cfg.state.backend == "redis", "several replicas must share their state through Redis"
     redis_svc = find("Service", "omni-proxy-redis", docs)
     assert cfg.state.redis_url == f"redis://{redis_svc['metadata']['name']}:{redis_svc['spec']['ports'][0]['port']}/0"
@@ -646,7 +649,7 @@ def test_compose_commands_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
         cfg = cp_config(args)
         check_config(cfg)
         assert cfg.state.backend == "redis" and cfg.state.redis_url.startswith("redis://redis:6379")
-        assert cfg.http_port == 8080 and cfg.listen.endswith(":50051")
+        assert cfg.http_port == DEFAULT_HTTP_PORT and cfg.listen.endswith(":50051")
         cp_cfgs.append(cfg)
     cfg = cp_cfgs[0]
     workers = {w.url: w for w in cfg.workers}
@@ -994,7 +997,7 @@ async def test_compose_demo_runs_as_processes(tmp_path: Path) -> None:
                     used[name] = len((await r.json())["requests"])
             assert sum(used.values()) >= 30 and sum(1 for n in used.values() if n) >= 2, used
             for name in (n for n in services if n.startswith("controlplane-")):
-                async with http.get(f"http://{ip[name]}:8080/metrics") as r:
+                async with http.get(f"http://{ip[name]}:{DEFAULT_HTTP_PORT}/metrics") as r:
                     metrics = await r.text()
                 for worker in used:
                     assert f'"{worker}"' in metrics, f"{name} does not know {worker}"

@@ -223,9 +223,12 @@ async def test_models_health_and_metrics(idle: Cluster, http):
         text = await r.text()
     assert "omni_dp_requests_total" in text and 'route="/v1/completions"' in text
     assert "omni_dp_placement_seconds_bucket" in text
+    # vLLM's model_name label beside ours, on every per-model series
+    assert f'omni_dp_e2e_request_latency_seconds_count{{flow="aggregated",model="{MODEL}",model_name="{MODEL}"}}' in text
     async with http.get(f"http://127.0.0.1:{idle.cp.info['http_port']}/metrics") as r:
         text = await r.text()
     assert "omni_worker_inflight_requests" in text and "omni_placements_total" in text
+    assert f'model="{MODEL}",model_name="{MODEL}"' in text
 
 
 async def test_drain_undrain_and_no_healthy_worker_is_503(idle: Cluster, http):

@@ -81,7 +81,7 @@ async def system():
         # Start and stop in a thread: the in-test engine must keep answering health checks meanwhile.
         p = await asyncio.to_thread(group.start, "prefill", ["sim", "--role", "prefill", "--port", "0"])
         cp = await asyncio.to_thread(group.start, "controlplane", [
-            "controlplane", "--listen", "127.0.0.1:0", "--health-interval", "0.2",
+            "controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--health-interval", "0.2",
             "--prefill", f"{p.url},id=p", "--decode", f"http://127.0.0.1:{port},id=d"])
         dp = await asyncio.to_thread(group.start, "dataplane", ["dataplane", "--port", "0", "--controlplane",
                                                                 cp.address])

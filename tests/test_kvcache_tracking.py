@@ -226,7 +226,8 @@ async def test_engine_block_size_mismatch_is_refused_loudly(tmp_path):
         config.write_text("[kv_cache]\nblock_size = 16\n" + "".join(
             f'[[workers]]\nid = "{name}"\nurl = "{sim.url}"\nkv_events = "ipc://{tmp_path}/{name}.sock"\n'
             for name, sim in sims.items()))
-        cp = group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--config", str(config)])
+        cp = group.start("cp", ["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0", "--config",
+                                str(config)])
         metrics_url = f"http://127.0.0.1:{cp.info['http_port']}/metrics"
         async with aiohttp.ClientSession() as http:
             async def both_reported() -> bool:
