@@ -271,7 +271,7 @@ def write_markdown(path: Path, report: dict) -> None:
             f"{_cell(r['ttft_p50_ms'], 1)} |")
     lines += ["", f"Against the targets (placement p99 <= {PLACEMENT_TARGET_MS:g} ms, longest stall <= "
               f"{STALL_TARGET_MS:g} ms):", "", *verdict(report["summary"]), "",
-              f"Plot: `{path.with_suffix('.png').name}`.", ""]
+              f"![placement latency and loop stall per speed-up]({path.with_suffix('.png').name})", ""]
     write_keeping_notes(path, "\n".join(lines))
 
 

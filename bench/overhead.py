@@ -494,7 +494,8 @@ def markdown(results: dict, summary: dict, command: str) -> str:
              f"{len(results['rounds'])} interleaved rounds of {results['args']['seconds']} s per cell and target. "
              "Each number: the median over rounds, (min..max) the spread. Ratio: throughput over direct's in the "
              "same round. Added p50/p99 and TTFB: over direct's in the same round (ms). CPU: microseconds per "
-             "request of all the proxy's processes (omni: data plane + control plane), and of the two engines.", ""]
+             "request of all the proxy's processes (omni: data plane + control plane), and of the two engines.", "",
+             "![throughput vs direct, proxy CPU per request and added p50, per target and cell](overhead.png)", ""]
     for stream, conc in cells():
         key = cell_key(stream, conc)
         if key not in summary:

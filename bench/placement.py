@@ -389,7 +389,7 @@ def write(result: dict, out: Path, command: str, baseline: dict | None) -> None:
                "Target: <= 150 bytes/entry.", ""]
     if baseline:
         md += [f"`before` columns: {baseline.get('label', 'baseline')} ({baseline.get('commit', '?')}).", ""]
-    md += [NOTES]
+    md += ["![placement p50 per policy and fleet size](placement.png)", "", NOTES]
     (out / "placement.md").write_text("\n".join(md))
     try:
         import matplotlib

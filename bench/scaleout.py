@@ -342,7 +342,8 @@ def markdown(result: dict, summary: dict) -> str:
                      f"| {_f(s['p99_us'])} | "
                      + (f"**{_f(ratio, '{:.2f}')}x**" if ratio else "1") + " | "
                      + (f"{_f(s['throughput_vs_memory'], '{:.2f}')}x" if ratio else "1") + " |")
-    lines += ["", "## Reading", ""]
+    lines += ["", "![placements/s and p99 placement latency per data-plane count](scaleout.png)", "",
+              "## Reading", ""]
     for store in result["args"]["stores"]:
         if store == "memory":
             continue

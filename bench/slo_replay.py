@@ -585,7 +585,10 @@ def write_markdown(path: Path, report: dict) -> None:
                 seen.add(key)
                 lines.append(f"- {r['target']} ({r['mode']}): {r['skipped'][:300]}")
         lines.append("")
-    lines += ["Plots: " + ", ".join(f"`{Path(p).name}`" for p in report.get("plots", [])), ""]
+    # Markdown images, so each plot shows on this page (tests/test_docs_figures.py checks every PNG is linked).
+    plots = [Path(p).name for p in report.get("plots", []) if str(p).endswith(".png")]
+    if plots:
+        lines += ["Plots:", "", *(f"![{name}]({name})" for name in plots), ""]
     path.write_text("\n".join(lines))
 
 
