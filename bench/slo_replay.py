@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import peers as peerlib  # noqa: E402
 from bench.tracedata import TraceMissing, load_rows, prompt_for, resolve_trace, sim_state  # noqa: E402
+from bench.workloads import generate as generate_workload  # noqa: E402
 from omni_proxy.launcher import LaunchError, ProcessGroup  # noqa: E402
 
 DEFAULT_POLICIES = "round_robin,least_load,cache_aware,apc_first"
@@ -83,8 +84,9 @@ class Cost:
     kv_pool_tokens: int
     max_model_len: int
 
-    def sim_args(self) -> list[str]:
-        k, t = self.token_scale, self.time_scale
+    def sim_args(self, speed: float = 1.0) -> list[str]:
+        """The simulator's flags; ``speed`` < 1 makes a slower engine (0.5: every step twice as long)."""
+        k, t = self.token_scale, self.time_scale / speed
         blocks = max(self.kv_pool_tokens // k // SIM_BLOCK, self.max_model_len // k // SIM_BLOCK + 1)
         return ["--prefill-ms-per-token", f"{1000.0 / self.prefill_tok_s * k * t:.6f}",
                 "--decode-ms-per-step", f"{self.decode_step_ms * t:.4f}",
@@ -123,18 +125,30 @@ class Engine:
     bootstrap_port: int
 
 
-def start_engines(group: ProcessGroup, mode: str, args, cost: Cost) -> list[Engine]:
+def engine_roles(mode: str, args) -> list[str]:
     if mode == "agg":
-        roles = ["both"] * args.agg_engines
-    else:
-        roles = ["prefill"] * args.prefill_engines + ["decode"] * args.decode_engines
+        return ["both"] * args.agg_engines
+    return ["prefill"] * args.prefill_engines + ["decode"] * args.decode_engines
+
+
+def engine_speeds(args, count: int) -> list[float]:
+    """``--engine-speeds`` for ``count`` engines (in start order); missing ones run at 1x."""
+    speeds = [float(x) for x in (args.engine_speeds or "").split(",") if x.strip()]
+    if any(not 0.01 <= x <= 100 for x in speeds):
+        raise ValueError(f"--engine-speeds: every factor must be 0.01-100, not {args.engine_speeds!r}")
+    return (speeds + [1.0] * count)[:count]
+
+
+def start_engines(group: ProcessGroup, mode: str, args, cost: Cost) -> list[Engine]:
+    roles = engine_roles(mode, args)
+    speeds = engine_speeds(args, len(roles))
 
     def one(i: int, role: str) -> Engine:
         ev = f"ipc://{group.workdir}/kv-{i}.sock"
         rp = f"ipc://{group.workdir}/kvr-{i}.sock"
         child = group.start(f"sim-{i}", [
             "sim", "--host", "127.0.0.1", "--port", "0", "--role", role, "--engine-id", f"sim-{i}",
-            *cost.sim_args(), "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rp],
+            *cost.sim_args(speeds[i]), "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rp],
             env={"PYTHONHASHSEED": "0"})
         return Engine(f"sim-{i}", role, child.url, ev, rp, int(child.info.get("bootstrap_port") or child.port))
 
@@ -363,6 +377,7 @@ async def drive(engines: list[Engine], rows: list[dict], bodies: list[dict], off
             base.append(await sim_state(session, e.url))
         watcher = EngineWatcher(session, engines, args.poll_s)
         poller = asyncio.create_task(watcher.loop())
+        slow = asyncio.create_task(slow_down(session, engines, offsets, args.slowdown)) if args.slowdown else None
 
         async def send(i: int) -> Outcome:
             if router_url is not None:
@@ -373,10 +388,43 @@ async def drive(engines: list[Engine], rows: list[dict], bodies: list[dict], off
 
         outcomes, wall = await open_loop(offsets, send, args.max_run_seconds)
         poller.cancel()
-        await asyncio.gather(poller, return_exceptions=True)
+        if slow is not None:
+            slow.cancel()
+        await asyncio.gather(poller, *([slow] if slow else []), return_exceptions=True)
         await watcher.poll(with_state=False)
         after = [await sim_state(session, e.url) for e in engines]
     return summarize(engines, outcomes, base, after, watcher, wall, args)
+
+
+def parse_slowdown(spec: str) -> tuple[int, float, float]:
+    """``ENGINE:AT:FACTOR``: engine index ENGINE (start order) runs FACTOR times slower from
+    the fraction AT of the arrival window on."""
+    try:
+        idx, at, factor = spec.split(":")
+        out = int(idx), float(at), float(factor)
+    except ValueError:
+        raise ValueError(f"--slowdown wants ENGINE:AT:FACTOR (e.g. 0:0.5:2), not {spec!r}") from None
+    if not 0 <= out[1] <= 1 or not 0.01 <= out[2] <= 100:
+        raise ValueError(f"--slowdown {spec!r}: AT is a fraction of the window (0-1), FACTOR 0.01-100")
+    return out
+
+
+async def slow_down(session: aiohttp.ClientSession, engines: list[Engine], offsets: list[float], spec: str) -> None:
+    """Arm the simulator's ``slowdown`` fault on one engine part way through the arrivals."""
+    idx, at, factor = parse_slowdown(spec)
+    await asyncio.sleep(max(0.0, (offsets[-1] - offsets[0]) * at))
+    async with session.post(engines[idx].url + "/sim/faults", json={"slowdown": factor}) as r:
+        r.raise_for_status()
+
+
+def fair_share(per_engine: list[dict], speeds: list[float]) -> float | None:
+    """The smallest share any engine got of its fair share among its equals (same role and
+    speed, at least two of them): 1.0 is an even split, 0.0 an engine that got nothing."""
+    groups: dict[tuple[str, float], list[int]] = {}
+    for pe, speed in zip(per_engine, speeds):
+        groups.setdefault((pe["role"], speed), []).append(pe["requests"])
+    shares = [min(v) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1 and sum(v)]
+    return round(min(shares), 3) if shares else None
 
 
 def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
@@ -423,6 +471,7 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
         "output_tok_s": r(sum(o.tokens for o in ok) / (wall / T), 1),
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
         "wall_s": round(wall, 1), "per_engine": per_engine, "errors": errors,
+        "min_fair_share": fair_share(per_engine, engine_speeds(args, len(engines))),
         "ttft_ms_all": [r(x, 1) for x in sorted(ttft)],
         "assignment": {str(k): v for k, v in sorted(assignment.items())},
     }
@@ -524,6 +573,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
                if x.get("followup_affinity", {}).get("same_engine") is not None]
         row["followup_same_engine"] = round(statistics.mean(aff), 3) if aff else None
         row["ok_share"] = round(sum(x["ok"] for x in rs) / max(sum(x["requests"] for x in rs), 1), 4)
+        shares = [x["min_fair_share"] for x in rs if x.get("min_fair_share") is not None]
+        row["min_fair_share"] = min(shares) if shares else None
         rows.append(row)
     return rows
 
@@ -542,28 +593,36 @@ def write_markdown(path: Path, report: dict) -> None:
     cfg = report["config"]
     lines = ["# SLO replay: placement decision quality", "",
              f"Generated {report['generated']} by:", "", "```bash", report["command"], "```", "",
-             f"Trace window: rows {cfg['start']}..{cfg['start'] + cfg['requests'] - 1} of "
-             f"`{cfg['trace_name']}` ({cfg['window_model_s']:.1f} s of trace time); base rate "
+             (f"Workload `{cfg['workload']}` (bench/workloads.py, seed {cfg['seed']}, {cfg['requests']} requests, "
+              f"{cfg['window_model_s']:.1f} s at 1x); base rate " if cfg.get("workload") else
+              f"Trace window: rows {cfg['start']}..{cfg['start'] + cfg['requests'] - 1} of "
+              f"`{cfg['trace_name']}` ({cfg['window_model_s']:.1f} s of trace time); base rate ") +
              f"{cfg['base_rate']}x the trace's rate; rate multipliers {cfg['rates']}; {cfg['repeats']} "
              f"repeats, interleaved. SLO: TTFT <= {cfg['slo_ttft_ms']:.0f} ms and TPOT <= "
              f"{cfg['slo_tpot_ms']:.0f} ms (model time). Output capped at {cfg['max_output']} tokens.", "",
              f"Engines: agg = {cfg['agg_engines']} x both; pd = {cfg['prefill_engines']} prefill + "
-             f"{cfg['decode_engines']} decode. Cost model (real units): prefill "
+             f"{cfg['decode_engines']} decode"
+             + (f"; engine speeds {cfg['engine_speeds']}" if cfg.get("engine_speeds") else "")
+             + (f"; slowdown {cfg['slowdown']} (engine:at:factor)" if cfg.get("slowdown") else "")
+             + ". Cost model (real units): prefill "
              f"{cfg['cost']['prefill_tok_s']:.0f} tok/s, decode step {cfg['cost']['decode_step_ms']} ms + "
              f"{cfg['cost']['decode_seq_ms']} ms/seq, chunk {cfg['cost']['max_batched_tokens']} tokens, "
              f"KV pool {cfg['cost']['kv_pool_tokens']} tokens; token scale {cfg['cost']['token_scale']} "
              f"(1 sim token = {cfg['cost']['token_scale']} trace tokens), time scale "
              f"{cfg['cost']['time_scale']} (wall s per model s). Latencies are model time.", "",
              "Cells: mean over repeats [min-max]. `router` = through the target; `replay` = the same "
-             "request-to-engine assignment sent straight to fresh engines.", ""]
+             "request-to-engine assignment sent straight to fresh engines. Least fair share: the "
+             "fewest requests any engine got, over the mean of its equals (same role and speed); "
+             "1 is an even split, below 0.5 an engine starved.", ""]
     for mode in cfg["modes"]:
         rows = [r for r in report["summary"] if r["mode"] == mode]
         if not rows:
             continue
         lines += [f"## {mode}", "",
                   "| target | rate | path | SLO attain % | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p90 | "
-                  "hit rate % | follow-ups on predecessor's engine % | out tok/s | ok % | requests per engine |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "hit rate % | follow-ups on predecessor's engine % | out tok/s | ok % | requests per engine | "
+                  "least fair share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["rate"], r["target"], r["path"])):
             lines.append(
                 f"| {r['target']} | {r['rate']} | {r['path']} | {_fmt(r['slo_attainment'], 100, 1)} | "
@@ -573,7 +632,8 @@ def write_markdown(path: Path, report: dict) -> None:
                 f"{'-' if r['followup_same_engine'] is None else round(r['followup_same_engine'] * 100)} | "
                 f"{_fmt(r['output_tok_s'], spread=False)} | "
                 f"{r['ok_share'] * 100:.0f} | "
-                f"{' / '.join(f'{v:g}' for v in r['requests_per_engine'].values())} |")
+                f"{' / '.join(f'{v:g}' for v in r['requests_per_engine'].values())} | "
+                f"{'-' if r.get('min_fair_share') is None else r['min_fair_share']} |")
         lines.append("")
     skipped = [r for r in report["runs"] if r.get("skipped")]
     if skipped:
@@ -663,12 +723,22 @@ def write_plots(out_dir: Path, stem: str, report: dict, cdf_rate: float) -> list
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workload", default=None,
+                   help="replay a generated workload shape (bench/workloads.py: "
+                        "system_prompt, agent, longdoc, mixed) instead of the trace")
+    p.add_argument("--seed", type=int, default=0, help="seed of --workload")
+    p.add_argument("--engine-speeds", default="",
+                   help="per-engine speed factors in start order, e.g. 1,1,0.5 (default: all 1)")
+    p.add_argument("--slowdown", default="",
+                   help="ENGINE:AT:FACTOR: that engine runs FACTOR times slower from the fraction AT of "
+                        "the window on (e.g. 1:0.5:2)")
     p.add_argument("--trace", type=Path, default=None,
                    help="the Mooncake trace (default: shared/traces/ in or next to the repository root)")
     p.add_argument("--start", type=int, default=3500, help="first trace row")
     p.add_argument("--requests", type=int, default=150, help="rows replayed per run")
     p.add_argument("--rates", default="0.5,1,1.5,2", help="multipliers of --base-rate")
-    p.add_argument("--base-rate", type=float, default=0.25, help="multiplier of the trace's own arrival rate")
+    p.add_argument("--base-rate", type=float, default=None,
+                   help="multiplier of the trace's own arrival rate (default 0.25; 1 with --workload)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--modes", default="agg,pd", help="agg and/or pd")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="our control-plane policies, any names")
@@ -722,10 +792,21 @@ def main(argv=None) -> int:
     parser, args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    if args.base_rate is None:
+        args.base_rate = 1.0 if args.workload else 0.25
     try:
-        trace = resolve_trace(args.trace)
-    except TraceMissing as exc:
+        if args.slowdown:
+            parse_slowdown(args.slowdown)
+        engine_speeds(args, 0)
+    except ValueError as exc:
         parser.error(str(exc))
+    if args.workload:
+        trace = Path(f"workload:{args.workload}")
+    else:
+        try:
+            trace = resolve_trace(args.trace)
+        except TraceMissing as exc:
+            parser.error(str(exc))
     args.out = args.out.resolve()
     if args.keep_logs:
         args.keep_logs = args.keep_logs.resolve()
@@ -768,7 +849,13 @@ def code_from(git_ref: str | None):
 
 
 def _main(parser, args, trace: Path, code: dict) -> int:
-    rows = load_rows(trace, args.start, args.requests)
+    if args.workload:
+        try:
+            rows = generate_workload(args.workload, args.requests, args.seed)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        rows = load_rows(trace, args.start, args.requests)
     if len(rows) < 2:
         parser.error(f"need at least 2 rows from row {args.start} of {trace}")
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -854,7 +941,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
         "command": "python bench/slo_replay.py " + " ".join(shlex.quote(a) for a in args.argv),
         "elapsed_s": round(time.time() - started, 1),
         "code": code,
-        "config": {"trace_name": trace.name, "start": args.start, "requests": len(rows), "window_model_s": window_s,
+        "config": {"trace_name": trace.name, "workload": args.workload, "seed": args.seed,
+                   "engine_speeds": args.engine_speeds, "slowdown": args.slowdown, "start": args.start, "requests": len(rows), "window_model_s": window_s,
                    "rates": rates, "base_rate": args.base_rate, "repeats": args.repeats, "modes": modes,
                    "targets": [t.name for t in targets], "slo_ttft_ms": args.slo_ttft_ms,
                    "slo_tpot_ms": args.slo_tpot_ms, "max_output": args.max_output,

@@ -179,6 +179,8 @@ class Engine:
         self._task: asyncio.Task | None = None
         # Set if the loop crashed; /health then answers 503, like vLLM's EngineDeadError.
         self.dead = False
+        # Step times are multiplied by this (the ``slowdown`` fault of /sim/faults).
+        self.slowdown = 1.0
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -347,7 +349,7 @@ class Engine:
         ms = cfg.prefill_ms_per_token * plan.prefill_tokens
         if plan.decode:
             ms += cfg.decode_ms_per_step + cfg.decode_ms_per_seq * len(plan.decode)
-        return ms / 1000.0
+        return ms * self.slowdown / 1000.0
 
     def plan_step(self) -> StepPlan:
         """vLLM v1 order: running requests first (preempting from the tail when KV runs

@@ -21,13 +21,16 @@ class Faults:
     delay_remaining: int = 0
     omit_kv_remaining: int = 0
     compress_remaining: int = 0     # gzip JSON answers for clients that accept it
+    # Every engine step takes this many times its modelled time (a GPU that throttles, a
+    # noisy neighbour): the heterogeneous-fleet benchmarks slow one engine mid-run with it.
+    slowdown: float = 1.0
 
     def apply(self, spec: dict[str, Any]) -> None:
         """Arm faults from a /sim/faults body; ValueError on a malformed body."""
         if not isinstance(spec, dict):
             raise ValueError("fault spec must be a JSON object")
         known = {"clear", "healthy", "status", "message", "retry_after", "delay_s", "omit_kv_transfer_params",
-                 "compress", "count"}
+                 "compress", "count", "slowdown"}
         unknown = set(spec) - known
         if unknown:
             raise ValueError(f"unknown fault fields: {sorted(unknown)}")
@@ -58,6 +61,11 @@ class Faults:
             if not isinstance(delay, (int, float)) or isinstance(delay, bool) or delay < 0:
                 raise ValueError("delay_s must be a non-negative number")
             self.delay_s, self.delay_remaining = float(delay), count
+        if "slowdown" in spec:
+            factor = spec["slowdown"]
+            if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0.01 <= factor <= 100:
+                raise ValueError("slowdown must be a number from 0.01 to 100")
+            self.slowdown = float(factor)
         if spec.get("omit_kv_transfer_params"):
             self.omit_kv_remaining = count
         if spec.get("compress"):

@@ -173,6 +173,8 @@ async def set_faults(request: web.Request) -> web.Response:
         faults.apply(orjson.loads(await request.read()))
     except (orjson.JSONDecodeError, ValueError) as exc:
         return error_response(400, f"bad fault spec: {exc}")
+    for engine in request.app[SIM].engines:
+        engine.slowdown = faults.slowdown
     return json_response(faults.snapshot())
 
 
