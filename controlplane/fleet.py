@@ -170,6 +170,15 @@ class Fleet:
         """Some worker is known to serve ``model``, or one's model is not discovered yet."""
         return not model or self._models[model] > 0 or self._models[""] > 0
 
+    def knew_model(self, model: str) -> bool:
+        """Some worker served ``model`` since this replica started, even if none does now.
+
+        Placement tells "not served here" (404) from "no worker for it right now" (503,
+        retry): a model whose workers all went away for a while (a shared store that came
+        back empty, every engine restarting) is the second.
+        """
+        return model in self._models   # (a Counter keeps a model's key at 0)
+
     # ------------------------------------------------------------------ derived state
 
     def state(self, worker_id: str) -> HealthState:

@@ -35,6 +35,7 @@ _LEG_ROLES = {"prefill": (Role.PREFILL,), "decode": (Role.DECODE,)}
 _ROLE_SETS = {roles: frozenset(roles) for roles in ((Role.BOTH, Role.PREFILL), (Role.BOTH,), *_LEG_ROLES.values())}
 _NONE: frozenset[str] = frozenset()
 MAX_TOKENS = 1 << 40   # per request: far above any context, far below int64 sums of many requests
+NO_WORKER_RETRY_S = 1.0   # Retry-After for a known model with no worker at the moment
 PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
 ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 
@@ -340,7 +341,13 @@ class Placer:
     def _refusal(self, req: pb.PlaceRequest, leg: str, ctx: PlacementContext, roles: tuple[Role, ...],
                  dropped: dict[str, str], explanation: str) -> pb.Placement:
         if not self.fleet.serves_model(req.model):
-            return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here", explanation)
+            if not self.fleet.knew_model(req.model):
+                return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here", explanation)
+            # It was served here: its workers are away for now (503 and a retry, not 404).
+            refusal = self._error(req, pb.NO_HEALTHY_WORKER, f"no worker serves model {req.model!r} right now",
+                                  explanation)
+            refusal.retry_after_s = NO_WORKER_RETRY_S
+            return refusal
         reasons_by_id = self.profile.dropped_from(ctx, self._everyone(), dict(dropped))
         why = Counter(reasons_by_id.values())
         reasons = ", ".join(f"{n} {r}" for r, n in why.most_common()) or "no candidates"

@@ -5,7 +5,9 @@ what only a shared store has: atomicity under concurrent callers and two replica
 sweep of a dead replica's reservations, Redis going away and coming back, and a control
 plane placing through Redis. Assumption for the restart test: Redis persists writes
 (``appendonly yes``); without persistence a restart loses the specs and the ledger (the
-test on an ephemeral server checks only that the store works again).
+test on an ephemeral server checks that the store works again and that the loss shows
+as a new ``spec_epoch``; tests/test_redis_faults.py checks that replicas write their
+fleets back).
 """
 
 from __future__ import annotations
@@ -462,12 +464,17 @@ async def test_redis_without_persistence_comes_back_empty_and_usable():
     server = RedisServer().start()
     s = RedisStore(server.url, key_prefix=_prefix(), socket_timeout_s=0.5)
     try:
+        epoch = await s.spec_epoch()
+        assert await s.spec_epoch() == epoch                             # made once, then kept
         await s.reserve(_rec("r1"), (Charge("w", "aggregated", 10),))
         server.stop()
         with pytest.raises(StoreUnavailable):
             await s.get("r1")
         server.start()
         assert await s.get("r1") is None and await s.end("r1") is None   # state was lost with it
+        # ...and it can be told: a new epoch (SpecSync then writes its fleet back,
+        # tests/test_redis_faults.py)
+        assert await s.spec_epoch() != epoch
         await s.reserve(_rec("r2"), (Charge("w", "aggregated", 3),))
         assert (await s.loads(["w"]))["w"] == Load(1, 3, 0, 0)
     finally:

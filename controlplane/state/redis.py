@@ -10,6 +10,7 @@ by using different prefixes)::
     P spec              hash  worker id -> spec (orjson)            durable
     P spec:ver          int   bumped on every spec change
     P spec:changed      pub/sub channel: "put <id> <ver>" / "del <id> <ver>"
+    P epoch             str   made once per store's life: its loss means Redis lost its data
     P load:<worker>     hash  requests, tokens, prefill_tokens, prefills (integers >= 0)
     P rec:<request>     hash  one RequestRecord (fields as text; charges as JSON)
     P recs              set   every request id with a record
@@ -333,6 +334,16 @@ redis.call('PUBLISH', P .. 'spec:changed', 'put ' .. ARGV[2] .. ' ' .. ver)
 return ver
 """
 
+# ARGV: P, a new epoch. The store's epoch, set to the new one if it has none (a new or
+# emptied Redis).
+_SPEC_EPOCH = r"""
+local k = ARGV[1] .. 'epoch'
+local e = redis.call('GET', k)
+if e then return e end
+redis.call('SET', k, ARGV[2])
+return ARGV[2]
+"""
+
 # ARGV: P, replica, mode ('end' | 'orphan'), now (wall clock, for 'orphan')
 # Releases the records of a replica whose heartbeat expired; re-checked here, atomically.
 _SWEEP = _LUA_COMMON + r"""
@@ -491,6 +502,7 @@ class RedisStore:
         self._put_spec = r.register_script(_PUT_SPEC)
         self._remove_spec = r.register_script(_REMOVE_SPEC)
         self._sweep = r.register_script(_SWEEP)
+        self._spec_epoch = r.register_script(_SPEC_EPOCH)
         P = key_prefix
         self._k_spec, self._k_ver, self.spec_channel = P + "spec", P + "spec:ver", P + "spec:changed"
         self._k_load, self._k_rec, self._k_recs = P + "load:", P + "rec:", P + "recs"
@@ -605,6 +617,14 @@ class RedisStore:
         async with self.redis.pipeline(transaction=True) as pipe:
             ver, specs = await pipe.get(self._k_ver).hgetall(self._k_spec).execute()
         return int(ver or 0), [decode_spec(raw) for raw in specs.values()]
+
+    @_unavailable
+    async def spec_epoch(self) -> str:
+        """An id of this store's contents, made when the first replica reads it: a Redis that
+        restarted without its data (or was flushed) has none, and the next call makes a
+        new one. A replica that sees the epoch change knows the specs it read before were
+        lost, not removed (``SpecSync`` writes them back)."""
+        return str(await self._spec_epoch(args=[self.prefix, uuid.uuid4().hex]))
 
     async def watch_specs(self) -> AsyncIterator[SpecChange]:
         """Spec changes as they happen (Redis pub/sub), from any replica, this one included.

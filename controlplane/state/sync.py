@@ -6,7 +6,10 @@ registering there, a removal) must reach this replica's fleet too. :class:`SpecS
 it: a full read at start, then one read per change announced on the store's pub/sub
 channel, and a version poll every ``poll_interval_s`` in case a message was lost. When
 Redis goes away it keeps the fleet as it is (placement goes on from memory), and re-reads
-everything once Redis answers again.
+everything once Redis answers again. A Redis that comes back *without its data* (no
+persistence, a new pod, a flush) is told apart by the store's epoch
+(``RedisStore.spec_epoch``): the specs were lost, not removed, so this replica writes its
+last view back (``_restore``) rather than empty its fleet.
 
 Wiring (one per replica, after the config workers were added)::
 
@@ -56,10 +59,17 @@ class SpecSync:
         self.retry_s = retry_s
         self.version = -1           # the store's spec version this fleet reflects; -1: never read
         self.refreshes = 0
+        self.epoch = ""             # the store's epoch when last read ("" never): see refresh()
+        self.restores = 0           # times the store came back empty and the fleet was written back
         self.connected = False      # for /health and /metrics: False while the store is away
 
     async def refresh(self) -> tuple[list[str], list[str]]:
         """Read every spec and make the fleet match; returns (added or changed ids, removed ids)."""
+        if hasattr(self.store, "spec_epoch"):
+            epoch = await self.store.spec_epoch()
+            if self.epoch and epoch != self.epoch:
+                await self._restore()
+            self.epoch = epoch   # (only once restored: a restore cut short is tried again)
         if hasattr(self.store, "specs_versioned"):
             version, specs = await self.store.specs_versioned()
         else:
@@ -90,6 +100,21 @@ class SpecSync:
             log.info("specs from the store (version %d): %d added or changed, %d removed",
                      version, len(changed), len(removed))
         return changed, removed
+
+    async def _restore(self) -> None:
+        """The store lost its data (a Redis without persistence restarted, or was flushed):
+        every worker vanished from it at once, which no operator did. Write back this
+        replica's last view (its config's workers, and the added and registered ones it
+        knew, with their weights and drain flags) instead of emptying the fleet. Every
+        replica does so, so the store gets the union of their views; a registered engine
+        that was gone meanwhile expires as usual, and one that registered only on a replica
+        that died re-registers when its heartbeat is answered "unknown"."""
+        specs = self.fleet.specs()
+        for spec in specs:
+            await self.store.put_spec(spec)
+        self.restores += 1
+        log.warning("spec sync: the store came back without its data (restarted empty?): "
+                    "wrote back the %d workers this replica knew", len(specs))
 
     @staticmethod
     async def _call(hook, arg) -> None:
