@@ -41,7 +41,11 @@ class WorkerRegistry:
     async def add(self, *, url: str, role: Role, model: str = "", weight: float = 1.0,
                   worker_id: str = "", labels: dict[str, str] | None = None, bootstrap_port: int = 0,
                   source: str = "config", heartbeat_ttl_s: float = 0.0, kv_events: str = "",
-                  kv_replay: str = "", dp_size: int = 1) -> WorkerSpec:
+                  kv_replay: str = "", dp_size: int = 1, owner: str | None = None,
+                  owner_key: str | None = None) -> WorkerSpec:
+        """Add a worker or overwrite the one with its id. Callers check who may do that first
+        (AdminService.AddWorker: ``replace``; RegistryService: controlplane/ownership.py).
+        ``owner`` / ``owner_key`` None: the existing worker's are kept."""
         url = normalize_url(url)
         worker_id = worker_id or worker_id_for(url, role)
         existing = self.fleet.get(worker_id)
@@ -49,7 +53,9 @@ class WorkerRegistry:
                           weight=weight, draining=existing.draining if existing else False,
                           source=existing.source if existing else source, bootstrap_port=bootstrap_port,
                           labels=dict(labels or {}), kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size,
-                          heartbeat_ttl_s=heartbeat_ttl_s)
+                          heartbeat_ttl_s=heartbeat_ttl_s,
+                          owner=owner if owner is not None else (existing.owner if existing else ""),
+                          owner_key=owner_key if owner_key is not None else (existing.owner_key if existing else ""))
         await self._put(spec)
         self.fleet.beat(worker_id, time.monotonic())
         if existing is None:

@@ -10,7 +10,7 @@ import uuid
 
 import grpc
 
-from controlplane import auth, validate
+from controlplane import auth, ownership, validate
 from controlplane import registry as _registry
 from controlplane.lifecycle import Lifecycle
 from controlplane.placement import ROLE_TO_PB, Placer
@@ -309,13 +309,22 @@ def hashing_mismatch(facts: pb.EngineFacts, kv: pb.KVHashConfig | None) -> str:
 
 
 class RegistryService(pb_grpc.RegistryServicer):
+    """Engine plugins' calls. Each may touch only the worker id its registration owns
+    (controlplane/ownership.py); configured and operators' workers are refused."""
+
     def __init__(self, registry: WorkerRegistry, kv_hash: pb.KVHashConfig | None = None) -> None:
         self.registry = registry
         self.kv_hash = kv_hash           # the control plane's [kv_cache], to check engine plugins against
+        self._registering = asyncio.Lock()   # an ownership check and its write, together
+
+    async def _refuse(self, context, refusal: ownership.Refusal, what: str) -> None:
+        log.warning("registry: %s refused (%s), by %s", what, refusal.code.name, auth.caller(context))
+        await context.abort(refusal.code, refusal.message)
 
     async def Register(self, request, context):
         try:
             spec = _spec_from_register(request)
+            key = ownership.check_key(request.owner_key) or ownership.new_key()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.HasField("engine"):
@@ -328,15 +337,35 @@ class RegistryService(pb_grpc.RegistryServicer):
             spec["labels"].update({f"engine.{k}": str(v).lower() if isinstance(v, bool) else str(v)
                                    for k, v in facts.items()})
         spec["heartbeat_ttl_s"] = spec["heartbeat_ttl_s"] or self.registry.heartbeat_ttl_s
-        worker = await self.registry.add(**spec, source="registry")
-        return pb.RegisterResponse(worker_id=worker.id, heartbeat_interval_s=self.registry.heartbeat_interval_s)
+        wid = spec["worker_id"] or _registry.worker_id_for(normalize_url(spec["url"]), spec["role"])
+        who = auth.principal.get()
+        async with self._registering:
+            refusal = ownership.may_register(self.registry.fleet.get(wid), key, who, normalize_url(spec["url"]))
+            if refusal is not None:
+                await self._refuse(context, refusal, f"registration of {wid} ({spec['url']})")
+            spec["worker_id"] = wid
+            worker = await self.registry.add(**spec, source=ownership.REGISTRY_SOURCE, owner=who,
+                                             owner_key=ownership.key_hash(key))
+        return pb.RegisterResponse(worker_id=worker.id, heartbeat_interval_s=self.registry.heartbeat_interval_s,
+                                   owner_key=key)
 
     async def Heartbeat(self, request, context):
+        spec = self.registry.fleet.get(request.worker_id)
+        if spec is None:
+            return pb.HeartbeatResponse(known=False)
+        refusal = ownership.may_change(spec, request.owner_key, auth.principal.get(), "a heartbeat")
+        if refusal is not None:
+            await self._refuse(context, refusal, f"heartbeat for {spec.id}")
         known = self.registry.heartbeat(request.worker_id, request.running, request.waiting)
         return pb.HeartbeatResponse(known=known)
 
     async def Deregister(self, request, context):
-        await self.registry.remove(request.worker_id)
+        spec = self.registry.fleet.get(request.worker_id)
+        if spec is not None:
+            refusal = ownership.may_change(spec, request.owner_key, auth.principal.get(), "deregistration")
+            if refusal is not None:
+                await self._refuse(context, refusal, f"deregistration of {spec.id}")
+            await self.registry.remove(request.worker_id)
         return pb.Ack()
 
 

@@ -54,6 +54,11 @@ class WorkerSpec:
     kv_replay: str = ""
     dp_size: int = 1
     heartbeat_ttl_s: float = 0.0      # 0: never expires (static workers)
+    # Registered workers (source registry) only, see controlplane/ownership.py: the name of
+    # the token that registered it ("" when the registry is open) and the SHA-256 of the
+    # registration's owner key. Registry calls for this id must bring both.
+    owner: str = ""
+    owner_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.labels, MappingProxyType):

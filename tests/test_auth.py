@@ -92,9 +92,10 @@ async def test_registry_needs_its_token(secured_cp):
                 await call(r, timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "plugged" not in secured_cp.fleet and "w" in secured_cp.fleet
-        for token in (REGISTRY, ADMIN):   # admin tokens are valid everywhere
+        for token, wid in ((REGISTRY, "plugged"), (ADMIN, "plugged-by-ops")):   # admin tokens are valid everywhere
+            req.worker_id = wid      # one id per token: a registration belongs to its token
             resp = await reg.Register(req, timeout=5, metadata=(("authorization", f"Bearer {token}"),))
-            assert resp.worker_id == "plugged"
+            assert resp.worker_id == wid
         # the data planes' Scheduler stays open without dataplane_tokens
         models = await pb_grpc.SchedulerStub(ch).ListModels(pb.ListModelsRequest(), timeout=5)
         assert models is not None

@@ -456,3 +456,42 @@ async def test_refused_by_one_address_registers_with_the_next(engine, caplog):
         await stop_agent(agent)
         await bad.stop()
         await good.stop()
+
+
+async def test_a_second_engine_cannot_take_a_registered_id_until_the_first_lets_go(engine, caplog):
+    """Two engines started with the same OMNI_WORKER_ID: the second is refused (ALREADY_EXISTS,
+    retried with backoff) while the first holds the id, and registers once it deregisters."""
+    caplog.set_level(logging.WARNING, logger="vllm.omni_proxy")
+    plane = await start_cp()
+    address = f"127.0.0.1:{plane.grpc_port}"
+    first = Agent(Settings(controlplanes=[address], worker_id="same"), facts_for(engine)).start()
+    second = None
+    try:
+        async def first_registered():
+            return first.registrations == 1
+        await wait_until(first_registered, what="the first engine registered")
+        url = plane.fleet.get("same").url
+        second = Agent(Settings(controlplanes=[address], worker_id="same", advertise_url="http://127.0.0.1:9"),
+                       facts_for(engine))
+        second.BACKOFF_MAX_S = 0.5
+        second.start()
+
+        async def second_refused():
+            return "ALREADY_EXISTS" in second.last_error
+        await wait_until(second_refused, what="the second engine refused")
+        assert second.registrations == 0 and plane.fleet.get("same").url == url
+        heartbeats = first.heartbeats
+
+        async def first_still_beating():
+            return first.heartbeats >= heartbeats + 2
+        await wait_until(first_still_beating, what="the owner's heartbeats accepted")
+        assert await stop_agent(first)
+
+        async def second_registered():
+            return second.registrations == 1 and plane.fleet.get("same").url == "http://127.0.0.1:9"
+        await wait_until(second_registered, what="the second engine registered once the id was free")
+    finally:
+        await stop_agent(first)
+        if second is not None:
+            await stop_agent(second)
+        await plane.stop()

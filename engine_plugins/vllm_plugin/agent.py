@@ -11,8 +11,16 @@ that fails goes to the next control plane next time (registering there only if i
 known=false). ``stop()`` deregisters
 (bounded by a deadline) and ends the thread.
 
-A registration refused with INVALID_ARGUMENT or FAILED_PRECONDITION (for example block size
-or hash algorithm that cannot match the control plane's ``[kv_cache]``) is logged as one
+The worker id belongs to this agent's first registration: the agent makes an owner key once
+(``secrets``), sends it with every Register, Heartbeat and Deregister, and so registers its
+own id again after a control-plane restart. Another engine registering the same id (or a
+configured worker's) is refused by the control plane (controlplane/ownership.py): a
+registration refused with ALREADY_EXISTS (the id is still held by an earlier registration,
+until its heartbeats expire) is retried with backoff; a heartbeat refused with
+PERMISSION_DENIED (the id now belongs to someone else) registers again.
+
+A registration refused with INVALID_ARGUMENT, FAILED_PRECONDITION or PERMISSION_DENIED (for
+example block size or hash algorithm that cannot match the control plane's ``[kv_cache]``) is logged as one
 ERROR line with the control plane's message. The next address is tried at once; once all
 have refused, all are tried again every ``refused_retry_s`` (60 s), in case a control
 plane's configuration changes.
@@ -24,6 +32,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import socket
 import threading
 import time
@@ -233,6 +242,9 @@ class Agent:
         self.settings = settings
         self.facts = facts
         self.request = build_request(settings, facts)
+        # Proves to the control plane that the worker id is ours (controlplane/ownership.py).
+        self.owner_key = secrets.token_urlsafe(24)
+        self.request.owner_key = self.owner_key
         self.refused_retry_s = refused_retry_s
         self.read_load = load_reader
         self.worker_id = ""
@@ -274,7 +286,8 @@ class Agent:
             try:
                 if self.worker_id and self._stub is not None:
                     try:
-                        self._stub.Deregister(pb.DeregisterRequest(worker_id=self.worker_id),
+                        self._stub.Deregister(pb.DeregisterRequest(worker_id=self.worker_id,
+                                                                   owner_key=self.owner_key),
                                               timeout=timeout, metadata=self._metadata)
                         ok = True
                         log.info("omni-proxy: deregistered worker %s from %s", self.worker_id, self._address)
@@ -362,7 +375,8 @@ class Agent:
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 self.last_error = _describe(exc)
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.PERMISSION_DENIED):
                     n = len(self.settings.controlplanes)
                     if self.refused != self.last_error:
                         log.error("omni-proxy: control plane %s REFUSED this engine (%s): %s; not registered%s",
@@ -380,6 +394,8 @@ class Agent:
                 self._next_cp()
                 return "backoff"
             self.worker_id = resp.worker_id
+            if resp.owner_key and resp.owner_key != self.owner_key:   # an older control plane sends none
+                self.owner_key = self.request.owner_key = resp.owner_key
             self.interval_s = resp.heartbeat_interval_s if resp.heartbeat_interval_s > 0 else 2.0
             self.registrations += 1
             self.refused = ""
@@ -397,9 +413,15 @@ class Agent:
                 return
             try:
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, running=running,
-                                                                waiting=waiting),
+                                                                waiting=waiting, owner_key=self.owner_key),
                                             timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
+                if getattr(exc, "code", lambda: None)() == grpc.StatusCode.PERMISSION_DENIED:
+                    # The id is no longer ours (an operator removed it and another engine took it).
+                    log.warning("omni-proxy: control plane %s refused our heartbeat for %s: %s; registering again",
+                                self._address, self.worker_id, exc.details())
+                    self.worker_id = ""
+                    return
                 # Keep the registration: the next heartbeat goes to the next address (replicas
                 # share the fleet) and registers again only if that one answers known=false.
                 self.last_error = _describe(exc)
