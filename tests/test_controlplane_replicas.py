@@ -20,7 +20,8 @@ from tests.redis_fixtures import redis_persistent, redis_server  # noqa: F401 (f
 
 
 def _config(sim, redis, prefix: str) -> ControlPlaneConfig:
-    return ControlPlaneConfig(listen="127.0.0.1:0", workers=[WorkerConfig(url=sim.url, role=Role.BOTH, id="w")],
+    return ControlPlaneConfig(listen="127.0.0.1:0", http_port=0,
+                              workers=[WorkerConfig(url=sim.url, role=Role.BOTH, id="w")],
                               state=StateConfig(backend="redis", redis_url=redis.url, key_prefix=prefix))
 
 
