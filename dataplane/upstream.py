@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dataplane.auth import client_authorization
 from dataplane.errors import APIError
 from engine_api.answers import upstream_message
-from engine_api.client import EngineClient, EngineClientError, EngineResponse
+from engine_api.client import EngineClient, EngineClientError, EngineConnectError, EngineResponse
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,9 @@ class UpstreamConfig:
     prefill_timeout_s: float = 300.0
     engine_api_key: str = ""
     pool_size: int = 0            # 0 = unlimited connections per engine
+    # Idle engine connections are closed after this: below uvicorn's 5 s keep-alive (vLLM,
+    # SGLang), so the engine rarely closes one just as a request goes out on it.
+    keepalive_s: float = 4.0
     forward_client_auth: bool = False   # send the client's Authorization instead of engine_api_key
 
 
@@ -76,7 +79,7 @@ class Upstream:
             headers.append(("Authorization", f"Bearer {self.config.engine_api_key}"))
         self._client = EngineClient(connect_timeout_s=self.config.connect_timeout_s,
                                     read_timeout_s=self.config.read_timeout_s, pool_size=self.config.pool_size,
-                                    keepalive_s=60.0, default_headers=headers)
+                                    keepalive_s=self.config.keepalive_s, default_headers=headers)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -113,9 +116,17 @@ class Upstream:
         except asyncio.TimeoutError:
             log.warning("worker %s (%s) timed out", worker_id, url)
             raise _timed_out(worker_id, url) from None
-        except (EngineClientError, OSError) as exc:
+        except (EngineConnectError, OSError) as exc:
             err = UpstreamError(worker_id, f"cannot reach worker {worker_id} ({url}): "
                                 f"{type(exc).__name__} {exc}".strip(), 0)
+            log.warning("%s", err.message)
+            raise err from None
+        except EngineClientError as exc:
+            # The engine was reached and took the request, then closed or answered garbage:
+            # a failed leg (retried elsewhere, counted by the breaker), not proof that the
+            # engine is unreachable, which would take it out of rotation at once.
+            err = UpstreamError(worker_id, f"worker {worker_id} ({url}) failed the request: "
+                                f"{type(exc).__name__} {exc}".strip(), 502)
             log.warning("%s", err.message)
             raise err from None
         if resp.status == 200:
@@ -149,8 +160,9 @@ async def read_body(worker_id: str, resp: EngineResponse) -> bytes:
         raise _timed_out(worker_id, resp.url) from None
     except EngineClientError as exc:
         resp.close()
+        # 502, not 0: it answered, so it is reachable (see relay_stream).
         err = UpstreamError(worker_id, f"worker {worker_id} broke off its answer: "
-                            f"{type(exc).__name__} {exc}".strip(), 0)
+                            f"{type(exc).__name__} {exc}".strip(), 502)
         log.warning("%s", err.message)
         raise err from None
     except BaseException:

@@ -17,14 +17,26 @@ What the callers rely on:
   ``read_timeout_s`` for the longest silence of an engine we are waiting for (paused
   reading is our doing, not the engine's, and does not count), and an optional
   ``total_timeout_s`` for a whole leg, answer read included.
-* A request that fails on a reused pooled connection before any byte of an answer came
-  (the engine closed an idle keep-alive connection as we sent) is retried once on a new
-  connection; a POST the engine never answered was not processed.
+* A POST is sent again (once, on a new connection) only where the engine cannot have
+  read it, never merely because no answer came: a generation the engine ran and then
+  dropped would run twice. As httpcore and urllib3 do, a pooled connection is checked
+  before reuse (readable while idle = the engine closed it, or sent what it should not:
+  it is dropped); and a reused connection the engine *reset* before any answer byte
+  still had our request unread in its socket (a close with unread data is a reset;
+  a close after reading the request is a plain FIN). Any other end before the answer
+  fails the request (``EngineDisconnected``): the caller's retry policy decides, with
+  the client's deadline. Pooled connections are also let go before an engine's usual
+  idle timeout (``keepalive_s``), so the engine rarely closes one under us at all.
+* Interim answers (``100 Continue``, ``103 Early Hints``) are skipped (RFC 9110 15.2).
+  An answer head over ``MAX_HEAD_BYTES``, a header field over ``MAX_FIELD_BYTES``, more
+  than ``MAX_HEADERS`` fields, a status outside 200-599 (or 101) is malformed:
+  ``EngineProtocolError``, like any answer llhttp cannot parse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import ssl
 from collections import deque
@@ -37,6 +49,10 @@ from multidict import CIMultiDict
 BUFFER_HIGH = 256 * 1024    # unread body bytes past which we stop reading the engine's socket
 _URL_CACHE_MAX = 4096       # distinct URLs remembered (workers x paths); cleared past this
 _NO_BODY = (204, 304)
+MAX_HEAD_BYTES = 64 * 1024  # a whole answer head (status line and fields)
+MAX_FIELD_BYTES = 8190      # one header field, name and value (aiohttp's limit)
+MAX_HEADERS = 100           # header fields in one answer head
+_RESETS = (ConnectionResetError, BrokenPipeError)
 
 
 class EngineClientError(Exception):
@@ -204,15 +220,16 @@ class EngineResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one request at a time (no pipelining)."""
 
-    __slots__ = ("client", "host", "loop", "transport", "_parser", "_resp", "_head", "_reason", "_read_timer",
-                 "_total_timer", "_last_rx", "got_bytes", "complete", "keep_alive", "lost", "paused", "reused",
-                 "idle_since")
+    __slots__ = ("client", "host", "loop", "transport", "fd", "_parser", "_resp", "_head", "_reason", "_read_timer",
+                 "_total_timer", "_last_rx", "_head_bytes", "_interim", "got_bytes", "complete",
+                 "keep_alive", "lost", "paused", "reused", "reset_unread", "idle_since")
 
     def __init__(self, client: EngineClient, host: _Host) -> None:
         self.client = client
         self.host = host
         self.loop = client._loop
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
         self._parser = httptools.HttpResponseParser(self)
         self._resp: EngineResponse | None = None
         self._head: asyncio.Future | None = None
@@ -220,12 +237,15 @@ class _Connection(asyncio.Protocol):
         self._read_timer: asyncio.TimerHandle | None = None
         self._total_timer: asyncio.TimerHandle | None = None
         self._last_rx = 0.0
+        self._head_bytes = 0      # bytes received before the final head ended (interim heads included)
+        self._interim = False     # the answer being parsed is a 1xx interim one
         self.got_bytes = False    # any byte of the current answer arrived
         self.complete = False     # the current answer was parsed to its end
         self.keep_alive = False
         self.lost = False
         self.paused = False
         self.reused = False
+        self.reset_unread = False   # the engine reset the connection with no answer byte sent
         self.idle_since = 0.0
 
     # ---- asyncio.Protocol
@@ -235,6 +255,7 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.fd = sock.fileno()
         self.client._conns.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -242,10 +263,22 @@ class _Connection(asyncio.Protocol):
         if self._resp is None:   # an idle connection has nothing to say: treat it as broken
             self.drop()
             return
+        resp = self._resp
+        in_head = resp.status == 0   # no final head yet (interim ones count against the limit too)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(EngineProtocolError(f"malformed answer from {self._resp.url}: {exc}"))
+            cause = exc.__context__       # what one of our callbacks raised
+            if isinstance(cause, EngineProtocolError):
+                self._fail(cause)
+            else:
+                self._fail(EngineProtocolError(f"malformed answer from {resp.url}: {exc}"))
+            return
+        if in_head:
+            self._head_bytes += len(data)
+            if resp.status == 0 and self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(EngineProtocolError(f"malformed answer from {resp.url}: "
+                                               f"its head is over {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -257,6 +290,7 @@ class _Connection(asyncio.Protocol):
         if resp.status and resp._reads_until_eof():
             self.on_message_complete()
             return
+        self.reset_unread = not self.got_bytes and isinstance(exc, _RESETS)
         reason = f": {exc}" if exc else ""
         self._fail(EngineDisconnected(f"{resp.url} closed the connection before the answer was complete{reason}"))
 
@@ -271,13 +305,27 @@ class _Connection(asyncio.Protocol):
         self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._resp._raw_headers.append((name, value))
+        headers = self._resp._raw_headers
+        if len(name) + len(value) > MAX_FIELD_BYTES:
+            raise EngineProtocolError(f"malformed answer from {self._resp.url}: "
+                                      f"a header field is over {MAX_FIELD_BYTES} bytes")
+        if len(headers) >= MAX_HEADERS:
+            raise EngineProtocolError(f"malformed answer from {self._resp.url}: "
+                                      f"more than {MAX_HEADERS} header fields")
+        headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         resp = self._resp
-        resp.status = self._parser.get_status_code()
-        resp.reason = self._reason.decode("latin-1")
-        self._reason = b""
+        status = self._parser.get_status_code()
+        reason, self._reason = self._reason, b""
+        if status < 200 or status > 599:
+            if 100 <= status < 200 and status != 101:   # interim: the real answer follows
+                self._interim = True
+                resp._raw_headers.clear()
+                return
+            raise EngineProtocolError(f"malformed answer from {resp.url}: status {status}")
+        resp.status = status
+        resp.reason = reason.decode("latin-1")
         head = self._head
         if head is not None and not head.done():
             head.set_result(None)
@@ -286,6 +334,9 @@ class _Connection(asyncio.Protocol):
         self._resp._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self.keep_alive = not self.lost and self._parser.should_keep_alive()
         if self._total_timer is not None:
@@ -299,7 +350,8 @@ class _Connection(asyncio.Protocol):
         """Send ``data`` and return once the answer's head arrived."""
         self._resp = resp
         resp._conn = self
-        self.got_bytes = self.complete = False
+        self.got_bytes = self.complete = self._interim = False
+        self._head_bytes = 0
         self._head = head = self.loop.create_future()
         self._last_rx = self.loop.time()
         if self._read_timer is None:   # kept armed across the connection's requests (one per read timeout)
@@ -383,6 +435,17 @@ def _encode_headers(headers: Mapping[str, str] | list[tuple[str, str]] | tuple[t
     return text.encode("utf-8", "surrogateescape")
 
 
+def _readable(fd: int) -> bool:
+    """An idle connection with something to read: the engine closed it (EOF) or broke the
+    protocol; either way it cannot carry a request. The event loop would see it only at
+    its next poll, after we had written a request into it."""
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class EngineClient:
     """Pooled keep-alive HTTP/1.1 POSTs to engines (``pool_size`` 0: no limit per host)."""
 
@@ -419,9 +482,9 @@ class EngineClient:
             await conn.request(resp, data, None if deadline is None else deadline - self._loop.time())
             return resp
         except EngineDisconnected:
-            if not conn.reused or conn.got_bytes:
-                raise
-        # The engine closed this idle connection as we sent: nothing was processed.
+            if not (conn.reused and conn.reset_unread):
+                raise   # the engine may have read it (and run it): not ours to send again
+        # The engine closed this idle connection with our request unread in it: nothing ran.
         conn = await self._acquire(target.host, deadline, fresh=True)
         resp = EngineResponse(target.url)
         await conn.request(resp, data, None if deadline is None else deadline - self._loop.time())
@@ -486,7 +549,8 @@ class EngineClient:
         now = self._loop.time()
         while host.idle:
             conn = host.idle.pop()
-            if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < self.keepalive_s:
+            if (not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < self.keepalive_s
+                    and not _readable(conn.fd)):
                 conn.reused = True
                 return conn
             conn.drop()

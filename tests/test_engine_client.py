@@ -8,9 +8,12 @@ closing an idle keep-alive connection just as the next request comes."""
 from __future__ import annotations
 
 import asyncio
+import select
 import shutil
+import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -358,18 +361,188 @@ def test_early_close_drops_the_connection(run):
     run(case)
 
 
-def test_stale_pooled_connection_is_retried_on_a_new_one(run):
+class ThreadEngine:
+    """An engine on blocking sockets in a thread, one script per connection: it decides
+    byte for byte when to read, answer, half-close or close, independently of the client's
+    event loop (which the asyncio servers above share)."""
+
+    def __init__(self, scripts: list[Callable[[socket.socket, ThreadEngine], None]]) -> None:
+        self.scripts = scripts
+        self.read: list[tuple[int, bytes]] = []    # (connection, body) of every request it read
+        self.errors: list[BaseException] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._accepter = threading.Thread(target=self._accept, daemon=True)
+        self._accepter.start()
+
+    def _accept(self) -> None:
+        for n, script in enumerate(self.scripts):
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._run, args=(script, sock), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _run(self, script, sock: socket.socket) -> None:
+        try:
+            script(sock, self)
+        except BaseException as exc:   # noqa: BLE001 - reported by close()
+            self.errors.append(exc)
+        finally:
+            sock.close()
+
+    def read_request(self, sock: socket.socket, conn: int) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = sock.recv(65536)
+            if not more:
+                return b""
+            data += more
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(v for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n"))
+                          if k.strip().lower() == b"content-length"))
+        while len(body) < length:
+            body += sock.recv(65536)
+        self.read.append((conn, body))
+        return head
+
+    def close(self) -> None:
+        self._listener.close()
+        for t in self._threads:
+            t.join(5)
+        assert not self.errors, self.errors
+
+
+def _wait_readable(fd: int) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(5000), "the engine's close never reached the client"
+
+
+def test_pooled_connection_the_engine_closed_is_not_used(run):
+    """The engine half-closes a kept connection while it is idle (FIN) but would still read
+    from it: a request written into it would run and never be answered. The client checks
+    a pooled connection before reuse, so the request goes out on a new one."""
+
     async def case(make):
-        async def closes_idle(req, reader, writer) -> bool:
+        half_closed = threading.Event()
+
+        def first(sock, engine):
+            engine.read_request(sock, 0)
+            sock.sendall(answer(b"one"))
+            sock.shutdown(socket.SHUT_WR)
+            half_closed.set()
+            if engine.read_request(sock, 0):   # a request sent into the stale connection
+                return
+
+        def second(sock, engine):
+            engine.read_request(sock, 1)
+            sock.sendall(answer(b"two"))
+
+        engine = ThreadEngine([first, second])
+        client = EngineClient(connect_timeout_s=5.0, read_timeout_s=10.0)
+        try:
+            assert await (await client.post(engine.url + "/", b"a")).read() == b"one"
+            assert half_closed.wait(5)
+            (host,) = client._hosts.values()
+            _wait_readable(host.idle[0].fd)   # the FIN is there; the event loop has not run since
+            assert await (await client.post(engine.url + "/", b"bb")).read() == b"two"
+        finally:
+            client.close()
+            engine.close()
+        assert engine.read == [(0, b"a"), (1, b"bb")]
+
+    run(case)
+
+
+def test_request_the_engine_reset_unread_is_sent_again(run):
+    """The engine closes a kept connection with our request unread in its socket (its kernel
+    answers with a reset): it cannot have run it, so it goes out once more on a new one."""
+
+    async def case(make):
+        def first(sock, engine):
+            engine.read_request(sock, 0)
+            sock.sendall(answer(b"one"))
+            _wait_readable(sock.fileno())    # the next request arrived: close without reading it
+
+        def second(sock, engine):
+            engine.read_request(sock, 1)
+            sock.sendall(answer(b"two"))
+
+        engine = ThreadEngine([first, second])
+        client = EngineClient(connect_timeout_s=5.0, read_timeout_s=10.0)
+        try:
+            assert await (await client.post(engine.url + "/", b"a")).read() == b"one"
+            assert await (await client.post(engine.url + "/", b"bb")).read() == b"two"
+        finally:
+            client.close()
+            engine.close()
+        assert engine.read == [(0, b"a"), (1, b"bb")]
+
+    run(case)
+
+
+def test_request_the_engine_read_and_dropped_is_not_sent_again(run):
+    """Issue 21 #4: an engine reads a request on a reused connection, works 1 s and closes
+    without answering. It may have generated: the request must reach it once, and the
+    failure goes to the caller (whose retry policy picks another worker)."""
+
+    async def case(make):
+        async def works_then_closes(req, reader, writer) -> bool:
             if req.nth == 1:
-                return False   # the engine closed the kept connection as the request came: no answer
+                await asyncio.sleep(1.0)     # the engine's work
+                return False                 # ... then it closes, no answer
             return await sized(req, reader, writer)
 
-        server, url, client = await make(closes_idle)
-        assert await (await client.post(url + "/", b"a")).read() == b'{"echo": 1}'
-        assert await (await client.post(url + "/", b"bb")).read() == b'{"echo": 2}'
-        assert server.connections == 2
-        assert [(r.conn, r.nth, r.body) for r in server.requests] == [(0, 0, b"a"), (0, 1, b"bb"), (1, 0, b"bb")]
+        server, url, client = await make(works_then_closes)
+        assert await (await client.post(url + "/", b"a", [("X-Request-Id", "r-1")])).read() == b'{"echo": 1}'
+        with pytest.raises(EngineDisconnected):
+            await client.post(url + "/", b"bb", [("X-Request-Id", "r-2")])
+        ids = [r.headers["x-request-id"] for r in server.requests]
+        assert ids == ["r-1", "r-2"], ids
+
+    run(case)
+
+
+def test_interim_answers_are_skipped(run):
+    async def case(make):
+        interim = (b"HTTP/1.1 100 Continue\r\n\r\n"
+                   b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n")
+        server, url, client = await make(replies(interim + answer(b"real", extra="X-Final: 1\r\n")))
+        for _ in range(2):   # and the connection stays good for the next request
+            resp = await client.post(url + "/", b"{}")
+            assert (resp.status, resp.headers.get("X-Final"), resp.headers.get("Link")) == (200, "1", None)
+            assert await resp.read() == b"real"
+        assert server.connections == 1
+
+    run(case)
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (2 * 1024 * 1024) + b"\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n" + b"X-H: v\r\n" * 200_000 + b"Content-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n" + b"X-H: v\r\n" * (client_mod.MAX_HEADERS + 1) + b"Content-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * client_mod.MAX_FIELD_BYTES + b"\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" * 5000,
+], ids=["2MiB-field", "200k-fields", "101-fields", "8191-byte-field", "endless-interim"])
+def test_oversized_answer_heads_are_malformed(run, head):
+    async def case(make):
+        server, url, client = await make(replies(head))
+        with pytest.raises(EngineProtocolError):
+            await client.post(url + "/", b"")
+
+    run(case)
+
+
+@pytest.mark.parametrize("status", [101, 600, 999])
+def test_status_out_of_range_is_malformed(run, status):
+    async def case(make):
+        server, url, client = await make(replies(answer(b"x", status=f"{status} Odd")))
+        with pytest.raises(EngineProtocolError, match=f"status {status}"):
+            await client.post(url + "/", b"")
 
     run(case)
 
