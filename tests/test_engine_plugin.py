@@ -70,6 +70,7 @@ def facts_for(engine: StandInEngine, **kw) -> EngineFacts:
 
 
 async def start_cp(port: int = 0, **config) -> ControlPlane:
+    config.setdefault("http_port", 0)    # several at once: not the fixed default port
     plane = ControlPlane(ControlPlaneConfig(listen=f"127.0.0.1:{port}", heartbeat_interval_s=0.2,
                                             heartbeat_ttl_s=5.0, **config))
     await plane.start()

@@ -38,7 +38,7 @@ def md(token: str):
 
 @pytest.fixture
 async def plane(sim_both):
-    config = ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_ttl_s=30.0,
+    config = ControlPlaneConfig(listen="127.0.0.1:0", http_port=0, heartbeat_ttl_s=30.0,
                                 workers=[WorkerConfig(url=sim_both.url, role=Role.BOTH, id="w"),
                                          WorkerConfig(url="http://127.0.0.1:7", role=Role.BOTH)],
                                 auth=AuthConfig(admin_tokens={"ops": ADMIN},
@@ -148,7 +148,7 @@ async def test_ownership_is_shared_by_replicas_through_redis(redis_server):  # n
     planes, prefix = [], f"own-{uuid.uuid4().hex[:8]}:"
     try:
         for _ in range(2):
-            cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_ttl_s=30.0,
+            cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", http_port=0, heartbeat_ttl_s=30.0,
                                                  state=StateConfig(backend="redis", redis_url=redis_server.url,
                                                                    key_prefix=prefix)))
             await cp.start()
