@@ -25,6 +25,14 @@ What a connection does:
   OpenAI-style JSON error naming what was wrong but never repeating what the client sent.
 * A client that goes away cancels its request's handler task: the flows rely on
   ``CancelledError`` to close their engine legs (the engines abort) and report it.
+* A client that half-closes after complete requests (``nc -N``, some L4 balancers) is
+  still answered, in order, then the connection closes. TCP cannot tell that from a
+  client that closed for good, so an answer still pending after ``PROBE_AFTER_S`` is
+  preceded by an interim ``100 Continue`` (which RFC 9110 clients must skip): a gone
+  client's kernel answers it with a reset, which we then see and cancel the handler.
+* A malformed request after pipelined ones is answered (400) after their answers.
+* ``Transfer-Encoding`` other than a single ``chunked`` is refused (400): llhttp takes
+  ``identity, chunked`` as chunked, which a proxy in front may read otherwise.
 * A response's head and body leave in one write; a stream's head leaves with its first
   chunk. Closing after an answer while the client may still be sending shuts our side
   down first and lingers briefly, so the client reads the answer rather than a reset.
@@ -36,6 +44,7 @@ import asyncio
 import email.utils
 import functools
 import logging
+import select
 import socket
 import time
 from collections import deque
@@ -56,6 +65,9 @@ MAX_PIPELINED = 16          # requests queued behind the one being handled befor
 LINGER_S = 5.0              # after our FIN, how long a closing connection may still send
 SHUTDOWN_TIMEOUT_S = 60.0   # in-flight requests get this long to finish when the server stops
 _BIG_BODY = 64 * 1024       # bodies up to this are copied after the head, for one write
+PROBE_AFTER_S = 1.0         # a half-closed client still waiting this long is probed (see above)
+_PROBE_EVERY_S = 0.5        # ... and its socket checked for a reset this often
+_GONE = select.POLLHUP | select.POLLERR
 
 
 @dataclass
@@ -178,6 +190,7 @@ class _Refuse(Exception):
 
 _LINE_TOO_LONG = (431, "a request line or header field is over the size limit")
 _TOO_MANY = (431, "too many request header fields")
+_BAD_TE = (400, "unsupported Transfer-Encoding: only a single 'chunked' is accepted")
 _METHODS = {m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -202,7 +215,7 @@ class HttpConnection(asyncio.Protocol):
     __slots__ = ("site", "app", "limits", "loop", "transport", "remote", "lost", "write_paused", "_parser",
                  "_url", "_raw_headers", "_head_bytes", "_in_head", "_request", "_current", "_task", "_queue",
                  "_input_closed", "_reading_paused", "_drain_waiter", "_deadline", "_deadline_kind", "_timer",
-                 "_timer_at", "_responded", "closing")
+                 "_timer_at", "_responded", "closing", "_te_seen", "_probe")
 
     def __init__(self, site: Site) -> None:
         self.site = site
@@ -231,6 +244,8 @@ class HttpConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._responded = False                    # the current request's answer is complete
+        self._te_seen = False                      # this head had a Transfer-Encoding field
+        self._probe: asyncio.TimerHandle | None = None   # half-closed: is the client still there?
 
     # ---- asyncio.Protocol
 
@@ -277,7 +292,18 @@ class HttpConnection(asyncio.Protocol):
                     self._set_deadline(_HEAD, limits.header_timeout_s)
 
     def eof_received(self) -> bool | None:
-        return None     # the client is done: close (a handler still running is cancelled)
+        """The client sent all it will: answer its complete requests, then close."""
+        req = self._request                        # a request whose body is still arriving
+        if self._current is None or req is self._current:
+            return None     # nothing complete to answer, or its body never ends: close (cancels)
+        if req is not None:                        # queued, its body cut short: dropped
+            self._request = None
+            self._queue.remove(req)
+            req.fail(PayloadError("the client closed its side before the body ended"))
+        self._input_closed = True
+        self._in_head = False
+        self._probe = self.loop.call_later(PROBE_AFTER_S, self._check_peer, True)
+        return True         # keep our side open for the answers
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -286,6 +312,9 @@ class HttpConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
         task = self._task
         if task is not None and not task.done() and not self._responded:
             task.cancel()         # the handler's legs close on CancelledError
@@ -323,6 +352,7 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._raw_headers = []
         self._head_bytes = 0
+        self._te_seen = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -335,6 +365,10 @@ class HttpConnection(asyncio.Protocol):
             raise _Refuse(*_LINE_TOO_LONG)
         if len(headers) >= self.limits.max_headers:
             raise _Refuse(*_TOO_MANY)
+        if len(name) == 17 and name.lower() == b"transfer-encoding":
+            if self._te_seen or value.strip().lower() != b"chunked":
+                raise _Refuse(*_BAD_TE)
+            self._te_seen = True
         headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -415,7 +449,7 @@ class HttpConnection(asyncio.Protocol):
                 self.end_stream(started)
             close = started.closes or not started.chunked
         else:
-            close = not req.keep_alive or resp.closes or not req.complete or self._input_closed or self.closing
+            close = not req.keep_alive or resp.closes or not req.complete or self._last_answer()
             self._write_response(req, resp, close)
         self._next(req, close)
 
@@ -433,6 +467,33 @@ class HttpConnection(asyncio.Protocol):
             self.transport.write(head + body)
         else:
             self.transport.writelines((head, body))
+
+    def _last_answer(self) -> bool:
+        """No request follows the current one: the server stops, or the input has ended
+        (a malformed request, the client's EOF) and nothing is queued behind it."""
+        return self.closing or (self._input_closed and not self._queue)
+
+    def _check_peer(self, first: bool = False) -> None:
+        """A half-closed client still waits for an answer: gone for good, or only done sending?
+
+        The first call writes an interim ``100 Continue`` (HTTP/1.1 clients skip it; once a
+        stream has started its chunks do the same); a client that closed answers it with
+        a reset, seen here as POLLHUP/POLLERR on our socket: abort, which cancels the handler."""
+        self._probe = None
+        req = self._current
+        if self.lost or req is None:
+            return
+        if first and req.started is None and req.version == "1.1" and not self.transport.is_closing():
+            self.transport.write(_CONTINUE)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLOUT)
+            if any(ev & _GONE for _, ev in poller.poll(0)):
+                log.info("%s closed its connection before its answer", self.remote or "a client")
+                self.transport.abort()
+                return
+        self._probe = self.loop.call_later(_PROBE_EVERY_S, self._check_peer)
 
     def _next(self, req: Request, close: bool) -> None:
         self._current = None
@@ -461,7 +522,7 @@ class HttpConnection(asyncio.Protocol):
 
     def start_stream(self, req: Request, resp: StreamResponse) -> None:
         req.started = resp
-        close = (resp.closes or not req.keep_alive or self._input_closed or self.closing)
+        close = resp.closes or not req.keep_alive or self._last_answer()
         if req.version == "1.1":
             framing = "Transfer-Encoding: chunked\r\n"
         else:                      # HTTP/1.0: no chunked encoding; the end of the stream is our close

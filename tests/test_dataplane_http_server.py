@@ -226,3 +226,66 @@ async def test_a_client_that_leaves_cancels_its_handler(server):
     await asyncio.wait_for(server.started.wait(), 5)
     writer.close()
     await asyncio.wait_for(server.cancelled.wait(), 5)
+
+
+async def test_pipelined_requests_before_a_malformed_one_are_all_answered_then_the_400(server):
+    """Issue 21 #7: A and B, then a malformed line, in one write: A, B, then the 400, then close."""
+    reader, writer = await connect(server)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Sleep: 0.1\r\n\r\n"
+                 b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\ntwo"
+                 b"NOT HTTP AT ALL\r\n\r\n")
+    answers = [await read_response(reader) for _ in range(3)]
+    assert [(a[0], a[2]) for a in answers[:2]] == [(200, b"slow"), (200, b"two")]
+    assert "connection" not in answers[0][1] and "connection" not in answers[1][1]
+    status, headers, body = answers[2]
+    assert status == 400 and headers["connection"] == "close" and orjson.loads(body)["error"]["code"] == 400
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+@pytest.mark.parametrize("pipelined", [1, 2])
+async def test_a_client_that_half_closes_after_its_requests_is_answered(server, pipelined):
+    """Issue 21 #9: complete requests, then shutdown(SHUT_WR) (``nc -N``): every one is
+    answered in order, then the connection closes."""
+    reader, writer = await connect(server)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Sleep: 0.2\r\n\r\n"
+                 + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\ntwo" * (pipelined - 1))
+    writer.write_eof()
+    answers = [await read_response(reader) for _ in range(pipelined)]
+    assert [(a[0], a[2]) for a in answers] == [(200, b"slow"), (200, b"two")][:pipelined]
+    assert answers[-1][1]["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_a_half_closed_client_waiting_long_gets_an_interim_100_then_its_answer(server):
+    """Past PROBE_AFTER_S the half-closed client is sent ``100 Continue`` (how a client that
+    closed for good is found out); one that is still there then gets its answer."""
+    reader, writer = await connect(server)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Sleep: 1.5\r\n\r\n")
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    status, headers, body = await read_response(reader)
+    assert (status, body, headers["connection"]) == (200, b"slow", "close")
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_a_half_closed_client_with_a_cut_body_is_closed(server):
+    reader, writer = await connect(server)
+    writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+@pytest.mark.parametrize("te", [b"identity, chunked", b"gzip, chunked", b"chunked\r\nTransfer-Encoding: chunked",
+                                b"identity"])
+async def test_transfer_encoding_other_than_chunked_alone_is_400(server, te):
+    """Issue 21 #10: llhttp takes ``identity, chunked`` as chunked; a proxy in front may not."""
+    reader, writer = await connect(server)
+    writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + te + b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 400 and headers["connection"] == "close" and orjson.loads(body)["error"]["code"] == 400
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
