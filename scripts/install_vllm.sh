@@ -58,7 +58,7 @@ if [ ! -f "$STAMP" ]; then
 fi
 
 # omni-proxy's vLLM plugin (tests/test_vllm_plugin.py), registered under vLLM's entry point
-# group as a production install would (`pip install omni-proxy` adds the same entry point,
+# group as a production install would (the omni-proxy and omni-proxy-vllm-plugin wheels add the same entry point,
 # `omni_proxy`). Here the entry point names a small shim instead of the package: the code
 # comes from whichever checkout runs the test (it puts its root on the engine's PYTHONPATH),
 # and the shim does nothing where none is on the path, so other vLLM tests see no plugin.

@@ -457,8 +457,8 @@ def test_example_engine_matches_the_control_plane() -> None:
 # --------------------------------------------------------------------------------------------
 # Dockerfile
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+def dockerfile_instructions(path: Path = ROOT / "Dockerfile") -> list[tuple[str, str]]:
+    text = path.read_text().replace("\\\n", " ")
     out = []
     for line in text.splitlines():
         line = line.strip()
@@ -587,6 +587,58 @@ def test_docker_context_builds_the_package(tmp_path: Path) -> None:
     assert "protos/omni_proxy_pb2.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "omni-proxy = omni_proxy.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_proxy_image_has_the_otel_extra() -> None:
+    """The data plane's --otel-endpoint works in the image: the wheels and the install carry the
+    `otel` extra (its packages are in the wheel directory the install reads, offline)."""
+    runs = [rest for op, rest in dockerfile_instructions() if op == "RUN"]
+    assert any("pip wheel" in r and "/src[otel]" in r for r in runs), runs
+    assert any("pip install" in r and "--no-index" in r and "omni-proxy[otel]" in r for r in runs), runs
+    assert "otel" in PYPROJECT["project"]["optional-dependencies"]
+
+
+VLLM_DOCKERFILE = DEPLOY / "docker" / "vllm-plugin.Dockerfile"
+ENGINE_IMAGE = "omni-proxy-vllm"
+
+
+def test_vllm_plugin_image(tmp_path: Path) -> None:
+    """deploy/docker/vllm-plugin.Dockerfile: vLLM's official image plus the plugin's own wheel
+    (built in a python stage from packaging/vllm-plugin, out of the same build context as our
+    image), VLLM_PLUGINS=omni_proxy; the engines of the manifests run this image."""
+    ins = dockerfile_instructions(VLLM_DOCKERFILE)
+    args = dict(rest.split("=", 1) for op, rest in ins if op == "ARG" and "=" in rest)
+    base = args["VLLM_IMAGE"]
+    name, tag = image_ref(base)
+    assert name == "vllm/vllm-openai" and re.fullmatch(r"v\d+\.\d+\.\d+", tag), base
+    froms = [rest.split()[0] for op, rest in ins if op == "FROM"]
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", froms[0]) and froms[-1] == "${VLLM_IMAGE}", froms
+    runs = [rest for op, rest in ins if op == "RUN"]
+    assert any("pip wheel --no-deps" in r and "/src/packaging/vllm-plugin" in r for r in runs), runs
+    assert any("pip install" in r and "omni_proxy_vllm_plugin-" in r for r in runs), runs
+    assert not any(t in " ".join(runs) for t in ("curl", "wget", "git clone", "omni-proxy==")), runs
+    assert ("ENV", "VLLM_PLUGINS=omni_proxy") in ins
+    last_stage = ins[max(i for i, (op, _) in enumerate(ins) if op == "FROM"):]
+    assert not [op for op, _ in last_stage if op in ("ENTRYPOINT", "CMD", "USER")], "vLLM's entry point and user stay"
+    # the build context (.dockerignore) holds the plugin's pyproject and builds its wheel
+    files = docker_context_files()
+    assert "packaging/vllm-plugin/pyproject.toml" in files
+    context = tmp_path / "context"
+    for rel in files:
+        (context / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, context / rel)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "--wheel-dir", str(tmp_path / "wheels"), str(context / "packaging" / "vllm-plugin")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    wheel = next((tmp_path / "wheels").glob("omni_proxy_vllm_plugin-*.whl"))
+    assert wheel.name.startswith(f"omni_proxy_vllm_plugin-{VERSION}-")
+    assert "engine_plugins/vllm_plugin/agent.py" in zipfile.ZipFile(wheel).namelist()
+    # every engine of the manifests runs this image, at the package version
+    engines = [w for w in workloads(all_docs()) if w["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
+    assert engines
+    for w in engines:
+        assert image_ref(container(w)["image"]) == (ENGINE_IMAGE, VERSION), container(w)["image"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The vLLM engine plugin in a REAL vLLM (the CPU build): the engine joins by itself.
 
 ``scripts/install_vllm.sh`` registers the plugin in the vLLM venv under vLLM's
-``vllm.general_plugins`` entry point (``omni_proxy``, as ``pip install omni-proxy`` does); the
+``vllm.general_plugins`` entry point (``omni_proxy``, as installing the omni-proxy or omni-proxy-vllm-plugin wheel does); the
 engine gets this checkout on its PYTHONPATH and the OMNI_* variables, nothing else: no
 ``--worker`` on the control plane. One engine (tiny random-weight Llama, block size 32, a
 160-block KV pool, prefix caching with sha256 and PYTHONHASHSEED=0, KV events on ipc://)
