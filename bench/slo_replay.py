@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import peers as peerlib  # noqa: E402
+from bench import prom  # noqa: E402
 from bench.tracedata import TraceMissing, load_rows, prompt_for, resolve_trace, sim_state  # noqa: E402
 from bench.workloads import generate as generate_workload  # noqa: E402
 from omni_proxy.launcher import LaunchError, ProcessGroup  # noqa: E402
@@ -393,7 +394,26 @@ async def drive(engines: list[Engine], rows: list[dict], bodies: list[dict], off
         await asyncio.gather(poller, *([slow] if slow else []), return_exceptions=True)
         await watcher.poll(with_state=False)
         after = [await sim_state(session, e.url) for e in engines]
-    return summarize(engines, outcomes, base, after, watcher, wall, args)
+    out = summarize(engines, outcomes, base, after, watcher, wall, args)
+    if router_url is not None:
+        out["stages"] = await asyncio.to_thread(stage_means, router_url, args.time_scale)
+    return out
+
+
+def stage_means(url: str, time_scale: float) -> dict | None:
+    """Our data plane's stage times over the run (fresh processes: the totals are the run's),
+    mean model ms: the wait in the control plane's queue, and the prefill leg (sequential PD:
+    P sent to P's answer). None for a peer router (no such metrics)."""
+    text = prom.scrape(url)
+    if not text:
+        return None
+    out = {}
+    for key, name in (("queue", "omni_dp_queue_seconds"), ("prefill", "omni_dp_prefill_seconds"),
+                      ("decode", "omni_dp_decode_seconds")):
+        h = prom.histogram(text, name)
+        if h and h["count"]:
+            out[f"{key}_mean_ms"] = round(h["sum"] / h["count"] / time_scale * 1000, 1)
+    return out or None
 
 
 def parse_slowdown(spec: str) -> tuple[int, float, float]:
@@ -933,7 +953,9 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                         f"TTFT p50/p90 {res['ttft_p50_ms']}/{res['ttft_p90_ms']} TPOT p90 {res['tpot_p90_ms']} "
                         f"hit {res['prefix_hit_rate']} per-engine "
                         f"{[pe['requests'] for pe in res['per_engine']]} follow-ups on predecessor's engine "
-                        f"{res['followup_affinity']['same_engine']}{rp} ({time.time() - t_run:.0f}s)")
+                        f"{res['followup_affinity']['same_engine']}{rp}"
+                        + (f" stages {res['stages']}" if res.get("stages") else "")
+                        + f" ({time.time() - t_run:.0f}s)")
 
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else (1.0 if 1.0 in rates else rates[len(rates) // 2])
     report = {

@@ -92,8 +92,10 @@ class Lifecycle:
             self.queue.kick()
 
     def _learn_ttft(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
-        """A real time to first token teaches the engine that computed the prompt."""
-        if not event.streamed or event.ttft_ms <= 0 or record.work_ahead_tokens <= 0:
+        """A real time to first token teaches the engine that computed the prompt (sequential
+        PD: learned from P's own answer instead, see ``Placer._prefill_answered``)."""
+        if not event.streamed or event.ttft_ms <= 0 or record.work_ahead_tokens <= 0 \
+                or record.flow == pb.FLOW_SEQUENTIAL:
             return
         for charge in record.charges:
             if charge.leg != "decode" and charge.prefill_tokens >= 0:

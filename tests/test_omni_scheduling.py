@@ -109,10 +109,11 @@ class Plane:
         return (await self.store.loads([wid]))[wid]
 
 
-async def make(policy="predicted_latency", workers=("a", "b"), role=Role.BOTH, **profiles) -> Plane:
+async def make(policy="predicted_latency", workers=("a", "b"), role=Role.BOTH, roles=None, **profiles) -> Plane:
+    """``roles``: {worker id: role} for a mixed fleet (else every worker has ``role``)."""
     store, fleet, stats, predictor = MemoryStore(), Fleet(), PlacementStats.new(), Predictor()
     for wid in workers:
-        spec = WorkerSpec(id=wid, url=f"http://{wid}", role=role, model="m")
+        spec = WorkerSpec(id=wid, url=f"http://{wid}", role=(roles or {}).get(wid, role), model="m")
         await store.put_spec(spec)
         fleet.put(spec)
         fleet.set_state(wid, HealthState(health=Health.HEALTHY))
@@ -319,3 +320,52 @@ async def test_session_end_removes_its_waiting_requests():
     await plane.lifecycle.orphan_session("s9")
     assert answer.cancelled() and len(plane.placer.queue) == 0
     await plane.placer.queue.stop()
+
+
+async def test_sequential_pd_releases_a_held_request_when_a_prefill_answers_not_at_the_decodes_first_token():
+    """Issue 17: with the prefill engines saturated, a held request waited for D's first token
+    (D's queue, the KV pull) while P sat idle. P's answer (the data plane asking for D) is
+    what frees P's compute; P keeps its KV, and so its load, until D has pulled it."""
+    plane = await make(workers=("p1", "p2", "d1"), roles={"p1": Role.PREFILL, "p2": Role.PREFILL,
+                                                           "d1": Role.DECODE})
+    for wid in ("p1", "p2"):
+        teach(plane, wid, 1e-3)
+    placed = {}
+    for rid in ("r1", "r2"):                     # 2 s of prefill on each prefill engine
+        p = await plane.placer.submit(entry(rid, tokens=2000), "s")
+        assert isinstance(p, pb.Placement) and p.flow == pb.FLOW_SEQUENTIAL
+        placed[rid] = p.prefill.worker_id
+    assert set(placed.values()) == {"p1", "p2"}
+    answer = await plane.placer.submit(entry("held", tokens=500), "s")
+    assert isinstance(answer, asyncio.Future)
+    await plane.placer.queue.dispatch()
+    assert not answer.done()
+    learned = plane.placer.predictor.model(placed["r2"]).ttft.n
+    # r2's prefill engine answers; the data plane asks where D is.
+    d = await plane.placer.place(pb.PlaceRequest(request_id="r2", model="m", leg=pb.LEG_DECODE,
+                                                 prompt_tokens=2000, max_tokens=10), "s")
+    assert d.decode.worker_id == "d1"
+    p_load = await plane.load(placed["r2"])
+    assert p_load.prefill_tokens == 0 and p_load.prefills == 0 and p_load.requests == 1   # KV still held
+    placement = await asyncio.wait_for(answer, 2)          # before D's first token, which never comes
+    assert placement.prefill.worker_id == placed["r2"]
+    # P's prefill time is learned from its own answer, once: D's first token teaches it nothing.
+    model = plane.placer.predictor.model(placed["r2"])
+    assert model.ttft.n == learned + 1
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=9000,
+                                                   streamed=True))
+    assert model.ttft.n == learned + 1
+    await plane.placer.queue.stop()
+
+
+def test_queue_running_cap_counts_a_prefill_engines_prompts_in_progress_not_kv_it_keeps():
+    from controlplane.workers import Load, WorkerView
+
+    q = HoldQueue(max_running=2)
+    ctx = type("Ctx", (), {"predictor": None})()
+    spec = WorkerSpec(id="p", url="http://p", role=Role.PREFILL, model="m")
+    keeping = WorkerView(spec, Load(requests=5, tokens=5000, prefill_tokens=0, prefills=0))
+    assert not q.should_hold(ctx, keeping)        # 5 prompts computed, KV waiting for their decodes
+    assert q.should_hold(ctx, WorkerView(spec, Load(requests=5, tokens=5000, prefill_tokens=900, prefills=2)))
+    both = WorkerView(dataclasses.replace(spec, role=Role.BOTH), keeping.load)
+    assert q.should_hold(ctx, both)               # an aggregated engine runs what it holds

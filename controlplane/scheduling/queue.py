@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
-from controlplane.workers import WorkerView
+from controlplane.workers import Role, WorkerView
 
 
 @dataclass
@@ -43,8 +43,12 @@ class HoldQueue:
 
     def should_hold(self, ctx: PlacementContext, chosen: WorkerView) -> bool:
         """Hold while even the best engine has more than ``hold_s`` of prefill work ahead."""
-        if self.max_running and chosen.load.requests >= self.max_running:
-            return True
+        if self.max_running:
+            # A prefill engine is busy with the prompts it still computes, not with those whose
+            # KV it only keeps until a decode engine pulls it (sequential PD).
+            load = chosen.load
+            if (load.prefills if chosen.spec.role is Role.PREFILL else load.requests) >= self.max_running:
+                return True
         if ctx.predictor is None or not chosen.load.prefill_tokens:
             return False
         seconds_per_token = ctx.predictor.model(chosen.id).ttft.b
