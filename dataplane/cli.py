@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle client keep-alive connection stays open")
     p.add_argument("--max-header-bytes", type=int, default=8190,
                    help="longest request line or header field (431 beyond)")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="client connections at once (0 = half the open-file limit); at the cap the longest-idle "
+                        "connection is closed for a new one, and with none idle the new one gets 503")
+    p.add_argument("--max-connections-per-client", type=int, default=0,
+                   help="client connections from one address (0 = no limit; behind a balancer all share one)")
     p.add_argument("--max-inflight", type=int, default=4096,
                    help="requests in progress at once in this process; more wait in the admission queue")
     p.add_argument("--max-queued", type=int, default=1024,
@@ -92,7 +97,9 @@ def config_from_args(args: argparse.Namespace):
                           client=ClientLimits(header_timeout_s=args.client_header_timeout,
                                               body_timeout_s=args.client_body_timeout,
                                               keepalive_timeout_s=args.keepalive_timeout,
-                                              max_header_bytes=args.max_header_bytes),
+                                              max_header_bytes=args.max_header_bytes,
+                                              max_connections=args.max_connections,
+                                              max_connections_per_client=args.max_connections_per_client),
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   prefill_timeout_s=args.prefill_timeout,
@@ -129,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if not 1 <= args.workers <= 256:
         raise SystemExit("omni-proxy dataplane: --workers must be an integer from 1 to 256")
+    try:
+        cfg.client.validate()
+    except ValueError as exc:
+        raise SystemExit(f"omni-proxy dataplane: {exc}") from None
     helpers: list = []
 
     async def main() -> None:

@@ -14,6 +14,13 @@ What a connection does:
   asked; a streamed answer is ended by closing), ``Connection: close``, chunked request
   bodies (llhttp decodes them), ``Expect: 100-continue`` (answered when the handler
   reads the body), HEAD for GET routes.
+* Connections are capped (``ClientLimits.max_connections``, by default half of the
+  process's open-file limit, the rest left for engine legs; optionally per client
+  address): at the cap a new connection first sheds the connection idle the longest
+  (no request in flight: kept alive, or opened and silent), and only when none is
+  idle is refused with a 503. Idle sockets held open can then no longer lock every
+  new client out until the head timeout; when the cap bites it says so in the log
+  (at most once per ``CAP_LOG_EVERY_S``).
 * Slow clients are cut off: from a connection's start, or from the first byte of a
   request after an idle keep-alive period, the whole head must arrive within
   ``header_timeout_s`` however slowly it trickles (a partial head gets a 408, a
@@ -44,6 +51,7 @@ import asyncio
 import email.utils
 import functools
 import logging
+import resource
 import select
 import socket
 import time
@@ -70,6 +78,9 @@ _PROBE_EVERY_S = 0.5        # ... and its socket checked for a reset this often
 _GONE = select.POLLHUP | select.POLLERR
 
 
+CAP_LOG_EVERY_S = 10.0      # at most one log line per this long while the connection cap bites
+
+
 @dataclass
 class ClientLimits:
     header_timeout_s: float = 30.0      # request line + headers, from the first byte (0 = off)
@@ -77,6 +88,29 @@ class ClientLimits:
     keepalive_timeout_s: float = 75.0   # an idle keep-alive connection is closed after this
     max_header_bytes: int = 8190        # longest request line, and longest header field
     max_headers: int = 100
+    max_connections: int = 0            # client connections at once (0 = half the open-file limit)
+    max_connections_per_client: int = 0   # from one address (0 = no limit: a balancer is one address)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag of a value that cannot work."""
+        if self.max_connections < 0:
+            raise ValueError("--max-connections must be 0 (half the open-file limit) or a positive count")
+        if self.max_connections_per_client < 0:
+            raise ValueError("--max-connections-per-client must be 0 (no limit) or a positive count")
+        limit = open_file_limit()
+        if self.max_connections > limit - 16:
+            raise ValueError(f"--max-connections {self.max_connections} leaves no descriptors for engines: "
+                             f"this process may open {limit} files (ulimit -n); raise that or lower the flag")
+
+    def connection_cap(self) -> int:
+        """The cap in force: the flag's, else half of what the process may open (the other
+        half is for engine connections, Redis, files)."""
+        return self.max_connections or max(open_file_limit() // 2, 16)
+
+
+def open_file_limit() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
 
 
 Middleware = Callable[[Request, Handler], Awaitable[Response | StreamResponse]]
@@ -191,6 +225,10 @@ class _Refuse(Exception):
 _LINE_TOO_LONG = (431, "a request line or header field is over the size limit")
 _TOO_MANY = (431, "too many request header fields")
 _BAD_TE = (400, "unsupported Transfer-Encoding: only a single 'chunked' is accepted")
+_FULL = (b'{"error":{"message":"too many connections to this node; retry shortly","type":"ServiceUnavailable",'
+         b'"param":null,"code":503}}')
+_FULL_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(_FULL), _FULL))
 _METHODS = {m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -253,15 +291,19 @@ class HttpConnection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) and peer else ""
+        if not self.site.admit(self):
+            self.lost = True          # refused: never served, never counted
+            transport.write(_FULL_ANSWER)
+            transport.close()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.site.connections.add(self)
         limits = self.limits
         self._set_deadline(_START, limits.header_timeout_s or limits.keepalive_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._input_closed:
+        if self._input_closed or self.lost:
             return
         try:
             self._parser.feed_data(data)
@@ -307,7 +349,7 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.site.connections.discard(self)
+        self.site.forget(self)
         self._deadline_kind = _NONE
         if self._timer is not None:
             self._timer.cancel()
@@ -348,6 +390,7 @@ class HttpConnection(asyncio.Protocol):
     # ---- httptools callbacks
 
     def on_message_begin(self) -> None:
+        self.site.idle.pop(self, None)
         self._in_head = True
         self._url = b""
         self._raw_headers = []
@@ -516,6 +559,8 @@ class HttpConnection(asyncio.Protocol):
         if self._in_head and self.limits.header_timeout_s > 0:
             self._set_deadline(_HEAD, self.limits.header_timeout_s)
         else:
+            if not self._in_head:
+                self.site.idle[self] = None     # the newest idle: shed last
             self._set_deadline(_IDLE, self.limits.keepalive_timeout_s)
 
     # ---- streamed answers (``dataplane.messages.StreamResponse``)
@@ -581,6 +626,7 @@ class HttpConnection(asyncio.Protocol):
     def _close(self, *, linger: bool) -> None:
         """Close after what is written; lingering, the client may still send (we drop it)."""
         self._input_closed = True
+        self.site.idle.pop(self, None)
         transport = self.transport
         if not linger or not transport.can_write_eof():
             transport.close()
@@ -643,7 +689,60 @@ class Site:
         self.app = app
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpConnection] = set()
+        # Connections with no request in flight, oldest idle first (dicts keep insertion order).
+        self.idle: dict[HttpConnection, None] = {}
+        self.per_client: dict[str, int] = {}
+        self.cap = app.limits.connection_cap()
+        self.cap_per_client = app.limits.max_connections_per_client
+        self.shed = 0           # idle connections closed to make room (since start)
+        self.refused = 0        # new connections refused: at the cap, none idle
+        self._logged = (0, 0)   # (shed, refused) at the last log line
+        self._log_at = 0.0
         self.server: asyncio.base_events.Server | None = None
+
+    def admit(self, conn: HttpConnection) -> bool:
+        """Count a new connection in, shedding the longest-idle one at a cap; False: refuse it."""
+        remote = conn.remote
+        if self.cap_per_client and self.per_client.get(remote, 0) >= self.cap_per_client:
+            victim = next((c for c in self.idle if c.remote == remote), None)
+            if not self._shed(victim, f"{remote} has {self.cap_per_client} connections "
+                                      "(--max-connections-per-client)"):
+                return False
+        if len(self.connections) >= self.cap:
+            victim = next(iter(self.idle), None)
+            if not self._shed(victim, f"{len(self.connections)} connections open (--max-connections {self.cap})"):
+                return False
+        self.connections.add(conn)
+        self.per_client[remote] = self.per_client.get(remote, 0) + 1
+        self.idle[conn] = None
+        return True
+
+    def forget(self, conn: HttpConnection) -> None:
+        """The connection is closed or closing for good: it no longer counts."""
+        if conn in self.connections:
+            self.connections.discard(conn)
+            left = self.per_client[conn.remote] - 1
+            if left:
+                self.per_client[conn.remote] = left
+            else:
+                del self.per_client[conn.remote]
+        self.idle.pop(conn, None)
+
+    def _shed(self, victim: HttpConnection | None, why: str) -> bool:
+        if victim is None:
+            self.refused += 1
+        else:
+            self.shed += 1
+            self.forget(victim)
+            victim._close(linger=False)
+        now = self.loop.time()
+        if now >= self._log_at:     # one line per CAP_LOG_EVERY_S, with the counts since the last
+            self._log_at = now + CAP_LOG_EVERY_S
+            shed, refused = self.shed - self._logged[0], self.refused - self._logged[1]
+            self._logged = (self.shed, self.refused)
+            log.warning("connection cap: %s; closed %d idle connection(s), refused %d new one(s) with 503 "
+                        "since the last such line", why, shed, refused)
+        return victim is not None
 
     async def cleanup(self) -> None:
         if self.server is not None:

@@ -289,3 +289,75 @@ async def test_transfer_encoding_other_than_chunked_alone_is_400(server, te):
     assert status == 400 and headers["connection"] == "close" and orjson.loads(body)["error"]["code"] == 400
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
+
+
+async def _capped(max_connections: int, per_client: int = 0):
+    h = Harness()
+    app = App(limits=ClientLimits(header_timeout_s=10, keepalive_timeout_s=30, max_connections=max_connections,
+                                  max_connections_per_client=per_client), max_body_bytes=1000)
+    app.add_route("GET", "/hang", h.hang)
+    app.add_route("GET", "/ping", h.ping)
+    site, h.port = await serve(app, "127.0.0.1", 0)
+    return h, site
+
+
+async def _ping(reader, writer) -> int:
+    writer.write(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    return (await read_response(reader))[0]
+
+
+async def test_at_the_connection_cap_the_longest_idle_is_shed_then_new_ones_get_503():
+    """Issue 21 #6: at --max-connections a new client is served by closing the connection
+    idle the longest; busy connections are never shed, and with none idle the new one gets
+    a 503 with Retry-After."""
+    h, site = await _capped(3)
+    conns = []
+    try:
+        busy = await connect(h)
+        conns.append(busy)
+        busy[1].write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(h.started.wait(), 5)
+        old = await connect(h)                   # opened, never used
+        kept = await connect(h)
+        conns += [old, kept]
+        assert await _ping(*kept) == 200         # kept alive: idle since now, after `old`
+        new = await connect(h)
+        conns.append(new)
+        assert await _ping(*new) == 200
+        assert await asyncio.wait_for(old[0].read(), 5) == b""     # the longest idle went
+        assert await _ping(*kept) == 200                            # the other idle one stayed
+        for r, w in (kept, new):                 # now every connection is busy
+            w.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = asyncio.get_running_loop().time() + 5
+        while site.idle:                         # (until their heads reached the server)
+            assert asyncio.get_running_loop().time() < deadline, "the requests never arrived"
+            await asyncio.sleep(0.01)
+        refused = await connect(h)
+        conns.append(refused)
+        status, headers, body = await read_response(refused[0])
+        assert (status, headers["retry-after"], headers["connection"]) == (503, "1", "close")
+        assert orjson.loads(body)["error"]["code"] == 503
+        assert len(site.connections) == 3 and not busy[0].at_eof()
+    finally:
+        for _, w in conns:
+            w.close()
+        await site.cleanup()
+
+
+async def test_the_per_client_cap_sheds_that_clients_idle_connections_only():
+    h, site = await _capped(100, per_client=2)
+    conns = []
+    try:
+        other = await asyncio.open_connection("127.0.0.1", h.port, local_addr=("127.0.0.2", 0))   # another address
+        first = await connect(h)
+        second = await connect(h)
+        conns += [other, first, second]
+        third = await connect(h)
+        conns.append(third)
+        assert await _ping(*third) == 200
+        assert await asyncio.wait_for(first[0].read(), 5) == b""     # 127.0.0.1's longest idle
+        assert await _ping(*second) == 200 and await _ping(*other) == 200
+    finally:
+        for _, w in conns:
+            w.close()
+        await site.cleanup()
