@@ -117,8 +117,8 @@ class HealthChecker:
                 await resp.read()
                 if resp.status != 200:
                     error = f"/health returned {resp.status}"
-            if not error and not spec.model:
-                await self.registry.update(spec.id, model=await self._discover_model(spec))
+            if not error and (not spec.model or not self.fleet.state(spec.id).max_model_len):
+                await self._read_models(spec)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self._apply(spec, error)
@@ -138,9 +138,24 @@ class HealthChecker:
                 log.warning("worker %s (%s) is unhealthy: %s", spec.id, spec.url, error)
             health = Health.UNHEALTHY
         self.fleet.set_state(spec.id, replace(state, health=health, consecutive_failures=failures,
-                                              last_error=error))
+                                              last_error=error, max_model_len=0))
 
-    async def _discover_model(self, spec: WorkerSpec) -> str:
+    async def _read_models(self, spec: WorkerSpec) -> None:
+        """The engine's /v1/models: its model (when the spec names none; a failure then fails
+        the check) and its max_model_len (once per healthy spell; ListModels passes it on)."""
+        try:
+            model, limit = await self._discover_model(spec)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError):
+            if not spec.model:
+                raise
+            model, limit = spec.model, -1      # the model is configured: health is /health's to say
+        if not spec.model:
+            await self.registry.update(spec.id, model=model)
+        state = self.fleet.state(spec.id)
+        if state.max_model_len != limit:
+            self.fleet.set_state(spec.id, replace(state, max_model_len=limit))
+
+    async def _discover_model(self, spec: WorkerSpec) -> tuple[str, int]:
         assert self._session is not None
         async with self._session.get(spec.url + "/v1/models") as resp:
             if resp.status != 200:
@@ -149,7 +164,8 @@ class HealthChecker:
         models = data.get("data") or []
         if not models:
             raise ValueError("/v1/models lists no model")
-        return str(models[0]["id"])
+        limit = models[0].get("max_model_len")
+        return str(models[0]["id"]), (limit if type(limit) is int and 0 < limit < 2**31 else -1)
 
     async def poll_all_metrics(self) -> None:
         fleet = self.fleet

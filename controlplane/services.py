@@ -245,8 +245,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 continue
             info = models.setdefault(spec.model, pb.ModelInfo(id=spec.model))
             info.workers += 1
-            if fleet.state(spec.id).health is Health.HEALTHY and spec.role is not Role.DECODE:
+            state = fleet.state(spec.id)
+            if state.health is Health.HEALTHY and spec.role is not Role.DECODE:
                 info.healthy_workers += 1
+            if state.max_model_len > 0:   # the smallest: a prompt that fits it fits every worker
+                info.max_model_len = min(info.max_model_len or state.max_model_len, state.max_model_len)
         return pb.ListModelsResponse(models=sorted(models.values(), key=lambda m: m.id))
 
 

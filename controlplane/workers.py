@@ -91,6 +91,9 @@ class HealthState:
     failure_streak: int = 0           # requests failed in a row on this worker
     ejections: int = 0                # ejections in a row (no success in between)
     ejected_until: float = 0.0        # time.monotonic(); 0: not ejected
+    # The engine's /v1/models max_model_len: 0 not read yet (again after a failed check,
+    # since a restarted engine may say otherwise), -1 the engine does not say.
+    max_model_len: int = 0
 
     def ejected(self, now: float) -> bool:
         return self.ejected_until > now

@@ -30,7 +30,6 @@ wait queue, and per-client token-bucket rate limits.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import heapq
 import math
 import time
@@ -109,19 +108,13 @@ def load_rate_limits(path: str) -> tuple[Limit | None, dict[str, Limit]]:
 def client_identity(http: Request, api_keys=None) -> str:
     """Who a request counts against: the API key's name when the data plane checks keys
     (``dataplane.auth``), else a hash of the Bearer token, else the client's address."""
-    name = http.get("api_key_name")           # set by an auth middleware that records it
-    if isinstance(name, str) and name:
-        return name
-    authorization = http.headers.get("Authorization", "")
-    if api_keys is not None and authorization:
-        from dataplane.auth import presented_key
+    from dataplane.auth import key_id, presented_key
 
+    if api_keys is not None and not http.get("api_key_name") and http.headers.get("Authorization"):
         name = api_keys.who(presented_key(http))
         if name:
             return name
-    if authorization:
-        return "key-" + hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()[:12]
-    return f"ip-{http.remote or 'unknown'}"
+    return key_id(http) or f"ip-{http.remote or 'unknown'}"
 
 
 def request_priority(http: Request, body: dict) -> int:
@@ -207,7 +200,7 @@ class RateLimiter:
         if wait > 0:
             self.limited += 1
             raise APIError(429, f"rate limit exceeded for client {who!r}; retry after {wait:.2f} s",
-                           type_="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+                           headers={"Retry-After": str(max(1, math.ceil(wait)))})
         if limit.requests_per_s:
             bucket.requests -= 1.0
         bucket.tokens -= tokens

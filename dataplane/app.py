@@ -30,7 +30,9 @@ from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
 from dataplane.prompt import PromptProcessor
 from dataplane.tokenizer import Tokenizer
-from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request, slo_header
+from dataplane import tokenize_api
+from dataplane.requests import (CHAT, COMPLETIONS, PASSTHROUGH, ClientRequest, parse_passthrough, parse_request,
+                                slo_header)
 from dataplane.retry import RetryPolicy
 from dataplane.server import App, ClientLimits
 from dataplane.tracking import RequestTracker
@@ -41,6 +43,29 @@ log = logging.getLogger(__name__)
 
 FLOWS = {pb.FLOW_AGGREGATED: ("aggregated", aggregated.run), pb.FLOW_SEQUENTIAL: ("sequential", sequential.run),
          pb.FLOW_PARALLEL: ("parallel", parallel.run), pb.FLOW_LAYERWISE: ("layerwise", layerwise.run)}
+
+
+def _version() -> str:
+    """The installed distribution's version (planes do not import the omni_proxy package)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omni-proxy")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = _version()
+MODEL_PREFIX = "/v1/models/"
+MODEL_ROUTE = MODEL_PREFIX + "{model}"
+
+
+def _model_card(m: pb.ModelInfo) -> dict:
+    """OpenAI's model object, with vLLM's ``max_model_len`` when the engines told it."""
+    card = {"id": m.id, "object": "model", "created": 0, "owned_by": "omni-proxy", "root": m.id, "parent": None}
+    if m.max_model_len:
+        card["max_model_len"] = m.max_model_len
+    return card
 
 
 class _ControlPlaneLink:
@@ -142,14 +167,26 @@ class DataPlane:
         self.observer = Observer(self.metrics, access_log_on=config.access_log, tracing=self.tracing)
 
     def build_app(self) -> App:
-        checks = ([client_auth.middleware(self.api_keys, self.config.upstream.forward_client_auth)]
+        checks = ([client_auth.middleware(self.api_keys, self.config.upstream.forward_client_auth,
+                                          failures=self.metrics.auth_failures)]
                   if self.api_keys is not None or self.config.upstream.forward_client_auth else [])
         app = App(limits=self.config.client, max_body_bytes=self.config.max_body_bytes,
                   middlewares=[self._errors, *checks])
         app.add_route("POST", COMPLETIONS, self.generate)
         app.add_route("POST", CHAT, self.generate)
+        for path in sorted(PASSTHROUGH):     # embeddings, rerank, responses: one worker, body unchanged
+            app.add_route("POST", path, self.generate)
+        app.add_route("POST", "/tokenize", self.tokenize)
+        app.add_route("POST", "/detokenize", self.detokenize)
         app.add_route("GET", "/v1/models", self.models)
+        app.add_route("GET", MODEL_ROUTE, self.model)
+        app.add_route("GET", "/version", self.version)
         app.add_route("GET", "/health", self.health)
+        # vllm-router's and smg's probe names, and Kubernetes' own
+        for path in ("/liveness", "/livez"):
+            app.add_route("GET", path, self.liveness)
+        for path in ("/readiness", "/readyz"):
+            app.add_route("GET", path, self.readiness)
         app.add_route("GET", "/metrics", self.prometheus)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -174,9 +211,10 @@ class DataPlane:
             await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     async def _errors(self, request: Request, handler):
-        """Every failure leaves as OpenAI-style JSON: never a traceback, never a hang."""
+        """Every failure leaves as OpenAI-style JSON: never a traceback, never a hang; every
+        answer (4xx and 5xx included) carries an ``X-Request-Id``."""
         try:
-            return await handler(request)
+            resp = await handler(request)
         except APIError as exc:
             resp = Response(status=exc.status, body=exc.body(), content_type="application/json",
                             headers=exc.headers)
@@ -184,12 +222,17 @@ class DataPlane:
                 # A body that is late: answer now and close, rather than keep reading the
                 # rest of it (or read it as the next request).
                 resp.force_close()
-            return resp
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(500, "internal error in the data plane; see its log")
+            resp = error_response(500, "internal error in the data plane; see its log")
+        headers = resp.headers
+        if "X-Request-Id" not in headers and type(resp) is Response:
+            # The request's own id once parsed; else the client's label; else a new one.
+            headers["X-Request-Id"] = (request.get("request_id") or sanitize_client_id(
+                request.headers.get("X-Request-Id")) or uuid.uuid4().hex)
+        return resp
 
     # ------------------------------------------------------------------ generation
 
@@ -224,33 +267,44 @@ class DataPlane:
             # a returned response before the loop takes the next callback.
             asyncio.get_running_loop().call_soon(
                 self._complete, tracker, route, code,
-                "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")))
+                "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")),
+                client_auth.key_id(http) if self.observer.access_log_on else None)
 
-    def _complete(self, tracker: RequestTracker, route: str, code: int, client_id: str) -> None:
+    def _complete(self, tracker: RequestTracker, route: str, code: int, client_id: str, key: str | None) -> None:
         try:
-            self.observer.complete(tracker, route, code, client_id)
+            self.observer.complete(tracker, route, code, client_id, key)
         except Exception:   # bookkeeping never changes how a request ends
             log.exception("recording a request's metrics and access log failed")
 
     async def _generate(self, http: Request, tracker: RequestTracker) -> Response | StreamResponse:
         raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
                                      timeout_s=self.config.client.body_timeout_s)
-        req = parse_request(http.path, raw, http.headers.get("X-Request-Id"),
-                            allowed_fields=self.config.allowed_client_fields)
+        passthrough = http.path in PASSTHROUGH
+        req = (parse_passthrough if passthrough else parse_request)(
+            http.path, raw, http.headers.get("X-Request-Id"), allowed_fields=self.config.allowed_client_fields)
         tracker.req = req
+        http["request_id"] = req.echo_id
         current_request_id.set(req.request_id)   # on every log line about this request
         await self.admission.admit(http, req, self.api_keys)   # 429 when over a limit; released in generate()
         http["omni_admitted"] = True
         req.ttft_slo_ms = slo_header(http.headers, "X-SLO-TTFT-Ms")
         req.tpot_slo_ms = slo_header(http.headers, "X-SLO-TPOT-Ms")
         await self._resolve_model(req)
-        await self.prompts.process(req)
+        if not passthrough:
+            await self.prompts.process(req)
         tracker.tokenized = time.perf_counter()
         await self._hash_prompt(req)
         tracker.matched = time.perf_counter()
         placement = await place(self.placements, req, pb.LEG_ENTRY, trace=tracker.trace)
         flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
         tracker.attach(req, placement, flow_name)
+        if passthrough and placement.flow != pb.FLOW_AGGREGATED:
+            # A prefill/decode pair generates; it does not embed, rerank or keep a response's state.
+            tracker.failed("", f"{http.path} on a prefill/decode deployment", 400)
+            raise APIError(400, f"model {req.model!r} is served by prefill/decode pairs "
+                                f"({pb.Flow.Name(placement.flow).removeprefix('FLOW_').lower()} flow), which "
+                                f"cannot serve {http.path}; it needs an aggregated worker (role both)",
+                           param="model")
         if flow is None:
             tracker.failed("", "flow not supported", 0)
             raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
@@ -357,14 +411,66 @@ class DataPlane:
 
     # ------------------------------------------------------------------ ops routes
 
-    async def models(self, http: Request) -> Response:
+    async def _models(self) -> list[pb.ModelInfo]:
         try:
-            listing = await self.placements.list_models()
+            return list((await self.placements.list_models()).models)
         except ControlPlaneUnavailable as exc:
             raise APIError(503, f"control plane unavailable: {exc}") from None
-        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "omni-proxy",
-                 "root": m.id, "parent": None} for m in listing.models]
-        return json_response({"object": "list", "data": data})
+
+    async def models(self, http: Request) -> Response:
+        return json_response({"object": "list", "data": [_model_card(m) for m in await self._models()]})
+
+    async def model(self, http: Request) -> Response:
+        """``/v1/models/{model}``: one card, or 404 (OpenAI's retrieve-model)."""
+        wanted = http.path[len(MODEL_PREFIX):]
+        found = next((m for m in await self._models() if m.id == wanted), None)
+        if found is None:
+            raise APIError(404, f"The model {wanted[:200]!r} does not exist", param="model")
+        return json_response(_model_card(found))
+
+    async def version(self, http: Request) -> Response:
+        return json_response({"version": VERSION})
+
+    async def liveness(self, http: Request) -> Response:
+        """200 while the process serves HTTP at all: a failing liveness probe restarts it."""
+        return json_response({"status": "alive"})
+
+    async def readiness(self, http: Request) -> Response:
+        """200 only when a request could be placed now: a control-plane session is up and at
+        least one worker is known; 503 (not ready: take it out of the load balancer) else."""
+        pc = self.placements
+        if not pc.connected:
+            return error_response(503, f"not ready: no control-plane session ({self.config.controlplane})")
+        if not pc.fallback.known:
+            return error_response(503, "not ready: the control plane knows no worker yet")
+        return json_response({"status": "ready", "controlplane": pc.target, "workers": pc.fallback.known})
+
+    async def _tokenizer_request(self, http: Request) -> tuple[Tokenizer, dict]:
+        raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
+                                     timeout_s=self.config.client.body_timeout_s)
+        body = tokenize_api.json_body(raw)
+        tok = self.prompts.tokenizer
+        if tok is None:
+            raise APIError(400, tokenize_api.NO_TOKENIZER.format(path=http.path))
+        return tok, body
+
+    async def tokenize(self, http: Request) -> Response:
+        tok, body = await self._tokenizer_request(http)
+        model = body.get("model")
+        cards = await self._models()
+        if model and not any(m.id == model for m in cards):
+            raise APIError(404, f"The model {model[:200]!r} does not exist", param="model")
+        if not model and len(cards) == 1:
+            model = cards[0].id
+        limit = next((m.max_model_len for m in cards if m.id == model and m.max_model_len), None)
+        return json_response(await tokenize_api.tokenize(tok, body, limit))
+
+    async def detokenize(self, http: Request) -> Response:
+        tok, body = await self._tokenizer_request(http)
+        model = body.get("model")
+        if model and not any(m.id == model for m in await self._models()):
+            raise APIError(404, f"The model {model[:200]!r} does not exist", param="model")
+        return json_response(tokenize_api.detokenize(tok, body))
 
     async def health(self, http: Request) -> Response:
         """200 while requests can be served: through a control plane, or (without one) by the

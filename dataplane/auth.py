@@ -7,11 +7,16 @@ time or size changes (checked at most once a second, on request). Clients send
 OpenAI error body. ``/health`` and ``/metrics`` stay open. The client's Authorization
 header is never sent to the engines (they get ``--engine-api-key``), unless
 ``--forward-client-auth``.
+
+A refused request is logged (INFO: the peer's address and why, never what it sent) and
+counted (``omni_dp_auth_failures_total{reason}``). Logs name a client by :func:`key_id`:
+its key's name, or a short hash of the token it sent; never the key.
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import hmac
 import logging
 import os
@@ -22,7 +27,8 @@ from dataplane.messages import Request
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Probes and scrapes stay open: a kubelet or Prometheus has no client key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/liveness", "/readiness", "/livez", "/readyz", "/version"})
 # The client's Authorization header, set only with --forward-client-auth (dataplane.upstream reads it).
 client_authorization: contextvars.ContextVar[str] = contextvars.ContextVar("client_authorization", default="")
 RELOAD_CHECK_S = 1.0
@@ -132,7 +138,21 @@ def presented_key(request: Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def middleware(keys: ApiKeys | None, forward: bool = False):
+def key_id(request: Request) -> str | None:
+    """The client's key, as logs may name it: the name ``--api-keys`` gives it (set by the
+    middleware once checked), else ``key-<12 hex>`` (a SHA-256 prefix of the Authorization
+    header it sent), else None. Never the key itself."""
+    name = request.get("api_key_name")
+    if name:
+        return name
+    authorization = request.headers.get("Authorization")
+    if authorization:
+        return "key-" + hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return None
+
+
+def middleware(keys: ApiKeys | None, forward: bool = False, failures=None):
+    """``failures``: a Prometheus counter labelled by ``reason`` (missing, invalid), or None."""
     async def require_key(request: Request, handler):
         if request.path in OPEN_PATHS:
             return await handler(request)
@@ -141,9 +161,16 @@ def middleware(keys: ApiKeys | None, forward: bool = False):
         if keys is None:
             return await handler(request)
         presented = presented_key(request)
-        if not presented or keys.who(presented) is None:
+        name = keys.who(presented) if presented else None
+        if name is None:
+            reason = "invalid" if presented else "missing"
+            if failures is not None:
+                failures.labels(reason).inc()
+            log.info("401 %s %s from %s: %s API key (client %s)", request.method, request.path[:200],
+                     request.remote or "unknown", reason, key_id(request) or "without Authorization")
             return error_response(401, "missing or invalid API key: send Authorization: Bearer <key>",
                                   headers={"WWW-Authenticate": "Bearer"})
+        request["api_key_name"] = name
         return await handler(request)
 
     return require_key

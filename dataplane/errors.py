@@ -1,4 +1,12 @@
-"""OpenAI-style error bodies, so every client library shows the message it was given."""
+"""OpenAI-style error bodies, so every client library shows the message it was given.
+
+``{"error": {"message", "type", "param", "code"}}`` with one vocabulary of ``type``,
+OpenAI's: ``invalid_request_error`` (any other 4xx: a bad body, header or method, a body
+too large or too late), ``authentication_error`` (401), ``permission_error`` (403),
+``not_found_error`` (404), ``rate_limit_error`` (429), and ``server_error`` for every 5xx
+(the engines failed, none is up, no control plane answers). ``code`` is the HTTP status,
+as vLLM sends it.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,15 @@ import orjson
 
 from dataplane.messages import Response
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-          415: "UnsupportedMediaTypeError", 429: "RateLimitError", 431: "RequestHeaderFieldsTooLargeError",
-          500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
-          504: "GatewayTimeoutError"}
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+ERROR_TYPES = frozenset((INVALID_REQUEST, SERVER_ERROR, *_TYPES.values()))
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for an HTTP status."""
+    return _TYPES.get(status) or (SERVER_ERROR if status >= 500 else INVALID_REQUEST)
 
 
 class APIError(Exception):
@@ -23,7 +35,7 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or _TYPES.get(status, "APIError")
+        self.type = type_ or error_type(status)
         self.upstream_status = upstream_status
         self.headers = headers      # e.g. an engine's Retry-After, passed on to the client
 
@@ -34,7 +46,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, *, param: str | None = None, type_: str | None = None,
                upstream_status: int | None = None) -> bytes:
-    error = {"message": message, "type": type_ or _TYPES.get(status, "APIError"), "param": param,
+    error = {"message": message, "type": type_ or error_type(status), "param": param,
              "code": status}
     if upstream_status is not None:
         error["upstream_status"] = upstream_status

@@ -166,6 +166,10 @@ class DataPlaneMetrics:
         self.recomputes = Counter("omni_dp_recomputes", "Requests a decode engine handed back (recomputed)",
                                   registry=r)
         self.cancelled = Counter("omni_dp_client_disconnects", "Requests whose client went away", registry=r)
+        self.auth_failures = Counter("omni_dp_auth_failures", "Requests refused for their API key (401): "
+                                     "reason missing or invalid", ["reason"], registry=r)
+        for reason in ("missing", "invalid"):
+            self.auth_failures.labels(reason)      # at 0 from the start, so a rate() sees the first one
         self._series: dict[tuple[str, str], Series] = {}
         self._classes = {route: {c: self.requests.labels(route, name) for c, name in _CODE_CLASSES.items()}
                          for route in ("/v1/completions", "/v1/chat/completions")}

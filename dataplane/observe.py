@@ -177,7 +177,8 @@ class Observer:
         self.access_log_on = access_log_on
         self.tracing = tracing          # dataplane.otel.Tracing or None
 
-    def complete(self, t: RequestTracker, route: str, code: int, client_id: str = "") -> None:
+    def complete(self, t: RequestTracker, route: str, code: int, client_id: str = "",
+                 key: str | None = None) -> None:
         """The handler is done with request ``t`` (answered ``code``): record it everywhere."""
         if not t.done:
             t.done = t.last_token or _now()
@@ -187,7 +188,8 @@ class Observer:
         if self.access_log_on and access_log.isEnabledFor(logging.INFO):
             # makeRecord + handle: Logger.info would also walk the stack for the caller.
             access_log.handle(access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0,
-                                                    self.access_line(t, route, code, client_id), None, None))
+                                                    self.access_line(t, route, code, client_id, key),
+                                                    None, None))
         if t.span is not None:
             self.tracing.end_request(t, code)
 
@@ -216,7 +218,10 @@ class Observer:
             if t.completion_tokens > 1 and t.last_token > first:
                 s.tpot.observe((t.last_token - first) / (t.completion_tokens - 1))
 
-    def access_line(self, t: RequestTracker, route: str, code: int, client_id: str = "") -> str:
+    def access_line(self, t: RequestTracker, route: str, code: int, client_id: str = "",
+                    key: str | None = None) -> str:
+        """``key``: the client's key id (``dataplane.auth.key_id``: a configured name or a
+        hash prefix), never the key."""
         req = t.req
         t0 = t.received
         first, last, done, n = t.first_token_at, t.last_token, t.done, t.completion_tokens
@@ -225,6 +230,7 @@ class Observer:
         line = {
             "request_id": req.request_id if req is not None else None,
             "client_request_id": (req.client_id if req is not None else client_id) or None,
+            "client_key": key,
             "route": route,
             "model": req.model[:200] if req is not None else None,
             "stream": t.stream,

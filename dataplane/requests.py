@@ -177,3 +177,42 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
                          prompt_tokens=prompt_tokens, request_id=engine_request_id(client_id, placement_id),
                          placement_id=placement_id, client_id=client_id,
                          num_prompts=num_prompts, token_ids=token_ids)
+
+
+# Routes whose body goes, unchanged, to one worker of its model (the aggregated flow): the
+# data plane reads only "model" (and "stream", for /v1/responses) and sizes the request
+# for placement from the body's length.
+EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+RERANK = ("/v1/rerank", "/rerank", "/v2/rerank")
+PASSTHROUGH = frozenset((EMBEDDINGS, RESPONSES, *RERANK))
+
+
+def parse_passthrough(path: str, raw: bytes, client_request_id: str | None, *,
+                      allowed_fields: frozenset[str] = frozenset()) -> ClientRequest:
+    """A body for a pass-through route: a JSON object with a string "model" (or none, where
+    the deployment serves one model); every other field is the engine's to check."""
+    if not raw:
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    body, raw = strip_pd_fields(body, raw, allowed_fields)
+    _check_type(body, "model", (str,), "a string")
+    stream = False
+    if path == RESPONSES:
+        _check_type(body, "stream", (bool,), "a boolean")
+        _check_type(body, "max_output_tokens", (int,), "an integer")
+        stream = bool(body.get("stream"))
+    max_tokens = body.get("max_output_tokens") if path == RESPONSES else 0
+    if max_tokens and not 1 <= max_tokens <= MAX_COUNT:
+        raise APIError(400, f"'max_output_tokens' must be between 1 and {MAX_COUNT}", param="max_output_tokens")
+    placement_id = uuid.uuid4().hex
+    client_id = sanitize_client_id(client_request_id)
+    return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "", stream=stream,
+                         max_tokens=int(max_tokens or 0), prompt_tokens=max(1, len(raw) // 4),
+                         request_id=engine_request_id(client_id, placement_id), placement_id=placement_id,
+                         client_id=client_id)

@@ -55,6 +55,7 @@ import resource
 import select
 import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -117,7 +118,11 @@ Middleware = Callable[[Request, Handler], Awaitable[Response | StreamResponse]]
 
 
 class App:
-    """Routes (exact paths), middlewares around every handler, startup and cleanup hooks."""
+    """Routes, middlewares around every handler, startup and cleanup hooks.
+
+    A route's path is exact, or ends in one ``{name}`` that stands for the rest of the path
+    (``/v1/models/{model}``: model ids may hold slashes); the handler reads it as
+    ``request.path[len(prefix):]``. Exact paths win; templates are tried only after them."""
 
     def __init__(self, *, limits: ClientLimits, max_body_bytes: int, middlewares: list[Middleware] = ()) -> None:
         self.limits = limits
@@ -127,10 +132,13 @@ class App:
         self.on_cleanup: list[Callable[[], Awaitable[None]]] = []
         self._handlers: dict[str, dict[str, Handler]] = {}
         self._chains: dict[str, dict[str, Handler]] | None = None
+        self._prefixes: list[tuple[str, str]] = []     # (prefix, template) of ``{name}`` routes
         self._not_found: Handler | None = None
 
     def add_route(self, method: str, path: str, handler: Handler) -> None:
         self._handlers.setdefault(path, {})[method] = handler
+        if path.endswith("}") and "{" in path and (path.rpartition("{")[0], path) not in self._prefixes:
+            self._prefixes.append((path.rpartition("{")[0], path))
         if method == "GET":
             self._handlers[path].setdefault("HEAD", handler)
 
@@ -157,7 +165,12 @@ class App:
             self._freeze()
         methods = self._chains.get(path)
         if methods is None:
-            return self._not_found
+            for prefix, template in self._prefixes:
+                if path.startswith(prefix) and len(path) > len(prefix):
+                    methods = self._chains[template]
+                    break
+            else:
+                return self._not_found
         handler = methods.get(method)
         if handler is None:
             allow = ",".join(sorted(methods))
@@ -618,7 +631,8 @@ class HttpConnection(asyncio.Protocol):
 
     def _write_refusal(self, exc: _Refuse) -> None:
         body = error_body(exc.status, exc.message)
-        head = _head(exc.status, {"Content-Type": "application/json"},
+        # An id of its own, like every answer: the client can quote it, the log line names the peer.
+        head = _head(exc.status, {"Content-Type": "application/json", "X-Request-Id": uuid.uuid4().hex},
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n")
         self.transport.write(head + body)
         self._close(linger=True)

@@ -404,14 +404,16 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "healthy_workers", "workers")
+    __slots__ = ("id", "healthy_workers", "workers", "max_model_len")
     ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     id: str
     healthy_workers: int
     workers: int
-    def __init__(self, id: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, id: _Optional[str] = ..., healthy_workers: _Optional[int] = ..., workers: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

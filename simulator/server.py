@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from simulator import generate
+from simulator import generate, pooling
 from simulator.bootstrap import room_key
 from simulator.config import SimConfig
 from simulator.context import SIM, SimContext
@@ -32,6 +32,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     app[SIM] = ctx
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat_completions)
+    pooling.add_routes(app)      # /v1/embeddings, /v1/rerank, /v1/responses: minimal answers
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
     app.router.add_get("/v1/models", models)

@@ -156,7 +156,47 @@ def test_schemathesis_generation_routes(cluster, session, path, mode):
     still_serving(cluster, session)
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics"])
+OTHER_POSTS = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/responses", "/tokenize", "/detokenize")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", OTHER_POSTS)
+def test_schemathesis_other_post_routes(cluster, session, path):
+    """The pass-through routes (the engine checks the body: a healthy engine's 4xx passes
+    through) and the tokenizer's (this data plane has none: a 400 naming --tokenizer)."""
+    from schemathesis import GenerationMode
+
+    op = _operations()[path]["POST"]
+
+    @fuzz_settings(15)
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE) | op.as_strategy(
+        generation_mode=GenerationMode.NEGATIVE), served=st.booleans())
+    def run(case, served):
+        if served and isinstance(case.body, dict):
+            case.body["model"] = MODEL
+        resp = case.call(base_url=cluster.url, session=session, timeout=30)
+        check_answer(f"schemathesis POST {path}", resp)
+        assert _header(resp, "x-request-id"), resp.status_code
+
+    run()
+    still_serving(cluster, session)
+
+
+def test_schemathesis_model_card(cluster, session):
+    op = _operations()["/v1/models/{model}"]["GET"]
+
+    @fuzz_settings(15)
+    @given(case=op.as_strategy())
+    def run(case):
+        resp = case.call(base_url=cluster.url, session=session, timeout=30)
+        check_answer("schemathesis GET /v1/models/{model}", resp)
+        assert resp.status_code == (200 if case.path_parameters["model"] == MODEL else 404), resp.text[:300]
+
+    run()
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics", "/version", "/liveness", "/livez",
+                                  "/readiness", "/readyz"])
 def test_schemathesis_ops_routes(cluster, session, path):
     import schemathesis  # noqa: F401
 
