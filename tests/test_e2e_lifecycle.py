@@ -174,7 +174,7 @@ async def test_streamed_request_stages_add_up_and_are_counted(agg: Cluster, http
 
     # /metrics counts it, by model and flow.
     after = await scrape(http, agg.url)
-    mf = {"model": MODEL, "flow": "aggregated"}
+    mf = {"model": MODEL, "model_name": MODEL, "flow": "aggregated"}
     for name in ("omni_dp_time_to_first_token_seconds_count", "omni_dp_time_per_output_token_seconds_count",
                  "omni_dp_e2e_request_latency_seconds_count", "omni_dp_placement_seconds_count",
                  "omni_dp_queue_seconds_count", "omni_dp_prefill_seconds_count", "omni_dp_decode_seconds_count"):
@@ -212,7 +212,7 @@ async def test_usage_gives_completion_and_cached_tokens(agg: Cluster, http):
     assert line["completion_tokens"] == 5
     assert line["cached_tokens"] and line["cached_tokens"] > 0
     after = await scrape(http, agg.url)
-    mf = {"model": MODEL, "flow": "aggregated"}
+    mf = {"model": MODEL, "model_name": MODEL, "flow": "aggregated"}
     assert value(after, "omni_dp_cached_tokens_total", **mf) - value(before, "omni_dp_cached_tokens_total", **mf) \
         >= line["cached_tokens"]
 
@@ -297,7 +297,7 @@ async def test_sequential_stages_and_trace_on_both_legs(seq: Cluster, http):
     d_entry = engine_entry(await seq.sim_requests("d"), "lc-seq")
     assert trace_of(p_entry) == trace_of(d_entry) == (TRACEPARENT, TRACESTATE)
     after = await scrape(http, seq.url)
-    mf = {"model": MODEL, "flow": "sequential"}
+    mf = {"model": MODEL, "model_name": MODEL, "flow": "sequential"}
     for name in ("omni_dp_prefill_seconds_count", "omni_dp_decode_seconds_count",
                  "omni_dp_time_to_first_token_seconds_count", "omni_dp_e2e_request_latency_seconds_count"):
         assert value(after, name, **mf) - value(before, name, **mf) == 1, name
