@@ -26,6 +26,7 @@ from omni_proxy.launcher import ProcessGroup
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
+from tests.vllm_harness.recipe import controlplane_toml, prefix_cache_args, prefix_cache_env
 from tests.vllm_harness.vllm_server import (BLOCK_SIZE, SERVED_MODEL, VllmServer, cpu_slots, find_install,
                                             parse_metrics, start_server, vllm_test_marks, wait_healthy)
 
@@ -57,17 +58,13 @@ def fleet(tmp_path_factory):
     try:
         for name, cpu in zip(("e0", "e1"), cpu_slots(2)):
             events[name] = f"ipc://{workdir}/kv-{name}.sock"
-            config = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
-                      f'"endpoint": "{events[name]}", "topic": "kv-events"}}')
             engines[name] = start_server(name, python=python, model=model, workdir=workdir, cpu=cpu,
-                                         extra_args=("--enable-prefix-caching", "--kv-events-config", config,
-                                                     "--prefix-caching-hash-algo", "sha256",
+                                         extra_args=(*prefix_cache_args(events[name]),
                                                      "--num-gpu-blocks-override", str(GPU_BLOCKS)),
-                                         extra_env={"PYTHONHASHSEED": "0"})
+                                         extra_env=prefix_cache_env())
         wait_healthy(list(engines.values()))
         cfg = workdir / "controlplane.toml"
-        cfg.write_text(f'policy = "cache_aware"\n[health]\ntimeout_s = 15\nunhealthy_after = 5\n'
-                       f'[kv_cache]\nblock_size = {BLOCK_SIZE}\nhash_algo = "sha256"\nhash_seed = "0"\n')
+        cfg.write_text(controlplane_toml(health_timeout_s=15, unhealthy_after=5))
         group = ProcessGroup(ready_timeout=60)
         args = ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0", "--http-port", "0",
                 "--health-interval", "0.5"]

@@ -23,6 +23,7 @@ from omni_proxy.launcher import Child, ProcessGroup
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
+from tests.vllm_harness.recipe import controlplane_argv, controlplane_toml, dataplane_argv
 from tests.vllm_harness.vllm_server import (SERVED_MODEL, VllmServer, cpu_slots, find_install,
                                             parse_metrics, start_server, vllm_test_marks, wait_healthy, warm_up_nixl)
 
@@ -89,12 +90,13 @@ def fleet(tmp_path_factory):
         # Patient settings for a shared 2-core machine: a starved engine can take seconds to answer
         # /health (that must not take it out of rotation mid-test), or minutes to answer a leg.
         config = workdir / "controlplane.toml"
-        config.write_text("[health]\ntimeout_s = 15\nunhealthy_after = 5\n")
-        cp = group.start("controlplane", ["controlplane", "--config", str(config), "--listen", "127.0.0.1:0",
-                                          "--http-port", "0", "--prefill", f"{prefill.url},id=p",
-                                          "--decode", f"{decode.url},id=d", "--health-interval", "0.5"])
-        dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address,
-                                       "--read-timeout", "300", "--placement-timeout", "30"])
+        # (tests/vllm_harness/recipe.py: the command lines of docs/real-engines.md)
+        config.write_text(controlplane_toml(policy=None, health_timeout_s=15, unhealthy_after=5, kv_cache=False))
+        cp = group.start("controlplane", controlplane_argv(
+            str(config), listen="127.0.0.1:0", http_port=0,
+            extra=("--prefill", f"{prefill.url},id=p", "--decode", f"{decode.url},id=d", "--health-interval", "0.5")))
+        dp = group.start("dataplane", dataplane_argv(port=0, controlplane=cp.address, read_timeout=300,
+                                                     placement_timeout=30))
         fleet = Fleet(prefill=prefill, decode=decode, cp=cp, dp=dp)
         _wait_workers_healthy(fleet)
         fleet.startup_s = time.monotonic() - t0

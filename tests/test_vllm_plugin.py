@@ -36,6 +36,8 @@ from omni_proxy.launcher import ProcessGroup
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
+from tests.vllm_harness.recipe import (controlplane_argv, controlplane_toml, dataplane_argv, plugin_env,
+                                      prefix_cache_args, prefix_cache_env)
 from tests.vllm_harness.vllm_server import (BLOCK_SIZE, SERVED_MODEL, cpu_slots, find_install, start_server,
                                             vllm_test_marks, wait_healthy)
 
@@ -60,32 +62,27 @@ def _ctl(address: str, *argv: str) -> subprocess.CompletedProcess:
 async def test_vllm_registers_serves_drains_and_deregisters(tmp_path):
     python, model = INSTALL
     cfg = tmp_path / "controlplane.toml"
-    cfg.write_text('policy = "cache_aware"\nheartbeat_interval_s = 1.0\nheartbeat_ttl_s = 120\n'
-                   '[health]\ntimeout_s = 15\nunhealthy_after = 5\n'
-                   f'[kv_cache]\nblock_size = {BLOCK_SIZE}\nhash_algo = "sha256"\nhash_seed = "0"\n')
+    # docs/real-engines.md's control plane and engine settings (tests/vllm_harness/recipe.py)
+    timing = dict(heartbeat_interval_s=1.0, heartbeat_ttl_s=120, health_timeout_s=15, unhealthy_after=5)
+    cfg.write_text(controlplane_toml(**timing))
     group = ProcessGroup(ready_timeout=60)
     server = None
     try:
-        cp = group.start("controlplane", ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0",
-                                           "--http-port", "0", "--health-interval", "0.5"])
+        cp = group.start("controlplane", controlplane_argv(str(cfg), listen="127.0.0.1:0", http_port=0,
+                                                           extra=("--health-interval", "0.5")))
         # Listed first: a control plane whose [kv_cache] block size differs. It refuses the
         # engine, which logs why and registers with the next address.
         bad_cfg = tmp_path / "controlplane-bad.toml"
-        bad_cfg.write_text(cfg.read_text().replace(f"block_size = {BLOCK_SIZE}", "block_size = 16"))
-        bad = group.start("controlplane-bad", ["controlplane", "--config", str(bad_cfg), "--listen",
-                                               "127.0.0.1:0", "--http-port", "0"])
-        dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address,
-                                       "--read-timeout", "120", "--placement-timeout", "30"])
+        bad_cfg.write_text(controlplane_toml(**timing, block_size=16))
+        bad = group.start("controlplane-bad", controlplane_argv(str(bad_cfg), listen="127.0.0.1:0", http_port=0))
+        dp = group.start("dataplane", dataplane_argv(port=0, controlplane=cp.address, read_timeout=120,
+                                                     placement_timeout=30))
         events = f"ipc://{tmp_path}/kv-events.sock"
-        config = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
-                  f'"endpoint": "{events}", "topic": "kv-events"}}')
         server = start_server("plugin", python=python, model=model, workdir=tmp_path, cpu=cpu_slots(1)[0],
-                              extra_args=("--enable-prefix-caching", "--kv-events-config", config,
-                                          "--prefix-caching-hash-algo", "sha256",
-                                          "--num-gpu-blocks-override", str(GPU_BLOCKS)),
-                              extra_env={"PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT),
-                                         "OMNI_CONTROLPLANE": f"{bad.address},{cp.address}", "OMNI_WORKER_ID": WORKER_ID,
-                                         "OMNI_LABELS": "test=vllm-plugin", "VLLM_PLUGINS": "omni_proxy"})
+                              extra_args=(*prefix_cache_args(events), "--num-gpu-blocks-override", str(GPU_BLOCKS)),
+                              extra_env={**prefix_cache_env(), "PYTHONPATH": str(ROOT),
+                                         **plugin_env(f"{bad.address},{cp.address}", WORKER_ID,
+                                                      labels="test=vllm-plugin")})
         await asyncio.to_thread(wait_healthy, [server])
         started = time.monotonic()
 

@@ -35,11 +35,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.vllm_harness.recipe import (BLOCK_SIZE, KV_LEASE_S, MAX_MODEL_LEN, SERVED_MODEL,  # noqa: F401 - re-exported
+                                      TEST_ONLY_ARGS, TEST_ONLY_KV_BUFFER_DEVICE, nixl_args, nixl_config, nixl_env,
+                                      serve_args)
+
 HERE = Path(__file__).resolve().parent
 ENTRY = HERE / "vllm_entry.py"
-SERVED_MODEL = "tiny-llama"
-BLOCK_SIZE = 32
-MAX_MODEL_LEN = 2048
 
 # On two busy cores one server needs about a minute to answer /health, two at once longer.
 START_TIMEOUT = float(os.environ.get("OMNI_VLLM_START_TIMEOUT", "300"))
@@ -121,17 +122,6 @@ def cpu_slots(count: int) -> list[str]:
     """One core per server for vLLM's OMP threads (shared round-robin if there are fewer)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     return [str(cores[i % len(cores)]) for i in range(count)]
-
-
-# How long P keeps a prefilled request's KV blocks for D to pull (vLLM's default is 30 s).
-# On an overloaded 2-core machine D can take longer than that to get to the pull.
-KV_LEASE_S = 120
-
-
-def nixl_config(role: str) -> str:
-    """--kv-transfer-config for NixlConnector on CPU: role is kv_producer (P) or kv_consumer (D)."""
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-                       "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}})
 
 
 @dataclass
@@ -279,18 +269,14 @@ def start_server(name: str, *, python: Path, model: Path, workdir: Path, cpu: st
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "PYTHONUNBUFFERED": "1",
     }
-    args = [
-        "serve", str(model), "--served-model-name", SERVED_MODEL,
-        "--host", "127.0.0.1", "--port", "0",       # vLLM binds a free port; vllm_entry.py reports it
-        "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
-        "--enforce-eager",                          # no torch.compile: starts 2-3x faster, same speed
-    ]
+    # The command line of docs/real-engines.md (tests/vllm_harness/recipe.py), on port 0 (vLLM
+    # binds a free port; vllm_entry.py reports it), plus what a CPU engine here needs.
+    args = [*serve_args(str(model), served_name=SERVED_MODEL, host="127.0.0.1", port=0), *TEST_ONLY_ARGS]
     port_vars: tuple[str, ...] = ()
     if kv_role:
-        env_add["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-        env_add["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        env_add.update(nixl_env("127.0.0.1", free_port()))
         port_vars = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)
-        args += ["--kv-transfer-config", nixl_config(kv_role)]
+        args += nixl_args(kv_role, buffer_device=TEST_ONLY_KV_BUFFER_DEVICE)
     env_add.update(extra_env or {})
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(env_add)
