@@ -31,6 +31,7 @@ Example (TOML)::
     write_behind = false           # true: answer a placement before Redis confirms its charge
     ledger = "shared"              # "local": placement never waits for Redis (controlplane/state/local.py)
     flush_interval_s = 0.005       # ledger = "local": this replica's loads are written this often
+    op_timeout_s = 0.5             # a Redis call unanswered this long: the store is out (placed from memory)
 
     [auth]                         # gRPC API tokens (controlplane/auth.py); each scope open until set
     admin_tokens = ["ops:s3cret"]  # omni-ctl; "token" or "name:token" (the name is what logs show)
@@ -179,6 +180,7 @@ STATE: dict[str, Check] = {
     "write_behind": v.boolean,
     "ledger": lambda x, f: v.choice(x, f, STATE_LEDGERS),
     "flush_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=1),
+    "op_timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=30),
 }
 
 
@@ -221,6 +223,7 @@ class StateConfig:
     write_behind: bool = False        # placement does not wait for Redis to confirm its reserve
     ledger: str = "shared"            # "local": this replica's charges in memory, published in batches
     flush_interval_s: float = 0.005   # ledger = "local": how often changed loads are written to Redis
+    op_timeout_s: float = 0.5         # a Redis call unanswered this long is an outage (a hung Redis)
 
 
 def _table(value: Any, name: str) -> dict[Any, Any]:

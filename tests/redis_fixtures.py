@@ -25,7 +25,8 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 class RedisServer:
-    """One redis-server process; ``stop``/``start`` again to simulate an outage.
+    """One redis-server process; ``stop``/``start`` again to simulate an outage, ``pause``
+    and ``resume`` for a hung one.
 
     Listens only on ``<dir>/redis.sock`` (``--port 0`` turns TCP off), or on 127.0.0.1 with
     ``tcp=True`` (a free port chosen by the OS, retried if another process takes it first).
@@ -117,8 +118,18 @@ class RedisServer:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung Redis (connections accepted and kept, nothing answered)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause`` (call it in a ``finally``)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
         try:
+            self.resume()   # a stopped process would not take SIGTERM
             self.stop()
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -136,3 +136,56 @@ async def test_redis_restarting_empty_keeps_the_fleet_on_every_replica(sim_both,
             await wait_until(r.ledgers_idle, what="every replica's ledger back to 0")
     finally:
         redis.close()
+
+
+async def test_a_stalled_redis_is_an_outage_and_leaks_no_load(sim_both, http):
+    """Redis stopped (SIGSTOP) under a bounded stream of requests. Before: each ledger call
+    waited its timeout, one after another on the data plane's session, so placements timed
+    out (503 after 5 s); ends that failed were dropped, and a reserve that timed out ran
+    when Redis woke up, so load stayed charged with nothing in flight."""
+    redis = RedisServer().start()
+    try:
+        async with Replicas(sim_both, redis) as r:
+            status, _, body = await _complete(http, r.dp.url)
+            assert status == 200, body
+            results: list[tuple[int, float]] = []
+
+            async def one() -> None:
+                started = time.monotonic()
+                status, _, _ = await _complete(http, r.dp.url)
+                results.append((status, time.monotonic() - started))
+
+            tasks: list[asyncio.Task] = []
+            try:
+                for i in range(60):          # 15 requests/s for 4 s; Redis stopped from 1 s to 3.5 s
+                    if i == 15:
+                        redis.pause()
+                    if i == 52:
+                        redis.resume()
+                    tasks.append(asyncio.create_task(one()))
+                    await asyncio.sleep(1 / 15)
+            finally:
+                redis.resume()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            statuses = sorted({s for s, _ in results})
+            assert len(results) == 60 and statuses == [200], statuses
+            slowest = max(t for _, t in results)
+            assert slowest < 1.5, f"a request took {slowest:.1f}s: the stall was waited for, not treated as an outage"
+            assert any(p.store.outages for p in r.planes)   # it was seen as one
+            await wait_until(r.ledgers_idle, timeout=20, what="every replica's ledger back to 0")
+
+            async def redis_clean() -> bool:
+                check = RedisStore(redis.url, key_prefix=r.prefix)
+                try:
+                    loads = await check.loads(["w"])
+                    return loads["w"].requests == 0 and loads["w"].tokens == 0 and not await check.records()
+                finally:
+                    await check.close()
+            await wait_until(redis_clean, timeout=10, what="no charge or record left in Redis")
+
+            async def replayed() -> bool:   # the outage's kept ends (tombstones, mostly) went out
+                return all(p.store.pending == 0 for p in r.planes)
+            await wait_until(replayed, timeout=10, what="every kept operation replayed")
+            assert await redis_clean()
+    finally:
+        redis.close()

@@ -218,8 +218,8 @@ async def test_control_plane_replicas_share_loads_through_the_local_ledger(sim_b
     prefix = _prefix()
 
     def config() -> ControlPlaneConfig:
-        return ControlPlaneConfig(listen="127.0.0.1:0", workers=[WorkerConfig(url=sim_both.url, role=Role.BOTH,
-                                                                              id="w")],
+        return ControlPlaneConfig(listen="127.0.0.1:0", http_port=0,
+                                  workers=[WorkerConfig(url=sim_both.url, role=Role.BOTH, id="w")],
                                   state=StateConfig(backend="redis", redis_url=redis_server.url, key_prefix=prefix,
                                                     ledger="local", flush_interval_s=0.002, loads_max_age_s=0.02))
     a, b = ControlPlane(config()), ControlPlane(config())
@@ -242,7 +242,7 @@ async def test_a_control_plane_on_the_local_ledger_places_through_a_redis_outage
     prefix = _prefix()
     state = StateConfig(backend="redis", redis_url=redis_persistent.url, key_prefix=prefix, ledger="local",
                         flush_interval_s=0.002, loads_max_age_s=0.02)
-    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", state=state, workers=[
+    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", http_port=0, state=state, workers=[
         WorkerConfig(url=sim_both.url, role=Role.BOTH, id="w")]))
     await plane.start()
     other = _local(redis_persistent, prefix)

@@ -482,6 +482,25 @@ async def test_redis_without_persistence_comes_back_empty_and_usable():
         server.close()
 
 
+async def test_an_end_with_a_tombstone_makes_a_late_reserve_charge_nothing(redis_server):
+    """A reserve that timed out against a stalled Redis runs when Redis wakes up, possibly
+    after the request's end (ResilientStore replays ends with a tombstone): it must not
+    charge a load that nothing would release. Plain ends leave no tombstone."""
+    s = RedisStore(redis_server.url, key_prefix=_prefix())
+    try:
+        assert await s.end("late", tombstone_s=30) is None
+        assert await s.reserve(_rec("late"), (Charge("w", "aggregated", 10),)) is None
+        assert (await s.loads(["w"]))["w"] == IDLE and await s.get("late") is None and await s.records() == []
+        assert await s.end("plain") is None
+        await s.reserve(_rec("plain"), (Charge("w", "aggregated", 10),))   # no tombstone: charged
+        assert (await s.loads(["w"]))["w"].requests == 1
+        # a tombstone does not touch a record that exists
+        assert (await s.end("plain", tombstone_s=30)).request_id == "plain"
+        assert (await s.loads(["w"]))["w"].requests == 0
+    finally:
+        await s.close()
+
+
 async def test_spec_changes_are_published_to_every_replica(redis_server):
     prefix = _prefix()
     a, b = RedisStore(redis_server.url, key_prefix=prefix), RedisStore(redis_server.url, key_prefix=prefix)

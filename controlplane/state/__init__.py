@@ -22,9 +22,10 @@ def make_store(config) -> StateStore:
         # every loads_max_age_s (0.05 s when 0). Resilient by itself: it never awaits Redis
         # to place.
         return LocalLedgerStore(RedisStore(state.redis_url, key_prefix=state.key_prefix,
-                                           replica_ttl_s=state.replica_ttl_s),
+                                           replica_ttl_s=state.replica_ttl_s, socket_timeout_s=state.op_timeout_s),
                                 flush_interval_s=state.flush_interval_s, refresh_s=state.loads_max_age_s or 0.05)
     # Behind a local ledger: placement goes on from memory while Redis is away.
+    # A hung Redis (no answer within op_timeout_s) is an outage like a refused connection.
     return ResilientStore(RedisStore(state.redis_url, key_prefix=state.key_prefix,
                                      replica_ttl_s=state.replica_ttl_s, loads_max_age_s=state.loads_max_age_s,
-                                     write_behind=state.write_behind))
+                                     write_behind=state.write_behind, socket_timeout_s=state.op_timeout_s))

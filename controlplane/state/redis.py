@@ -13,6 +13,7 @@ by using different prefixes)::
     P epoch             str   made once per store's life: its loss means Redis lost its data
     P load:<worker>     hash  requests, tokens, prefill_tokens, prefills (integers >= 0)
     P rec:<request>     hash  one RequestRecord (fields as text; charges as JSON)
+    P ended:<request>   str   tombstone of an end that found no record (``end(tombstone_s=)``)
     P recs              set   every request id with a record
     P sess:<session>    set   request ids owned by a data-plane session
     P orphans           zset  request id -> orphaned_at (wall clock)
@@ -189,6 +190,9 @@ local exists = redis.call('EXISTS', rk) == 1
 if exists and redis.call('HGET', rk, 'op') == op then
   return result(redis.call('HGETALL', rk))   -- a retried call that already happened
 end
+if not exists and redis.call('EXISTS', P .. 'ended:' .. rid) == 1 then
+  return result(false)   -- it ended before this (late) reserve arrived: see end(tombstone_s=)
+end
 local i = 6
 local nf = tonumber(ARGV[i]); i = i + 1
 if not exists then
@@ -236,9 +240,13 @@ if changed then redis.call('HSET', rk, 'charges', encode(keep)) end
 return result(redis.call('HGETALL', rk))
 """
 
-# ARGV: P, request id
+# ARGV: P, request id, tombstone ttl ms ('0': none)
 _END = _LUA_COMMON + r"""
-return result(end_record(ARGV[2]))
+local rec = end_record(ARGV[2])
+if not rec and tonumber(ARGV[3]) > 0 then
+  redis.call('SET', P .. 'ended:' .. ARGV[2], '1', 'PX', ARGV[3])   -- a reserve still on its way charges nothing
+end
+return result(rec)
 """
 
 # ARGV: P, request id
@@ -698,8 +706,13 @@ class RedisStore:
         return self._ledger_reply(await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
 
     @_unavailable
-    async def end(self, request_id: str) -> RequestRecord | None:
-        return self._ledger_reply(await self._script(self._end, _END, [self.prefix, request_id]))
+    async def end(self, request_id: str, *, tombstone_s: float = 0.0) -> RequestRecord | None:
+        """With ``tombstone_s``, an end that finds no record leaves a tombstone for that long:
+        a reserve of that request arriving later charges nothing. For ends whose reserve may
+        still be on its way (one that timed out against a stalled Redis runs when Redis
+        wakes up, perhaps after the end): ``ResilientStore`` passes it."""
+        ttl_ms = str(max(0, int(tombstone_s * 1000)))
+        return self._ledger_reply(await self._script(self._end, _END, [self.prefix, request_id, ttl_ms]))
 
     @_unavailable
     async def settle_prefill(self, request_id: str) -> RequestRecord | None:
