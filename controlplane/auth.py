@@ -222,20 +222,20 @@ def bearer(metadata) -> str:
 
 
 def _deny_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def deny_unary(request, context):
+    """A handler that refuses the call without reading its request.
+
+    gRPC reads a unary request whole before it runs a unary handler: a refusal served as one
+    would first take in whatever the caller sent (8 calls of 58 MiB without a token took a
+    control plane from 62 to 880 MB). As a stream-request handler that never iterates its
+    requests, nothing of the message is asked for; the caller gets its status at once. The
+    wire format is the same for every kind, so the caller sees only UNAUTHENTICATED."""
+    async def deny(request_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def deny_stream(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_unary, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny_stream, **kw)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+    kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
+    if handler.unary_unary or handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny, **kw)
 
 
 def _as_principal(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:

@@ -20,15 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 
 from google.protobuf.message import DecodeError
 
 from controlplane.auth import AuthInterceptor
 from protos import omni_proxy_pb2 as pb
-from protos.framing import STREAM_LIMIT, FrameError, FrameWriter, encode, read_frames, split_target, tune
+from protos.framing import FrameError, FrameWriter, encode, read_frames, split_target, tune, widen
+from protos.options import MAX_OPENING_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
+LOG_EVERY_S = 10.0            # refused connections: one log line at most this often
 OPEN_TIMEOUT_S = 5.0          # a connection that sends no ``open`` this long is closed
 
 
@@ -42,11 +45,13 @@ class SessionSocketServer:
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
+        self._logged_at = -LOG_EVERY_S
+        self._suppressed = 0
 
     async def start(self, listen: str) -> int:
         host, port = split_target(listen)
         self._server = await asyncio.start_server(self._serve, host, port, ssl=self.ssl_context,
-                                                  limit=STREAM_LIMIT, reuse_address=True)
+                                                  limit=MAX_OPENING_FRAME_BYTES, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -66,9 +71,11 @@ class SessionSocketServer:
         try:
             tune(writer)
             peer = writer.get_extra_info("peername")
-            frames = read_frames(reader)
+            # Until its token is checked a connection may send no more than a small opening.
+            frames = read_frames(reader, first_max_bytes=MAX_OPENING_FRAME_BYTES)
             opening = await self._opening(frames, writer, peer)
             if opening is not None:
+                widen(reader)        # admitted: the session's own buffer size
                 await self._relay(opening, frames, writer, peer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass        # the node went away; the session (if any) ended with its reader
@@ -86,7 +93,9 @@ class SessionSocketServer:
             return None
         except asyncio.TimeoutError:
             return self._refuse(writer, peer, f"no session opening within {OPEN_TIMEOUT_S:g}s")
-        except (DecodeError, FrameError) as exc:
+        except FrameError as exc:
+            return self._refuse(writer, peer, f"session opening refused before authentication: {exc}")
+        except DecodeError as exc:
             return self._refuse(writer, peer, f"malformed session opening: {type(exc).__name__}")
         if first.WhichOneof("body") != "open":
             return self._refuse(writer, peer, "the first message of a session must be 'open'")
@@ -97,9 +106,20 @@ class SessionSocketServer:
 
     def _refuse(self, writer: asyncio.StreamWriter, peer, why: str, *, quiet: bool = False) -> None:
         if not quiet:      # token refusals are logged, rate-limited, by the interceptor
-            log.warning("session socket: refused %s: %s", peer, why)
+            self._log_refusal(peer, why)
         writer.write(encode(pb.ControlPlaneMessage(refused=why)))
         return None
+
+    def _log_refusal(self, peer, why: str) -> None:
+        """One WARNING every LOG_EVERY_S at most (a flood of bad openings is one line, not one
+        per connection), saying how many were refused meanwhile."""
+        now = time.monotonic()
+        if now - self._logged_at < LOG_EVERY_S:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more refused since the last line)" if self._suppressed else ""
+        self._logged_at, self._suppressed = now, 0
+        log.warning("session socket: refused %s: %s%s", peer, why, more)
 
     async def _relay(self, opening: pb.DataPlaneMessage, frames, writer: asyncio.StreamWriter, peer) -> None:
         """Run the session: decoded frames in, its answers out as frames."""

@@ -34,7 +34,7 @@ from dataplane.session_socket import connect as connect_socket
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from protos.framing import FrameError, split_target
-from protos.options import CLIENT_KEEPALIVE_MS, client_options
+from protos.options import CLIENT_KEEPALIVE_MS, MAX_OPENING_FRAME_BYTES, client_options
 
 log = logging.getLogger(__name__)
 
@@ -304,9 +304,15 @@ class PlacementClient:
         self._stub = pb_grpc.SchedulerStub(channel)
         sock = await self._open_socket(target)
         queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(
-            node_id=self.node_id, live_requests=self._live, batches=True,
-            token=self._token if sock is not None else "")))     # gRPC carries it as metadata
+        opening = pb.SessionOpen(node_id=self.node_id, live_requests=self._live, batches=True,
+                                 token=self._token if sock is not None else "")   # gRPC: in metadata
+        if sock is not None and opening.ByteSize() > MAX_OPENING_FRAME_BYTES - 16:
+            # The socket's first frame is read before its token is checked, so it is small;
+            # the live requests follow in a second open, once the session is admitted.
+            queue.put_nowait(pb.DataPlaneMessage(open=pb.SessionOpen(node_id=self.node_id, batches=True,
+                                                                     token=opening.token)))
+            opening.token = ""
+        queue.put_nowait(pb.DataPlaneMessage(open=opening))
         self._queue = queue          # what waits in _unsent follows once the control plane answers
         self._cp_batches = False   # batch only once this control plane says it reads batches
         if sock is not None:

@@ -12,7 +12,11 @@ certificate), so the session's logic is the same on both transports:
 
 The first frame from the data plane is a ``DataPlaneMessage`` with ``open`` (carrying its
 token when the control plane asks for one); the control plane answers ``info`` first, or
-``refused`` and closes. Frames over :data:`MAX_FRAME_BYTES` end the session.
+``refused`` and closes. Frames over :data:`MAX_FRAME_BYTES` end the session; the opening
+frame, read before the token is checked, may be no longer than
+:data:`~protos.options.MAX_OPENING_FRAME_BYTES` (8 KiB): a connection announcing a 60 MiB
+opening is refused after its 4-byte length, before anything of the frame is read (a data
+plane with many live requests sends them in a second ``open``, once admitted).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 
-from protos.options import MAX_MESSAGE_BYTES
+from protos.options import MAX_MESSAGE_BYTES, MAX_OPENING_FRAME_BYTES
 
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 _LENGTH = struct.Struct(">I")
@@ -95,12 +99,15 @@ class FrameWriter:
         return not self._transport.is_closing()
 
 
-async def read_frames(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> AsyncIterator[bytes]:
+async def read_frames(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES, *,
+                      first_max_bytes: int | None = None) -> AsyncIterator[bytes]:
     """The payloads of the frames ``reader`` delivers, until a clean end of stream.
 
     A stream that ends inside a frame raises ``asyncio.IncompleteReadError``; a length
-    over ``max_bytes`` raises :class:`FrameError` before anything of it is read.
+    over ``max_bytes`` (``first_max_bytes`` for the first frame, when given) raises
+    :class:`FrameError` before anything of it is read.
     """
+    limit = max_bytes if first_max_bytes is None else first_max_bytes
     while True:
         try:
             head = await reader.readexactly(4)
@@ -109,9 +116,21 @@ async def read_frames(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_B
                 return          # closed between frames: a normal end
             raise
         (length,) = _LENGTH.unpack(head)
-        if length > max_bytes:
-            raise FrameError(f"a frame of {length} bytes is over the limit of {max_bytes}")
+        if length > limit:
+            raise FrameError(f"a frame of {length} bytes is over the limit of {limit}")
+        limit = max_bytes
         yield await reader.readexactly(length) if length else b""
+
+
+def widen(reader: asyncio.StreamReader, limit: int = STREAM_LIMIT) -> None:
+    """Let ``reader`` buffer up to ``limit`` (twice that before it pauses the socket).
+
+    The session socket's server starts each connection's reader at the opening frame's
+    size, so a connection that has not shown its token can make the control plane hold no
+    more than that (at 1 MiB, 16 connections streaming junk held 32 MB), and widens it once
+    the session is admitted. asyncio offers no public setter for the limit it was made with.
+    """
+    reader._limit = limit   # noqa: SLF001 - see above
 
 
 def tune(writer: asyncio.StreamWriter) -> None:

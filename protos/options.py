@@ -6,8 +6,12 @@ defaults (no pings without an active call, at most one every 5 minutes without d
 client pinging every 10 s lost its session after about 40 s of quiet. The server here
 accepts pings down to half the client's interval, with or without calls in flight.
 
-Message sizes are explicit on both sides: placements and reports are small, and nothing
-large belongs on the placement stream.
+Message sizes are explicit on both sides. Only placements can be large (a layerwise
+placement carries the client's body, up to the data plane's 32 MiB): :data:`BULK_METHODS`
+may receive up to :data:`MAX_MESSAGE_BYTES`, every other method :data:`MAX_SMALL_MESSAGE_BYTES`
+(checked by the control plane's ``grpc_guard`` before a message is decoded). gRPC's own
+``max_receive_message_length`` is one value for the whole server, so it stays the bulk one;
+a caller without a valid token never gets a message read at all (``controlplane/auth.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,17 @@ from __future__ import annotations
 CLIENT_KEEPALIVE_MS = 10_000        # the data plane pings this often when the stream is quiet
 KEEPALIVE_TIMEOUT_MS = 5_000        # and gives the peer this long to answer
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_SMALL_MESSAGE_BYTES = 1024 * 1024
+# The methods whose requests may be large: placements (PlaceRequest.body). Full gRPC paths.
+BULK_METHODS = frozenset({"/omni_proxy.v1.Scheduler/Session", "/omni_proxy.v1.Scheduler/Place",
+                          "/omni_proxy.v1.Admin/Explain"})
+# The session socket's first frame, read before its token is checked (protos/framing.py).
+MAX_OPENING_FRAME_BYTES = 8 * 1024
+
+
+def max_request_bytes(method: str) -> int:
+    """The largest request message ``method`` (a full gRPC path) accepts."""
+    return MAX_MESSAGE_BYTES if method in BULK_METHODS else MAX_SMALL_MESSAGE_BYTES
 
 
 def client_options(keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> list[tuple[str, int]]:

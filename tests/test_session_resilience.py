@@ -78,6 +78,31 @@ async def test_reconnecting_data_plane_claims_its_live_requests(cp, session_sock
         await client.close()
 
 
+async def test_a_reconnect_with_more_live_requests_than_the_opening_frame_holds_claims_them_all(cp):
+    """The session socket reads at most 8 KiB before a session is admitted; a data plane
+    whose live requests take more sends them in a second ``open`` and loses none."""
+    from protos.options import MAX_OPENING_FRAME_BYTES
+
+    client = await _client(cp)
+    assert client.transport == "socket"
+    try:
+        ids = [f"live-{i:04d}-{'x' * 40}" for i in range(300)]
+        answers = await asyncio.gather(*(client.place(_entry(rid)) for rid in ids))
+        assert not any(a.error for a in answers)
+        assert len(pb.SessionOpen(live_requests=ids).SerializeToString()) > MAX_OPENING_FRAME_BYTES
+        client.drop_session()
+        await wait_until(lambda: _async(client.sessions_started == 2 and client.connected),
+                         what="a new session")
+        await wait_until(lambda: _async(cp.placer.stats.sessions["requests_claimed"] >= len(ids)),
+                         what="every live request claimed by the new session")
+        assert await _load(cp) == (len(ids), len(ids))
+        for rid in ids:
+            client.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED))
+        await wait_until(lambda: _loaded(cp, (0, 0)), what="all released")
+    finally:
+        await client.close()
+
+
 async def test_requests_of_a_data_plane_that_never_returns_are_released_after_grace(cp):
     cp.lifecycle.session_grace_s = 2.0   # long enough to see the load kept, even on a loaded machine
     client = await _client(cp)
