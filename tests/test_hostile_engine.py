@@ -10,6 +10,7 @@ The engine here is raw asyncio in a thread, so each case says byte for byte what
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -40,6 +41,7 @@ class HostileEngine:
     def __init__(self) -> None:
         self.plan = "ok"
         self.ids: list[str] = []
+        self.aborted = 0     # "slow" requests whose connection the data plane closed first
         self.port = 0
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -76,7 +78,7 @@ class HostileEngine:
                     writer.write(_answer(b"", ctype="text/plain"))
                 else:
                     self.ids.append(headers.get("x-request-id", ""))
-                    if not await self._generate(writer):
+                    if not await self._generate(reader, writer):
                         return
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -84,10 +86,18 @@ class HostileEngine:
         finally:
             writer.close()
 
-    async def _generate(self, writer: asyncio.StreamWriter) -> bool:
+    async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answer as the plan says; False: close the connection."""
         plan = self.plan
         if plan == "ok":
+            writer.write(_answer(OK_BODY))
+        elif plan == "slow":                    # answers after 3 s, unless the data plane hangs up first
+            try:
+                if await asyncio.wait_for(reader.read(1), 3.0) == b"":
+                    self.aborted += 1
+                    return False
+            except asyncio.TimeoutError:
+                pass
             writer.write(_answer(OK_BODY))
         elif plan == "work_then_close":        # reads the request, works 1 s, closes: no answer
             await asyncio.sleep(1.0)
@@ -189,3 +199,48 @@ def test_a_malformed_answer_fails_the_request_not_the_engine(system, plan):
     engine.plan = "ok"
     nxt = _post(dp)
     assert nxt.status_code == 200, f"after {plan}: {nxt.status_code} {nxt.text}"
+
+
+def _raw_request(dp) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", dp.port), timeout=10)
+    body = b'{"model": "sim-model", "prompt": "x", "max_tokens": 1}'
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def test_a_half_closed_client_is_answered(system):
+    """#9 on a real data plane: a complete request, then shutdown(SHUT_WR) (``nc -N``); the
+    engine takes 3 s, so the client first gets an interim 100 Continue, then the answer."""
+    engine, dp, _ = system
+    _served(engine, dp)
+    engine.plan = "slow"
+    sock = _raw_request(dp)
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    assert data.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"), data[:300]
+    assert b"Connection: close" in data and data.endswith(b"}"), data[-300:]
+
+
+def test_a_client_that_closes_for_good_still_cancels_its_request(system):
+    """The other side of #9: a client that closed (not half-closed) while its answer was
+    pending is found out (its reset to the interim 100) and the engine leg is aborted."""
+    engine, dp, _ = system
+    _served(engine, dp)
+    engine.plan = "slow"
+    aborted = engine.aborted
+    sock = _raw_request(dp)
+    deadline = time.monotonic() + 10
+    before = len(engine.ids)
+    while len(engine.ids) == before:        # the request reached the engine
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    while engine.aborted == aborted:
+        assert time.monotonic() < deadline, "the engine leg was not aborted"
+        time.sleep(0.02)
