@@ -30,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate for TLS on the gRPC port ([auth] tls_cert)")
     p.add_argument("--tls-key", help="its PEM private key ([auth] tls_key)")
     p.add_argument("--tls-client-ca", help="PEM CA that signs client certificates: mutual TLS ([auth] tls_client_ca)")
-    p.add_argument("--log-level", default="INFO")
+    from omni_runtime.logs import add_log_arguments
+
+    add_log_arguments(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
@@ -128,14 +130,13 @@ async def _start(cp, cfg) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
     from controlplane.validate import choice as v_choice
     from omni_runtime import run_main, wait_for_stop_signal, write_ready_file
+    from omni_runtime.logs import configure as configure_logging
 
     try:
         level = v_choice(args.log_level.upper(), "--log-level", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(level, args.log_format)
         cfg = config_from_args(args)
         check_config(cfg)
     except (ValueError, OSError) as exc:

@@ -127,7 +127,7 @@ class HealthChecker:
         state = self.fleet.state(spec.id)
         if not error:
             if state.health is not Health.HEALTHY:
-                log.info("worker %s (%s) is healthy", spec.id, spec.url)
+                log.info("worker %s (%s) is healthy", spec.id, spec.url, extra={"worker": spec.id})
             if state.health is not Health.HEALTHY or state.consecutive_failures:
                 self.fleet.set_state(spec.id, replace(state, health=Health.HEALTHY, consecutive_failures=0))
             return
@@ -135,7 +135,7 @@ class HealthChecker:
         health = state.health
         if health is not Health.HEALTHY or failures >= self.config.unhealthy_after:
             if health is not Health.UNHEALTHY:
-                log.warning("worker %s (%s) is unhealthy: %s", spec.id, spec.url, error)
+                log.warning("worker %s (%s) is unhealthy: %s", spec.id, spec.url, error, extra={"worker": spec.id})
             health = Health.UNHEALTHY
         self.fleet.set_state(spec.id, replace(state, health=health, consecutive_failures=failures,
                                               last_error=error, max_model_len=0))

@@ -316,7 +316,7 @@ class DataPlane:
             response = await self._run_flow(ctx, placement, flow)
         except UpstreamError as exc:
             log.warning("request failed on worker %s (upstream status %s): %s", exc.worker_id,
-                        exc.upstream_status, exc.message)
+                        exc.upstream_status, exc.message, extra={"worker": exc.worker_id})
             tracker.failed(exc.worker_id, exc.message, exc.upstream_status or 0)
             self.metrics.upstream_errors.labels(exc.worker_id, str(exc.upstream_status)).inc()
             raise

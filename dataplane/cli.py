@@ -78,7 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="OTLP/HTTP collector (e.g. http://127.0.0.1:4318): OpenTelemetry spans per request "
                         "and engine leg; needs the otel extra (default: off)")
     p.add_argument("--otel-service-name", default="omni-proxy-dataplane", help="service.name of the spans")
-    p.add_argument("--log-level", default="INFO")
+    from omni_runtime.logs import add_log_arguments
+
+    add_log_arguments(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dataplane.observe import configure_logging
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     # Long prompts are tokenized and hashed in threads, in per-block Python that holds the
     # GIL: at CPython's default 5 ms switch interval each of them held every other request's
     # placement for 5 ms at a time (bench/burst.py). At 0.5 ms the event loop gets it back

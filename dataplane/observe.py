@@ -64,11 +64,13 @@ class RequestIdFilter(logging.Filter):
     line carries the ids in its JSON and is left as it is.
     """
 
+    prefix = True     # off with --log-format json: the id is a field of its own there
+
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             rid = current_request_id.get()
             record.request_id = rid
-            if rid and record.name != ACCESS_LOGGER and isinstance(record.msg, str):
+            if rid and self.prefix and record.name != ACCESS_LOGGER and isinstance(record.msg, str):
                 record.msg = f"[{rid}] {record.msg}"
         return True
 
@@ -152,13 +154,17 @@ class BatchedStreamHandler(logging.StreamHandler):
         super().close()
 
 
-def configure_logging(level: str) -> None:
-    """The data plane's own process: its log format, request ids on every line, lines
-    written in batches (``BatchedStreamHandler``)."""
+def configure_logging(level: str, fmt: str = "text") -> None:
+    """The data plane's own process: its log format (``text``, or ``json``: one object per
+    line, ``omni_runtime.logs``), request ids on every line, lines written in batches
+    (``BatchedStreamHandler``)."""
+    from omni_runtime.logs import JsonFormatter
+
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, handlers=[BatchedStreamHandler(sys.stderr.fileno())])
     skip_unused_record_fields()
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(CachedTimeFormatter())
+        handler.setFormatter(JsonFormatter() if fmt == "json" else CachedTimeFormatter())
+    _FILTER.prefix = fmt != "json"
     install_request_id_filter()
 
 
@@ -187,9 +193,10 @@ class Observer:
             self._observe(t)
         if self.access_log_on and access_log.isEnabledFor(logging.INFO):
             # makeRecord + handle: Logger.info would also walk the stack for the caller.
-            access_log.handle(access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0,
-                                                    self.access_line(t, route, code, client_id, key),
-                                                    None, None))
+            record = access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0,
+                                           self.access_line(t, route, code, client_id, key), None, None)
+            record.json_message = True     # a JSON log embeds it whole (omni_runtime.logs)
+            access_log.handle(record)
         if t.span is not None:
             self.tracing.end_request(t, code)
 

@@ -114,12 +114,12 @@ class Upstream:
         try:
             resp = await self._client.post(url, body, headers, total_timeout_s=total_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("worker %s (%s) timed out", worker_id, url)
+            log.warning("worker %s (%s) timed out", worker_id, url, extra={"worker": worker_id})
             raise _timed_out(worker_id, url) from None
         except (EngineConnectError, OSError) as exc:
             err = UpstreamError(worker_id, f"cannot reach worker {worker_id} ({url}): "
                                 f"{type(exc).__name__} {exc}".strip(), 0)
-            log.warning("%s", err.message)
+            log.warning("%s", err.message, extra={"worker": worker_id})
             raise err from None
         except EngineClientError as exc:
             # The engine was reached and took the request, then closed or answered garbage:
@@ -127,7 +127,7 @@ class Upstream:
             # engine is unreachable, which would take it out of rotation at once.
             err = UpstreamError(worker_id, f"worker {worker_id} ({url}) failed the request: "
                                 f"{type(exc).__name__} {exc}".strip(), 502)
-            log.warning("%s", err.message)
+            log.warning("%s", err.message, extra={"worker": worker_id})
             raise err from None
         if resp.status == 200:
             return resp
@@ -141,7 +141,7 @@ class Upstream:
         if 400 <= resp.status < 500 and resp.status not in (408, 429):
             raise APIError(resp.status, message, type_=None)
         status = resp.status if resp.status in PASS_THROUGH_STATUSES else 502
-        log.warning("worker %s returned %d: %s", worker_id, resp.status, message[:200])
+        log.warning("worker %s returned %d: %s", worker_id, resp.status, message[:200], extra={"worker": worker_id})
         raise UpstreamError(worker_id, f"worker {worker_id} returned {resp.status}: {message}", resp.status,
                             status=status, headers=_retry_after(resp) if status != 502 else None)
 
@@ -156,14 +156,14 @@ async def read_body(worker_id: str, resp: EngineResponse) -> bytes:
         data = await resp.read()
     except asyncio.TimeoutError:
         resp.close()
-        log.warning("worker %s timed out answering", worker_id)
+        log.warning("worker %s timed out answering", worker_id, extra={"worker": worker_id})
         raise _timed_out(worker_id, resp.url) from None
     except EngineClientError as exc:
         resp.close()
         # 502, not 0: it answered, so it is reachable (see relay_stream).
         err = UpstreamError(worker_id, f"worker {worker_id} broke off its answer: "
                             f"{type(exc).__name__} {exc}".strip(), 502)
-        log.warning("%s", err.message)
+        log.warning("%s", err.message, extra={"worker": worker_id})
         raise err from None
     except BaseException:
         resp.close()

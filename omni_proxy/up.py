@@ -24,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
 
     from omni_runtime import run_main, wait_for_stop_signal, write_ready_file
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dataplane.observe import configure_logging
+
+    configure_logging(args.log_level, args.log_format)    # the data plane's: request ids on its lines
     try:
         cfg = cp_cli.config_from_args(args)
         cp_cli.check_config(cfg)

@@ -11,6 +11,9 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
+    from omni_runtime.logs import add_log_arguments
+
+    add_log_arguments(g, level=False)
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one (default 0)")
     g.add_argument("--ready-file", default=None,
@@ -137,13 +140,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
     import sys
 
     from omni_runtime import StartupError, run_main
+    from omni_runtime.logs import configure as configure_logging
     from simulator.server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("INFO", args.log_format)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:

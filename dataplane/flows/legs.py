@@ -39,7 +39,7 @@ async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: st
             if not ctx.retry.retryable(exc, len(tried) - 1):
                 raise
             log.warning("worker %s failed before the first byte (%s %s); trying another worker",
-                        failed, exc.upstream_status, exc.message)
+                        failed, exc.upstream_status, exc.message, extra={"worker": failed})
             ctx.tracker.leg_failed(failed, exc.message, exc.upstream_status or 0, retry_after_s(exc))
             ctx.metrics.upstream_errors.labels(failed, str(exc.upstream_status)).inc()
             endpoint = await replace(tried, exc)

@@ -59,7 +59,8 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamRes
             tried.append(prefill.worker_id)
             if len(tried) > ctx.prefill_retries:
                 raise
-            log.warning("prefill on %s failed (%s); trying another prefill worker", prefill.worker_id, exc.message)
+            log.warning("prefill on %s failed (%s); trying another prefill worker", prefill.worker_id, exc.message,
+                        extra={"worker": prefill.worker_id})
             ctx.tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0, retry_after_s(exc))
             ctx.metrics.upstream_errors.labels(prefill.worker_id, str(exc.upstream_status)).inc()
             try:
