@@ -238,8 +238,7 @@ class _Refuse(Exception):
 _LINE_TOO_LONG = (431, "a request line or header field is over the size limit")
 _TOO_MANY = (431, "too many request header fields")
 _BAD_TE = (400, "unsupported Transfer-Encoding: only a single 'chunked' is accepted")
-_FULL = (b'{"error":{"message":"too many connections to this node; retry shortly","type":"ServiceUnavailable",'
-         b'"param":null,"code":503}}')
+_FULL = error_body(503, "too many connections to this node; retry shortly")
 _FULL_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(_FULL), _FULL))
 _METHODS = {m.encode(): m for m in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")}
