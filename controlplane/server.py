@@ -80,8 +80,9 @@ class ControlPlane:
             # Be a live replica before touching the ledger (others sweep replicas that are
             # not), and start from the workers, weights and drain flags the store kept.
             await self.store.heartbeat()
-            self._sync = SpecSync(self.store, self.fleet, on_added=self._worker_added,
-                                  on_removed=self._worker_removed)
+            # No hooks yet: the workers read here are health-checked together by
+            # health.start() below (a hook now would check before there is an HTTP session).
+            self._sync = SpecSync(self.store, self.fleet)
             await self._sync.refresh()
         for spec in self.config.workers:
             kept = self.fleet.get(spec.id or worker_id_for(spec.url, spec.role))
@@ -99,6 +100,8 @@ class ControlPlane:
         for spec in self.fleet.specs():
             await self.kv.watch(spec)
         self.registry.on_added = self._worker_added
+        if self._sync is not None:
+            self._sync.on_added, self._sync.on_removed = self._worker_added, self._worker_removed
         if self.config.discovery.file:
             self.discovery = DiscoveryFile(self.config.discovery.file, self.registry,
                                            interval_s=self.config.discovery.interval_s)

@@ -46,6 +46,7 @@ class SessionSocketServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
         self._logged_at = -LOG_EVERY_S
+        self._closing = False
         self._suppressed = 0
 
     async def start(self, listen: str) -> int:
@@ -56,6 +57,7 @@ class SessionSocketServer:
         return self.port
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for task in list(self._connections):
@@ -79,6 +81,12 @@ class SessionSocketServer:
                 await self._relay(opening, frames, writer, peer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass        # the node went away; the session (if any) ended with its reader
+        except asyncio.CancelledError:
+            # close() (the control plane stopping): the connection's end, not an error. A
+            # task left cancelled would have asyncio's stream callback (Python 3.11) log a
+            # CancelledError traceback for every live session at each SIGTERM.
+            if not self._closing:
+                raise
         finally:
             if task is not None:
                 self._connections.discard(task)
