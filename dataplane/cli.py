@@ -36,7 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest silence from an engine before the leg fails")
     p.add_argument("--prefill-timeout", type=float, default=300.0,
                    help="whole prefill leg, request to answer (a timed-out P is retried elsewhere)")
-    p.add_argument("--engine-api-key", default="", help="sent to engines as a Bearer token")
+    p.add_argument("--engine-api-key", default=None,
+                   help="sent to engines as a Bearer token (default: $OMNI_ENGINE_API_KEY; a flag shows in `ps`, "
+                        "so prefer the variable or --engine-api-key-file)")
+    p.add_argument("--engine-api-key-file", default="", metavar="FILE",
+                   help="read the engine API key from this file (a mounted Secret), read once at start")
     p.add_argument("--api-keys", default="", metavar="FILE",
                    help="require client API keys (Authorization: Bearer): one per line, optionally name:key; "
                         "re-read when the file changes")
@@ -84,6 +88,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
+def engine_api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+    """The key engines get as a Bearer token: --engine-api-key-file, else --engine-api-key, else
+    $OMNI_ENGINE_API_KEY (the control plane reads the same variable). A file or the variable keeps
+    the key off the command line, which any user of the host can read."""
+    import os
+
+    path = getattr(args, "engine_api_key_file", "")
+    if path:
+        if args.engine_api_key is not None:
+            raise SystemExit("omni-proxy dataplane: --engine-api-key and --engine-api-key-file: give one")
+        try:
+            key = open(path, encoding="utf-8").read().strip()
+        except OSError as exc:
+            raise SystemExit(f"omni-proxy dataplane: --engine-api-key-file {path}: {exc.strerror}") from None
+        if not key:
+            raise SystemExit(f"omni-proxy dataplane: --engine-api-key-file {path} is empty")
+        return key
+    if args.engine_api_key is not None:
+        return args.engine_api_key
+    return (os.environ if environ is None else environ).get("OMNI_ENGINE_API_KEY", "")
+
+
 def config_from_args(args: argparse.Namespace):
     from dataplane.app import DataPlaneConfig
     from dataplane.hygiene import parse_field_list
@@ -105,7 +131,7 @@ def config_from_args(args: argparse.Namespace):
                           upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout,
                                                   read_timeout_s=args.read_timeout,
                                                   prefill_timeout_s=args.prefill_timeout,
-                                                  engine_api_key=args.engine_api_key,
+                                                  engine_api_key=engine_api_key(args),
                                                   forward_client_auth=args.forward_client_auth),
                           api_keys=args.api_keys,
                           access_log=args.access_log, otel_endpoint=args.otel_endpoint,

@@ -49,6 +49,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
 KUSTOMIZATIONS = [K8S / "base", K8S / "overlays" / "example"]
+# Applied beside the base; needs the Prometheus Operator's CRDs (its ServiceMonitor is checked by
+# the tests below, not by the Kubernetes schemas, which do not know the kind).
+MONITORING = K8S / "monitoring"
+DASHBOARD = MONITORING / "omni-proxy-dashboard.json"
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 COMPOSE = ROOT / "docker-compose.yaml"
 NGINX_CONF = DEPLOY / "nginx" / "nginx.conf"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -101,6 +106,9 @@ def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def validate(doc: dict[str, Any], version: str, where: str) -> None:
+    if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+        check_service_monitor(doc, where)
+        return
     try:
         kubernetes_validate.validate(doc, version, strict=True)
     except kubernetes_validate.ValidationError as exc:
@@ -115,7 +123,7 @@ def generated_objects(directory: Path) -> list[dict[str, Any]]:
     out = []
     for gen, kind in (("configMapGenerator", "ConfigMap"), ("secretGenerator", "Secret")):
         for spec in k.get(gen, []):
-            assert set(spec) <= {"name", "files", "literals", "behavior", "type"}, spec
+            assert set(spec) <= {"name", "files", "literals", "behavior", "type", "options"}, spec
             data: dict[str, str] = {}
             for f in spec.get("files", []):
                 key, _, path = f.rpartition("=")
@@ -124,6 +132,8 @@ def generated_objects(directory: Path) -> list[dict[str, Any]]:
                 key, _, value = lit.partition("=")
                 data[key] = value
             obj: dict[str, Any] = {"apiVersion": "v1", "kind": kind, "metadata": {"name": spec["name"]}}
+            if spec.get("options", {}).get("labels"):
+                obj["metadata"]["labels"] = spec["options"]["labels"]
             if kind == "Secret":
                 obj["type"] = spec.get("type", "Opaque")
                 obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
@@ -195,7 +205,7 @@ def test_manifest_validates_against_kubernetes_schema(path: Path, version: str) 
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)))
+@pytest.mark.parametrize("directory", [*KUSTOMIZATIONS, MONITORING], ids=lambda p: str(p.relative_to(K8S)))
 def test_generated_configmaps_and_secrets_validate(directory: Path, version: str) -> None:
     for obj in generated_objects(directory):
         validate(obj, version, f"{directory.relative_to(ROOT)} generator")
@@ -247,7 +257,7 @@ def test_strict_validation_catches_mistakes() -> None:
 
 def test_every_manifest_belongs_to_a_kustomization() -> None:
     listed: set[Path] = set()
-    for directory in KUSTOMIZATIONS:
+    for directory in (*KUSTOMIZATIONS, MONITORING):
         k = kustomization(directory)
         unknown = set(k) - {"apiVersion", "kind", "namespace", "labels", "resources", "configMapGenerator",
                             "secretGenerator", "images", "patches"}
@@ -388,18 +398,20 @@ def test_controlplane() -> None:
     assert annotations["prometheus.io/port"] == str(ports["http"])
 
 
-def test_dataplane() -> None:
+def test_dataplane(monkeypatch: pytest.MonkeyPatch) -> None:
     docs = all_docs()
     dep = find("Deployment", "omni-proxy-dataplane", docs)
     c = container(dep)
-    argv = [a.replace("$(OMNI_ENGINE_API_KEY)", "key") for a in c["args"]]
-    args = parse_command(argv)
+    args = parse_command(c["args"])
     assert args.command == "dataplane" and args.host == "0.0.0.0"
     from dataplane.cli import config_from_args
 
+    # the engine key: the Secret in $OMNI_ENGINE_API_KEY, read by the data plane itself
+    assert env_of(c)["OMNI_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "omni-proxy-engine-api-key", "key": "engine-api-key"}
+    monkeypatch.setenv("OMNI_ENGINE_API_KEY", "key")
     cfg = config_from_args(args)
     assert cfg.upstream.engine_api_key == "key"
-    assert "OMNI_ENGINE_API_KEY" in env_of(c), "$(OMNI_ENGINE_API_KEY) in args needs the variable"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert args.port == ports["http"]
     cp_svc = find("Service", "omni-proxy-controlplane", docs)
@@ -418,9 +430,60 @@ def test_dataplane() -> None:
     assert svc["spec"]["type"] in ("ClusterIP", "LoadBalancer")
 
 
-def test_example_engine_matches_the_control_plane() -> None:
+def test_no_secret_on_a_command_line() -> None:
+    """Keys and tokens reach every process through its environment or a file, never a flag (which
+    any user of the node reads in `ps`): no argument names a secret-valued variable or a key flag."""
+    for w in workloads(all_docs()):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            secret_vars = {e["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+            argv = [*c.get("command", []), *c.get("args", [])]
+            for a in argv:
+                assert not any(f"$({v})" in a for v in secret_vars), f"{w['metadata']['name']}: {a}"
+                assert not re.search(r"--[\w-]*(api-key|token|password|secret)\b(?!-file)", a), \
+                    f"{w['metadata']['name']}: a secret on the command line: {a}"
+
+
+def engines(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The example's engines by their OMNI_ROLE."""
+    out = {}
+    for w in workloads(docs):
+        if w["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
+            out[env_of(container(w))["OMNI_ROLE"]["value"]] = w
+    return out
+
+
+def test_example_engines_are_a_nixl_pd_pair_the_control_plane_places() -> None:
+    """A prefill and a decode engine whose NixlConnector settings are the real-vLLM tests' (one
+    source: tests/vllm_harness/recipe.py), whose kv_role gives the role they register with, and
+    whose side channel D can reach; the control plane's flow is the one NixlConnector needs."""
+    from engine_plugins.vllm_plugin.agent import EngineFacts, Settings, role_for
+
+    from tests.vllm_harness.recipe import nixl_config
+
     docs = all_docs()
-    engine = find("Deployment", "vllm-engine", docs)
+    pair = engines(docs)
+    assert set(pair) == {"prefill", "decode"}, set(pair)
+    cfg = controlplane_config_from_text((K8S / "base" / "controlplane.toml").read_text())
+    assert cfg.pd_flow == "sequential", "NixlConnector pulls: P first, then D with P's kv_transfer_params"
+    for role, engine in pair.items():
+        c = container(engine)
+        args, env = c["args"], env_of(c)
+        transfer = args[args.index("--kv-transfer-config") + 1]
+        kv_role = json.loads(transfer)["kv_role"]
+        assert transfer == nixl_config(kv_role), "the tests' NixlConnector settings (tests/vllm_harness/recipe.py)"
+        derived = role_for(Settings(controlplanes=["cp"]), EngineFacts(host="", port=0, models=[], kv_role=kv_role))
+        assert derived == role, f"{engine['metadata']['name']}: OMNI_ROLE {role} but kv_role {kv_role} means {derived}"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)", "P hands this address to D"
+        assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"]) == ports["nixl"]
+        assert env["VLLM_PLUGINS"]["value"] == "omni_proxy"
+        pdb = find("PodDisruptionBudget", engine["metadata"]["name"], docs)
+        assert pdb["spec"]["selector"]["matchLabels"] == engine["spec"]["selector"]["matchLabels"]
+        assert pdb["spec"].get("maxUnavailable") == 1, "a drain may take an engine: minAvailable would block it"
+        check_engine_matches_the_control_plane(engine, docs)
+
+
+def check_engine_matches_the_control_plane(engine: dict[str, Any], docs: list[dict[str, Any]]) -> None:
     c = container(engine)
     args, env = c["args"], env_of(c)
     cfg = controlplane_config_from_text((K8S / "base" / "controlplane.toml").read_text())
@@ -452,6 +515,147 @@ def test_example_engine_matches_the_control_plane() -> None:
     api_key = env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert api_key == {"name": "omni-proxy-engine-api-key", "key": "engine-api-key"}
     assert c["resources"]["limits"]["nvidia.com/gpu"]
+    # what the control plane itself checks when the plugin registers (its [kv_cache] refusal)
+    from controlplane.services import hashing_mismatch
+    from protos import omni_proxy_pb2 as pb
+
+    kvc = cfg.kv_cache
+    facts = pb.EngineFacts(block_size=int(args[args.index("--block-size") + 1]), prefix_caching=True,
+                           hash_algo=args[args.index("--prefix-caching-hash-algo") + 1],
+                           hash_seed=env["PYTHONHASHSEED"]["value"], hash_seed_set=True)
+    kv = pb.KVHashConfig(enabled=True, block_size=kvc.block_size, algo=kvc.hash_algo, seed=kvc.hash_seed or "",
+                         seed_set=kvc.hash_seed is not None)
+    assert hashing_mismatch(facts, kv) == "", hashing_mismatch(facts, kv)
+
+
+# --------------------------------------------------------------------------------------------
+# Monitoring: the ServiceMonitor and the Grafana dashboard
+
+SERVICE_MONITOR_FIELDS = {"selector", "endpoints", "namespaceSelector", "jobLabel", "targetLabels", "podTargetLabels",
+                          "sampleLimit"}
+ENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels", "relabelings",
+                   "metricRelabelings", "bearerTokenSecret", "tlsConfig"}
+
+
+def check_service_monitor(doc: dict[str, Any], where: str) -> None:
+    """The Kubernetes schemas do not know the Prometheus Operator's kinds: the fields this one
+    uses, spelled as the CRD spells them (monitoring.coreos.com/v1)."""
+    assert set(doc) <= {"apiVersion", "kind", "metadata", "spec"}, f"{where}: {set(doc)}"
+    spec = doc["spec"]
+    assert set(spec) <= SERVICE_MONITOR_FIELDS and spec.get("endpoints"), f"{where}: {set(spec)}"
+    assert set(spec["selector"]) <= {"matchLabels", "matchExpressions"}, where
+    for e in spec["selector"].get("matchExpressions", []):
+        assert set(e) <= {"key", "operator", "values"} and e["operator"] in ("In", "NotIn", "Exists", "DoesNotExist")
+    for ep in spec["endpoints"]:
+        assert set(ep) <= ENDPOINT_FIELDS and isinstance(ep["port"], str), f"{where}: {ep}"
+        for key in ("interval", "scrapeTimeout"):
+            assert key not in ep or re.fullmatch(r"\d+(ms|s|m)", ep[key]), f"{where}: {key} {ep[key]}"
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def test_service_monitor_scrapes_every_plane() -> None:
+    """The ServiceMonitor selects the data-plane and control-plane Services, each through a port
+    that serves /metrics, and nothing else."""
+    (sm,) = load_docs(MONITORING / "servicemonitor.yaml")
+    check_service_monitor(sm, "monitoring/servicemonitor.yaml")
+    services = [d for d in all_docs() if d["kind"] == "Service"]
+    chosen = {s["metadata"]["name"] for s in services if _selects(sm["spec"]["selector"], s["metadata"]["labels"])}
+    assert {"omni-proxy-dataplane", "omni-proxy-controlplane"} <= chosen
+    for ep in sm["spec"]["endpoints"]:
+        assert ep["path"] == "/metrics"
+        scraped = {s["metadata"]["name"] for s in services if s["metadata"]["name"] in chosen
+                   and ep["port"] in {p["name"] for p in s["spec"]["ports"]}}
+        assert scraped == {"omni-proxy-dataplane", "omni-proxy-controlplane"}, scraped
+    cp = container(find("Deployment", "omni-proxy-controlplane"))
+    cfg = controlplane_config_from_text((K8S / "base" / "controlplane.toml").read_text())
+    assert {p["name"]: p["containerPort"] for p in cp["ports"]}["http"] == cfg.http_port, "/metrics is on http_port"
+
+
+def test_rendered_monitoring_kustomization() -> None:
+    docs = render(MONITORING)
+    assert {d["kind"] for d in docs} == {"ServiceMonitor", "ConfigMap"}
+    for doc in docs:
+        for version in K8S_VERSIONS:
+            validate(doc, version, "kustomize build deploy/kubernetes/monitoring")
+        assert doc["metadata"]["namespace"] == kustomization(K8S / "base")["namespace"]
+    cm = find("ConfigMap", "omni-proxy-grafana-dashboard", docs)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"][DASHBOARD.name]) == json.loads(DASHBOARD.read_text())
+
+
+METRIC_CONSTRUCTORS = re.compile(
+    r"\b(Gauge|Counter|Histogram|Summary|GaugeMetricFamily|CounterMetricFamily|HistogramMetricFamily|"
+    r"SummaryMetricFamily|_Family|_Counters)\(\s*\"([a-zA-Z_:][a-zA-Z0-9_:]*)\"")
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the processes' /metrics can carry, from the code's prometheus_client
+    definitions: a counter `x` is scraped as `x_total`, a histogram as `x_bucket`/`x_sum`/`x_count`
+    (the data plane's `_Family` is either), plus prometheus_client's process collector."""
+    from prometheus_client import ProcessCollector
+
+    names: set[str] = set()
+    for package in ("dataplane", "controlplane", "metaserver", "omni_runtime", "engine_api", "kvhash"):
+        for path in (ROOT / package).rglob("*.py"):
+            for kind, name in METRIC_CONSTRUCTORS.findall(path.read_text()):
+                counter = {f"{name}_total", f"{name}_created"}
+                histogram = {f"{name}_bucket", f"{name}_sum", f"{name}_count", f"{name}_created"}
+                names |= {"Gauge": {name}, "GaugeMetricFamily": {name}, "Counter": counter,
+                          "CounterMetricFamily": counter, "_Counters": counter, "Histogram": histogram,
+                          "HistogramMetricFamily": histogram, "Summary": histogram - {f"{name}_bucket"},
+                          "SummaryMetricFamily": histogram - {f"{name}_bucket"},
+                          "_Family": counter | histogram}[kind]
+    for metric in ProcessCollector(registry=None, pid=lambda: "self").collect():
+        names |= {s.name for s in metric.samples}
+    assert len(names) > 40, sorted(names)
+    return names
+
+
+PROMQL_WORDS = {"sum", "avg", "max", "min", "count", "rate", "irate", "increase", "histogram_quantile", "by",
+                "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "topk", "bottomk",
+                "clamp_min", "clamp_max", "abs", "delta", "deriv", "offset", "bool", "vector", "scalar", "time",
+                "avg_over_time", "max_over_time", "min_over_time", "sum_over_time", "inf", "nan"}
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers left once label matchers, label
+    lists after by/without, range selectors, strings and numbers are taken out."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', " ", expr)                        # strings
+    e = re.sub(r"\{[^}]*\}", " ", e)                                    # label matchers
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)                                   # range selectors
+    e = re.sub(r"\b\d+(\.\d+)?([eE][-+]?\d+)?\b", " ", e)               # numbers
+    words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", e))
+    return {w for w in words if w.lower() not in PROMQL_WORDS}
+
+
+def test_grafana_dashboard_queries_name_exported_metrics() -> None:
+    """The dashboard is valid JSON with panels and queries, and every query reads only metrics
+    this project's processes export (a renamed or removed metric fails here)."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["title"] and dash["uid"] and dash["panels"]
+    exported = exported_metric_names()
+    exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for title, expr in exprs:
+        assert expr.count("(") == expr.count(")"), f"{title}: unbalanced {expr}"
+        names = promql_metrics(expr)
+        assert names, f"{title}: no metric in {expr}"
+        unknown = sorted(names - exported)
+        assert not unknown, f"{title}: {expr} names metrics no process exports: {unknown}"
+    assert promql_metrics('sum by (le) (rate(omni_placement_seconds_bucket{job="x"}[5m]))') == {"omni_placement_seconds_bucket"}
+    assert "omni_dp_requests_total" in exported and "omni_worker_healthy" in exported
+    assert "omni_worker_healthy_total" not in exported and "omni_dp_made_up_total" not in exported
 
 
 # --------------------------------------------------------------------------------------------

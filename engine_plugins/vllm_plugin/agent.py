@@ -83,7 +83,7 @@ class EngineFacts:
 
 @dataclass
 class Settings:
-    """The plugin's environment (the names of deploy/kubernetes/overlays/example/vllm-engine.yaml)."""
+    """The plugin's environment (the names of deploy/kubernetes/overlays/example/vllm-engines.yaml)."""
 
     controlplanes: list[str]
     role: str = ""                     # "" : from the KV connector's role
