@@ -30,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate for TLS on the gRPC port ([auth] tls_cert)")
     p.add_argument("--tls-key", help="its PEM private key ([auth] tls_key)")
     p.add_argument("--tls-client-ca", help="PEM CA that signs client certificates: mutual TLS ([auth] tls_client_ca)")
+    p.add_argument("--otel-endpoint", help="OTLP/HTTP collector (e.g. http://127.0.0.1:4318): spans for placement "
+                                            "and queueing, joined to the data plane's trace (otel_endpoint; "
+                                            "needs the otel extra)")
+    p.add_argument("--otel-service-name", help="service.name of the spans (otel_service_name; default "
+                                                "omni-proxy-controlplane)")
     from omni_runtime.logs import add_log_arguments
 
     add_log_arguments(p)
@@ -48,7 +53,8 @@ def config_from_args(args: argparse.Namespace):
                       ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s"),
                       ("engine_api_key", "engine_api_key"), ("discovery_file", "discovery.file"),
                       ("tokens_file", "auth.tokens_file"), ("tls_cert", "auth.tls_cert"),
-                      ("tls_key", "auth.tls_key"), ("tls_client_ca", "auth.tls_client_ca")):
+                      ("tls_key", "auth.tls_key"), ("tls_client_ca", "auth.tls_client_ca"),
+                      ("otel_endpoint", "otel_endpoint"), ("otel_service_name", "otel_service_name")):
         value = getattr(args, attr, None)
         if value is not None:
             cfg.set(key, value, "--" + attr.replace("_", "-"))

@@ -90,6 +90,19 @@ def _policy(value: Any, name: str) -> str:
     return value.strip()
 
 
+def _otel_endpoint(value: Any, name: str) -> str:
+    """"" (spans off) or an OTLP/HTTP collector: an http(s) URL with a host."""
+    from urllib.parse import urlsplit
+
+    text = v.text(value, name, max_len=2048).strip()
+    if text:
+        url = urlsplit(text)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"{name} must be an http(s) URL with a host (an OTLP/HTTP collector), "
+                             f"got {v.show(value)}")
+    return text
+
+
 TOP_LEVEL: dict[str, Check] = {
     "listen": v.listen_address,
     "session_listen": lambda x, f: x.strip() if isinstance(x, str) and x.strip() in ("auto", "off")
@@ -107,6 +120,8 @@ TOP_LEVEL: dict[str, Check] = {
     "max_request_age_s": lambda x, f: v.positive_seconds(x, f),
     "session_grace_s": lambda x, f: v.positive_seconds(x, f, allow_zero=True, max_s=3600),
     "engine_api_key": lambda x, f: v.text(x, f, max_len=4096),
+    "otel_endpoint": lambda x, f: _otel_endpoint(x, f),
+    "otel_service_name": lambda x, f: v.text(x, f, max_len=256),
 }
 HEALTH: dict[str, Check] = {
     "interval_s": lambda x, f: v.positive_seconds(x, f, max_s=3600),
@@ -399,6 +414,10 @@ class ControlPlaneConfig:
     # Sent as "Authorization: Bearer" on every call the control plane makes to an engine
     # (health, model discovery, /metrics, the metaserver's prefill leg). Never logged.
     engine_api_key: str = field(default_factory=lambda: os.environ.get("OMNI_ENGINE_API_KEY", ""), repr=False)
+    # OTLP/HTTP collector: spans for placement and queueing, joined to the data plane's
+    # trace ("" = off: the SDK is never imported). Needs the otel extra.
+    otel_endpoint: str = ""
+    otel_service_name: str = "omni-proxy-controlplane"
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     state: StateConfig = field(default_factory=StateConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)

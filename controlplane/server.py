@@ -36,6 +36,18 @@ from protos.options import server_options
 log = logging.getLogger(__name__)
 
 
+def _tracing(config: ControlPlaneConfig):
+    """Spans on (``otel_endpoint``): the SDK is imported only here."""
+    from omni_runtime import StartupError
+
+    try:
+        from controlplane.otel import Tracing
+    except ImportError as exc:
+        raise StartupError(f"otel_endpoint needs OpenTelemetry ({exc.name} is missing): "
+                           "pip install 'omni-proxy[otel]'") from None
+    return Tracing(config.otel_endpoint, service_name=config.otel_service_name)
+
+
 class ControlPlane:
     def __init__(self, config: ControlPlaneConfig, store: StateStore | None = None) -> None:
         self.config = config
@@ -72,6 +84,7 @@ class ControlPlane:
         self._tasks: list[asyncio.Task] = []
         self._sync: SpecSync | None = None
         self.kv_snapshots = None      # KVSnapshots with the Redis store (kvcache/persist.py)
+        self.tracing = _tracing(config) if config.otel_endpoint else None
 
     async def start(self) -> None:
         self.registry.on_added = None  # config workers are checked together by health.start()
@@ -122,6 +135,7 @@ class ControlPlane:
                                     seed=kvc.hash_seed or "", seed_set=kvc.hash_seed is not None,
                                     lora_key_format=kvc.lora_key_format))
         scheduler = SchedulerService(self.placer, self.lifecycle, self.registry, info)
+        scheduler.tracing = self.tracing
         pb_grpc.add_SchedulerServicer_to_server(scheduler, self._server)
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry, info.kv_hash), self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer, health=self.health, info=info),
@@ -185,6 +199,8 @@ class ControlPlane:
             await self.placer.queue.stop()
         if hasattr(self.store, "close"):
             await self.store.close()
+        if self.tracing is not None:     # flush the last spans, off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     async def _worker_removed(self, worker_id: str) -> None:
         self.predictor.forget(worker_id)

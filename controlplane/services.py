@@ -60,6 +60,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._nodes: dict[str, str] = {}
         # Where the session socket is (set by the server once it listens); port 0: none.
         self.endpoint = pb.SessionEndpoint()
+        self.tracing = None     # controlplane.otel.Tracing when otel_endpoint is set
 
     async def Session(self, request_iterator, context):
         """Serve one data plane: placements are answered, reports need no answer.
@@ -194,13 +195,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     async def _place(self, req: pb.PlaceRequest, session: str) -> "pb.Placement | asyncio.Future":
         started = time.perf_counter()
+        span = self.tracing.start(req) if self.tracing is not None else None
         try:
             answer = await self.placer.submit(req, session)
             self.placer.stats.latency.observe(time.perf_counter() - started)
-            return answer
         except Exception as exc:  # a bug must cost one placement, never the whole session
             log.exception("placement of %s failed", req.request_id)
-            return self.placer.internal_error(req, exc)
+            answer = self.placer.internal_error(req, exc)
+        if span is not None:
+            self.tracing.answered(span, answer)
+        return answer
 
     async def _report(self, event: pb.LifecycleEvent) -> None:
         try:

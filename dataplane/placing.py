@@ -16,12 +16,14 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: int,
                           prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
                           exclude_workers=exclude or (), block_hashes=req.block_hashes,
                           ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)
+    if trace:
+        # The request's trace context: the control plane's placement span (with otel_endpoint)
+        # joins it, and in layerwise the prefill leg it sends itself carries it.
+        msg.trace_headers.update(trace)
     if leg == pb.LEG_ENTRY and placements.info.pd_flow == pb.FLOW_LAYERWISE:
         # The control plane sends this deployment's prefill legs itself (metaserver).
         msg.body, msg.path = req.raw, req.path
         msg.engine_request_id, msg.num_prompts = req.request_id, req.num_prompts
-        if trace:
-            msg.trace_headers.update(trace)
     try:
         placement = await placements.place(msg)
     except ControlPlaneUnavailable as exc:

@@ -11,6 +11,7 @@ id, and with ``--otel-endpoint`` the spans reach an OTLP/HTTP receiver and tie u
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import os
 import re
@@ -493,3 +494,68 @@ async def test_otel_spans_continue_the_clients_trace(otel, http):
     spans = await _spans(collector, TRACE_ID, 2)
     root = next(s for s in spans if s.parent_span_id.hex() == PARENT_ID)
     assert any(s.parent_span_id == root.span_id and s.span_id.hex() == m.group(2) for s in spans)
+
+
+HELD_PROFILE = """
+[profiles.held]
+scorers = [{name = "least_load"}]
+queue = {name = "omni", hold_s = 0.0, max_wait_s = 30.0}
+"""
+
+
+@pytest.fixture(scope="module")
+def otel_cp(tmp_path_factory):
+    """Spans from both planes to one collector; a queue that holds a request while an
+    engine has prefill work pending, and a slow engine, so requests wait in it."""
+    pytest.importorskip("opentelemetry.sdk")
+    collector = _Collector()
+    config = tmp_path_factory.mktemp("cp") / "cp.toml"
+    config.write_text(HELD_PROFILE)
+    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    try:
+        c = start_cluster({"agg": "both"}, policy="held", dp_args=["--otel-endpoint", collector.url],
+                          cp_args=["--config", str(config), "--otel-endpoint", collector.url],
+                          sim_args={"agg": ["--prefill-ms-per-token", "2.0"]})
+    finally:
+        if saved is None:
+            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+        else:
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
+    try:
+        yield c, collector
+    finally:
+        c.group.close()
+        collector.close()
+
+
+async def test_control_plane_spans_for_placement_and_queueing_join_the_data_planes_trace(otel_cp, http):
+    c, collector = otel_cp
+    await c.fresh()
+
+    async def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": [i + 1] + [7] * 199, "max_tokens": 2, "stream": True}
+        async with http.post(c.url + "/v1/completions", json=body, headers={"X-Request-Id": f"cp-span-{i}"}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    await asyncio.gather(*(one(i) for i in range(3)))   # one prefills, the others are held
+    queued = 0
+    for i in range(3):
+        line = await access_line(c, f"cp-span-{i}")
+        trace_id = line["traceparent"].split("-")[1]
+        spans = await _spans(collector, trace_id, 3 + (line["queued_ms"] > 0))
+        server = next(s for s in spans if s.name == "POST /v1/completions")
+        placement = next(s for s in spans if s.name == "placement")
+        assert placement.parent_span_id == server.span_id, "the placement span hangs under the request's"
+        attrs = {a.key: a.value for a in placement.attributes}
+        assert attrs["omni.request_id"].string_value and attrs["omni.decode_worker"].string_value == "agg"
+        waits = [s for s in spans if s.name == "queued"]
+        if line["queued_ms"] > 0:
+            queued += 1
+            assert len(waits) == 1 and waits[0].parent_span_id == placement.span_id
+            held_ms = (waits[0].end_time_unix_nano - waits[0].start_time_unix_nano) / 1e6
+            assert held_ms == pytest.approx(line["queued_ms"], abs=5.0)
+        else:
+            assert not waits
+    assert queued >= 1, "no request waited in the control plane's queue"
