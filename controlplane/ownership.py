@@ -9,23 +9,26 @@ The Registry service (engine plugins, ``registry`` tokens) and the Admin service
   change only through admin calls and the file: every Registry call for their id is refused
   with ``PERMISSION_DENIED``.
 * A registered worker belongs to its first registration: the token it was made with (its
-  name, when registry tokens are configured) and an *owner key*, a secret the engine sends
-  (or the control plane makes, when none is sent) and gets back in ``RegisterResponse``. The
-  spec keeps the key's SHA-256, so it is shared by every replica through the state store.
-  Registering the id again, heartbeats and deregistration need the same key and token:
-  another registration is refused with ``ALREADY_EXISTS`` (the id is freed when its owner
-  deregisters, when its heartbeats stop for the worker's TTL, or by ``omni-ctl remove``),
-  a heartbeat or deregistration with ``PERMISSION_DENIED``.
+  name, when registry tokens are configured) and the *owner key* the engine sent with it (a
+  secret; ``RegisterResponse.owner_key`` echoes it). The spec keeps the key's SHA-256, so
+  every replica knows it through the state store. Registering the id again, heartbeats and
+  deregistration need the same token and key: another registration is refused with
+  ``ALREADY_EXISTS`` (the id is freed when its owner deregisters, when its heartbeats stop
+  for the worker's TTL, or by ``omni-ctl remove``), a heartbeat or deregistration with
+  ``PERMISSION_DENIED``.
+* A registration without a key (an engine plugin older than owner keys) is bound to its
+  token alone: calls with that token may heartbeat and deregister it, and register it again
+  at the same URL. So is a spec written before owner keys existed, whose owner is unknown.
 
-The engine plugin keeps one key for its life, so it registers its own id again after a
-control-plane restart (the new one knows nothing, or knows the key from the shared store).
+The engine plugin makes one key for its life, so it registers its own id again after a
+control-plane restart (the new one knows nothing, or knows the key from the shared store),
+and engines sharing one registry token cannot touch each other's ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 from dataclasses import dataclass
 
 import grpc
@@ -42,10 +45,6 @@ class Refusal:
     message: str
 
 
-def new_key() -> str:
-    return secrets.token_urlsafe(24)
-
-
 def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -58,6 +57,9 @@ def check_key(key: str) -> str:
 
 
 def _owned(spec: WorkerSpec, key: str, principal: str) -> bool:
+    """Whether a call with ``key`` and the token named ``principal`` is ``spec``'s owner."""
+    if not spec.owner_key:       # registered without a key: bound to its token (if known)
+        return not spec.owner or hmac.compare_digest(principal.encode(), spec.owner.encode())
     return (bool(key) and hmac.compare_digest(key_hash(key), spec.owner_key)
             and hmac.compare_digest(principal.encode(), spec.owner.encode()))
 
@@ -74,12 +76,8 @@ def may_register(existing: WorkerSpec | None, key: str, principal: str, url: str
         return None
     if existing.source != REGISTRY_SOURCE:
         return _not_registered(existing, "registering its id")
-    if not existing.owner_key:
-        # Registered before owner keys existed (an older replica): the same engine may claim it.
-        return None if existing.url == url and existing.owner == principal else \
-            Refusal(grpc.StatusCode.ALREADY_EXISTS, _held(existing))
-    if _owned(existing, key, principal):
-        return None
+    if _owned(existing, key, principal) and (existing.owner_key or existing.url == url):
+        return None              # (keyless: only the same engine, at the same URL, again)
     return Refusal(grpc.StatusCode.ALREADY_EXISTS, _held(existing))
 
 
@@ -87,11 +85,13 @@ def may_change(existing: WorkerSpec, key: str, principal: str, what: str) -> Ref
     """None: this heartbeat or deregistration comes from ``existing``'s owner."""
     if existing.source != REGISTRY_SOURCE:
         return _not_registered(existing, what)
-    if not existing.owner_key or _owned(existing, key, principal):
+    if _owned(existing, key, principal):
         return None
+    needs = "the owner key its registration sent" if existing.owner_key else ""
+    if existing.owner:
+        needs = f"{needs} and its token" if needs else "the token it registered with"
     return Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                   f"worker {existing.id} is registered by another engine: {what} needs the owner key its "
-                   f"registration returned{' and its token' if existing.owner else ''}")
+                   f"worker {existing.id} is registered by another engine: {what} needs {needs}")
 
 
 def _held(spec: WorkerSpec) -> str:

@@ -331,7 +331,7 @@ class RegistryService(pb_grpc.RegistryServicer):
     async def Register(self, request, context):
         try:
             spec = _spec_from_register(request)
-            key = ownership.check_key(request.owner_key) or ownership.new_key()
+            key = ownership.check_key(request.owner_key)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.HasField("engine"):
@@ -352,7 +352,7 @@ class RegistryService(pb_grpc.RegistryServicer):
                 await self._refuse(context, refusal, f"registration of {wid} ({spec['url']})")
             spec["worker_id"] = wid
             worker = await self.registry.add(**spec, source=ownership.REGISTRY_SOURCE, owner=who,
-                                             owner_key=ownership.key_hash(key))
+                                             owner_key=ownership.key_hash(key) if key else "")
         return pb.RegisterResponse(worker_id=worker.id, heartbeat_interval_s=self.registry.heartbeat_interval_s,
                                    owner_key=key)
 

@@ -135,10 +135,37 @@ async def test_an_engine_owns_its_id(plane):
         await reg.Deregister(pb.DeregisterRequest(worker_id="eng-a", owner_key="key-of-a"), timeout=5,
                              metadata=md(ENGINE_1))
         assert "eng-a" not in plane.fleet
-        # Freed: another engine may have the id now, with a key the control plane makes.
-        r = await reg.Register(pb.RegisterRequest(url=OTHER_URL, role=pb.ROLE_BOTH, worker_id="eng-a"),
-                               timeout=5, metadata=md(ENGINE_2))
-        assert len(r.owner_key) >= 24 and plane.fleet.get("eng-a").owner == "e2"
+        # Freed: another engine may have the id now. Without a key (a plugin older than owner
+        # keys) the registration is bound to its token alone.
+        keyless = pb.RegisterRequest(url=OTHER_URL, role=pb.ROLE_BOTH, worker_id="eng-a")
+        r = await reg.Register(keyless, timeout=5, metadata=md(ENGINE_2))
+        assert r.owner_key == "" and plane.fleet.get("eng-a").owner == "e2"
+        await _refused(reg.Heartbeat(pb.HeartbeatRequest(worker_id="eng-a", running=999), timeout=5,
+                                     metadata=md(ENGINE_1)),
+                       grpc.StatusCode.PERMISSION_DENIED, "the token it registered with")
+        await _refused(reg.Register(keyless, timeout=5, metadata=md(ENGINE_1)), grpc.StatusCode.ALREADY_EXISTS)
+        moved = pb.RegisterRequest(url="http://127.0.0.1:14", role=pb.ROLE_BOTH, worker_id="eng-a")
+        await _refused(reg.Register(moved, timeout=5, metadata=md(ENGINE_2)), grpc.StatusCode.ALREADY_EXISTS)
+        assert (await reg.Heartbeat(pb.HeartbeatRequest(worker_id="eng-a", running=1), timeout=5,
+                                    metadata=md(ENGINE_2))).known
+        await reg.Register(keyless, timeout=5, metadata=md(ENGINE_2))          # the same engine again
+        await reg.Deregister(pb.DeregisterRequest(worker_id="eng-a"), timeout=5, metadata=md(ENGINE_2))
+        assert "eng-a" not in plane.fleet
+
+
+def test_a_spec_from_before_owner_keys_stays_usable_by_its_engine():
+    """Specs in Redis written by an older replica have no owner: their engine's heartbeats
+    keep working, and it may claim the id again at the same URL, not from elsewhere."""
+    from controlplane import ownership
+    from controlplane.workers import WorkerSpec
+
+    old = WorkerSpec(id="old", url="http://127.0.0.1:15", role=Role.BOTH, source="registry")
+    assert ownership.may_change(old, "", "e1", "a heartbeat") is None
+    assert ownership.may_register(old, "new-key", "e1", "http://127.0.0.1:15") is None
+    refused = ownership.may_register(old, "new-key", "e1", OTHER_URL)
+    assert refused is not None and refused.code == grpc.StatusCode.ALREADY_EXISTS
+    configured = WorkerSpec(id="c", url="http://127.0.0.1:16", role=Role.BOTH)
+    assert ownership.may_change(configured, "", "", "a heartbeat").code == grpc.StatusCode.PERMISSION_DENIED
 
 
 
