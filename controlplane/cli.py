@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "any free port) or off (sessions on gRPC only)")
     p.add_argument("--http-host", help="host for /metrics, /health and the metaserver")
     p.add_argument("--http-port", type=int, help="port for /metrics and /health (default 9090; 0 = any free port)")
-    p.add_argument("--policy", help="round_robin | random | power_of_two | least_load | a custom profile")
+    p.add_argument("--policy", help="predicted_latency (default) | cache_aware | apc_first | least_load | "
+                   "power_of_two | round_robin | random | a custom profile")
     p.add_argument("--pd-flow", choices=["sequential", "parallel", "layerwise"], help="how P/D pairs run")
     p.add_argument("--parallel-protocol", choices=["sglang", "mooncake"],
                    help="parallel flow: SGLang bootstrap fields or vLLM MooncakeConnector bootstrap")

@@ -2,7 +2,7 @@
 
 Example (TOML)::
 
-    policy = "least_load"          # round_robin | random | power_of_two | least_load | <custom>
+    policy = "predicted_latency"   # the default; or cache_aware | apc_first | least_load | power_of_two | round_robin | random | <custom>
     pd_flow = "sequential"         # sequential | parallel | layerwise
     parallel_protocol = "sglang"   # parallel flow: "sglang" or "mooncake" (vLLM bootstrap)
     metaserver_host = "10.0.0.2"   # layerwise: the address D engines call (never a wildcard)
@@ -398,7 +398,7 @@ class ControlPlaneConfig:
     session_listen: str = "auto"
     http_host: str = "127.0.0.1"
     http_port: int = DEFAULT_HTTP_PORT   # /metrics, /health (and the metaserver); 0 = any free port
-    policy: str = "least_load"
+    policy: str = "predicted_latency"    # the best measured (README "Policies")
     pd_flow: str = "sequential"
     parallel_protocol: str = "sglang"     # parallel flow: sglang bootstrap_* or vLLM "mooncake"
     metaserver_host: str = ""             # address decode engines use to reach /v1/metaserver

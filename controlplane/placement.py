@@ -354,7 +354,7 @@ class Placer:
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers) if req.exclude_workers else _NONE,
             now=time.monotonic(), metrics_max_age_s=self.metrics_max_age_s, roles=_ROLE_SETS[roles],
-            chain_blocks=len(chain),
+            chain_blocks=len(chain), chain=chain,
             block_size=self.block_size, predictor=self.predictor,
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else 0.0,
             tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else 0.0)

@@ -175,6 +175,12 @@ class Predictor:
         line = self.model(worker_id).observe_tpot(batch, tpot_s)
         self._pool_tpot = _pooled(self._pool_tpot, line)
 
+    def fleet_tpot(self, batch: float) -> float:
+        """The observed engines' average TPOT at ``batch`` (the priors' before any observation):
+        what a decode engine not chosen yet is expected to do."""
+        a, b = self._pool_tpot or (self.defaults.tpot_base_s, self.defaults.tpot_s_per_request)
+        return a + b * batch
+
     def forget(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)
 

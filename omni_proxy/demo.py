@@ -14,7 +14,7 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=40, help="how many requests to send")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--policy", default="least_load")
+    p.add_argument("--policy", default="predicted_latency")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--max-seconds", type=float, default=60.0, help="stop sending after this long")
     p.add_argument("--keep-running", action="store_true", help="leave the system up until Ctrl-C")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from controlplane.workers import Role, WorkerView
@@ -28,6 +29,10 @@ class PlacementContext:
     chain_blocks: int = 0
     match_blocks: dict[str, int] = field(default_factory=dict)
     cached_blocks: dict[str, int] = field(default_factory=dict)   # per worker: blocks it holds
+    chain: Sequence[int] = ()      # the prompt's block hashes (empty when the policy ignores caches)
+    # The match depth that tells no candidate apart (controlplane.scheduling.shared): set by
+    # the profile before its scorers run, when it follows the prefix cache.
+    common_blocks: int = 0
     tree_sizes: Any = None         # or a function returning them, called only if a plugin needs them
     block_size: int = 16
     # Latency prediction (controlplane.prediction): the per-engine models, the request's
@@ -50,6 +55,13 @@ class PlacementContext:
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to compute (its cached prefix is free)."""
         return max(self.prompt_tokens - self.match_blocks.get(worker_id, 0) * self.block_size, 0)
+
+    def recompute_tokens(self, worker_id: str) -> int:
+        """Prompt tokens this worker would compute that another candidate holds: its uncached
+        tokens less the common prefix (``common_blocks``), which any engine lacking it computes
+        once and then holds, so computing it costs the fleet nothing it would not spend anyway."""
+        held = max(self.match_blocks.get(worker_id, 0), self.common_blocks)
+        return max(self.prompt_tokens - held * self.block_size, 0)
 
 
 class Candidate:

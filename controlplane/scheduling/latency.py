@@ -58,6 +58,20 @@ class PredictedLatencyScorer:
     cached prefix, and under load the fleet spends itself recomputing prefixes it already
     holds (docs/benchmarks/slo_replay_notes.md).
 
+    A prefix every engine could hold (the candidates' common match, or a shared prefix such
+    as the system prompt every request starts with: ``controlplane.scheduling.shared``) is
+    compared as if every candidate held it, in the TTFT and the recompute term: an engine
+    lacking it computes it once (that one request is slower by the prefix's prefill time)
+    and holds it from then on. Charged every time, it kept every new conversation on the
+    engines that got the first requests: in a replay with a 512-token system prompt on 4
+    idle-ish engines, two of them received nothing (tests/test_fair_share.py).
+
+    On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine's
+    TPOT is the fleet's average at batch 1 (``Predictor.fleet_tpot``): its request decodes on
+    a decode engine chosen later, and counted as 0 every prefill engine looked cheaper than
+    every aggregated one by a whole TPOT term, so the aggregated engines got nothing (the
+    demo's 2 aggregated engines: 0 of 16 requests).
+
     A decode leg's cost is at least ``decode_floor`` (a fraction of the TPOT target): decode
     engines predicted comfortably within the target are equally good for this request, and
     the picker balances them by load. Otherwise a few milliseconds of noise in the fits
@@ -79,12 +93,22 @@ class PredictedLatencyScorer:
         tpot_t = (ctx.tpot_slo_s or self.tpot_target_s) / self.tpot_weight if self.tpot_weight > 0 else float("inf")
         mu = self.recompute_weight
         decode = ctx.leg == "decode" and self.tpot_weight > 0
+        pd_tpot = -1.0          # a prefill candidate's TPOT beside aggregated ones (see the docstring)
+        if ctx.leg == "entry" and Role.BOTH in ctx.roles and Role.PREFILL in ctx.roles and \
+                any(w.spec.role is Role.BOTH for w in workers):
+            pd_tpot = ctx.predictor.fleet_tpot(1)
         costs = []
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
-            if mu and ctx.leg != "decode" and spec.role is not Role.DECODE:
-                ttft += mu * ctx.predictor.model(spec.id).ttft.b * ctx.uncached_tokens(spec.id)
+            if ctx.leg != "decode" and spec.role is not Role.DECODE:
+                # The common prefix counts as held by everyone, in the TTFT compared and in the
+                # recompute term (see the class docstring); predict() keeps the real TTFT.
+                recompute = ctx.recompute_tokens(spec.id)
+                per_token = ctx.predictor.model(spec.id).ttft.b
+                ttft += per_token * (mu * recompute - (ctx.uncached_tokens(spec.id) - recompute))
+            if pd_tpot >= 0 and spec.role is Role.PREFILL:
+                tpot = pd_tpot
             cost = ttft / ttft_t + tpot / tpot_t
             if decode and cost < self.decode_floor:
                 cost = self.decode_floor

@@ -119,7 +119,14 @@ class CacheAwarePicker:
     over the candidates' in-flight requests; then the least-loaded worker wins outright,
     because a warm cache on an overloaded worker costs more than it saves.
 
-    When no candidate holds more than ``cache_threshold`` of the prompt, the request goes
+    The prefix-cache score it reads is the part of a match that tells candidates apart, and 0
+    when the deepest match is a small part of the prompt (``PrefixCacheScorer``): a new
+    conversation on the system prompt every request starts with follows load, not the engines
+    that happened to get the first requests (issue 17: with any match followed, one engine of
+    four received none of 978 requests, and the balance override's 32-request gap was never
+    reached).
+
+    When no candidate's score exceeds ``cache_threshold``, the request goes
     to the least-loaded worker (requests in flight, then uncached prefill tokens placed
     there), the fewest blocks held breaking ties (SGLang's "smallest tree"). Load comes
     first because it is counted at placement: a prompt still queued or prefilling has

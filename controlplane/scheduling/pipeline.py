@@ -15,6 +15,7 @@ from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
 from controlplane.scheduling.pickers import PICKERS
 from controlplane.scheduling.queue import QUEUES, HoldQueue
 from controlplane.scheduling.scorers import SCORERS
+from controlplane.scheduling.shared import SharedPrefixes
 from controlplane.workers import WorkerView
 
 EXCLUDE = ExcludeFilter()
@@ -29,6 +30,9 @@ class Profile:
     queue: HoldQueue | None = None      # the queue stage (late binding); None: place at once
     # The candidate stage: bounds the candidates when many workers are routable; None: all of them.
     candidates: SampleStage | None = None
+    # The prefixes different prompts continued differently (learned from the placements):
+    # with the candidates' common match, what does not tell them apart (see shared.py).
+    shared: SharedPrefixes = field(default_factory=SharedPrefixes)
 
     def __post_init__(self) -> None:
         if self.candidates is not None:
@@ -75,6 +79,9 @@ class Profile:
         if not remaining:
             return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name,
                             chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, sampled=ctx.sampled)
+        if ctx.chain and ctx.chain_blocks:
+            get = ctx.match_blocks.get
+            ctx.common_blocks = self.shared.common_depth(ctx.chain, [get(w.spec.id, 0) for w in remaining])
         candidates = [Candidate(w) for w in remaining]
         for scorer, weight in self.scorers:
             name = scorer.name

@@ -62,20 +62,37 @@ class LeastLoadScorer:
 
 @dataclass
 class PrefixCacheScorer:
-    """Prefers the worker that already holds more of the prompt's KV blocks.
+    """Prefers the worker that already holds more of the prompt's KV blocks that the others lack.
 
-    Score = leading blocks held / blocks in the prompt, from the control plane's prefix
-    index (exact from engine KV events, or remembered routing for engines without them).
+    Score = leading blocks held beyond the common depth / blocks in the prompt, from the
+    control plane's prefix index (exact from engine KV events, or remembered routing for
+    engines without them). The common depth is the candidates' minimum match, or a shared
+    prefix such as the system prompt every request starts with (``common_blocks``, see
+    ``controlplane.scheduling.shared``): it prefers no one, and counting it starved the
+    engines that missed the first requests. Every score is 0 when the deepest match covers
+    no more than ``min_match`` of the prompt (SGLang and vllm-router's cache threshold, 0.3):
+    a small match does not decide, load does.
     """
 
+    min_match: float = 0.3
     name: str = "prefix_cache"
     uses_prefix_cache: bool = True
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_match <= 1.0:
+            raise ValueError(f"min_match must be 0 to 1, got {self.min_match!r}")
+
     def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
-        if not ctx.chain_blocks:
+        n = ctx.chain_blocks
+        if not n:
             return [0.0] * len(workers)
-        get, n = ctx.match_blocks.get, ctx.chain_blocks
-        return [get(w.spec.id, 0) / n for w in workers]
+        get = ctx.match_blocks.get
+        depths = [get(w.spec.id, 0) for w in workers]
+        top = max(depths, default=0)
+        if top <= self.min_match * n:
+            return [0.0] * len(workers)
+        common = max(ctx.common_blocks, min(depths))
+        return [(d - common) / n if d > common else 0.0 for d in depths]
 
 
 SCORERS = {"least_load": LeastLoadScorer, "prefix_cache": PrefixCacheScorer,

@@ -1,0 +1,86 @@
+"""The part of a prefix-cache match that tells the candidates apart.
+
+Following the cache pays when an engine holds what the others would have to compute: a
+conversation's earlier turns, a document asked about again. It starves an engine when the
+match is one that any engine could hold, above all the system prompt that every request of
+a deployment starts with: an engine that missed the first requests never holds it, every
+later prompt matches it elsewhere, so that engine never wins a cache-following choice again
+(issue 17: one engine of four got 0 of 978 requests, and in PD one decode engine of two got
+every decode). Two parts of a match therefore do not count as a reason to prefer a worker:
+
+* the depth every candidate holds (the minimum over them): it prefers no one;
+* a *shared* prefix: one that different prompts have already continued differently (a
+  branch point of the request stream, learned here from the chains placed). A new
+  conversation on the common system prompt matches exactly that far and no further, and an
+  engine lacking the prefix computes it once and holds it from then on, so its cost is an
+  investment, not a loss. A follow-up turn matches past the branch point, into its own
+  conversation, and that part still counts in full.
+
+The common depth is the deeper of the two (``common_depth``); what a worker holds beyond it
+is its differentiating match. Policies also let the cache decide only when the deepest
+match covers more than a fraction of the prompt (0.3, as SGLang and vllm-router do).
+
+Branch points are learned per placement in O(1): at the depth ``d`` of the deepest match,
+the block ``lookahead`` blocks further (or the prompt's last) is remembered under the
+match's last block; a prompt that shares ``chain[:d]`` but continues differently within
+those blocks marks the prefix shared. The lookahead spans the approximate index's recording
+stride (16 blocks by default: its depths can fall up to 15 blocks short of where prompts
+part). Memory is bounded (oldest entries dropped first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+_SHARED = object()   # the value of a key whose prefix several prompts continued differently
+
+
+@dataclass
+class SharedPrefixes:
+    lookahead: int = 64
+    max_entries: int = 65536
+    _seen: dict = field(default_factory=dict, repr=False)
+
+    def note(self, chain: Sequence[int], depth: int) -> None:
+        """A prompt with ``chain`` was matched ``depth`` blocks deep: learn whether other
+        prompts continued that prefix differently."""
+        n = len(chain)
+        if depth <= 0 or depth >= n:
+            return
+        key = chain[depth - 1]
+        ahead = chain[min(depth + self.lookahead, n) - 1]
+        seen = self._seen
+        got = seen.get(key)
+        if got is None:
+            if len(seen) >= self.max_entries:
+                del seen[next(iter(seen))]
+            seen[key] = ahead
+        elif got is not _SHARED and got != ahead:
+            seen[key] = _SHARED
+
+    def shared(self, chain: Sequence[int], depth: int) -> bool:
+        """Whether ``chain[:depth]`` is a prefix that different prompts continued differently."""
+        return 0 < depth <= len(chain) and self._seen.get(chain[depth - 1]) is _SHARED
+
+    def common_depth(self, chain: Sequence[int], depths: Iterable[int]) -> int:
+        """The depth of ``chain`` that tells none of the candidates apart: the deepest of the
+        candidates' minimum match and any candidate's match that is a shared prefix. Notes the
+        placement first (at the deepest match), so the prompt that reveals a branch point
+        already benefits from it."""
+        ds = sorted(set(depths))
+        if not ds:
+            return 0
+        self.note(chain, ds[-1])
+        common = ds[0]
+        for d in reversed(ds):
+            if d <= common:
+                break
+            if self.shared(chain, d):
+                return d
+        return common
+
+
+def differentiating(depths: Sequence[int], common: int) -> list[int]:
+    """Each candidate's match beyond the common depth (``SharedPrefixes.common_depth``)."""
+    return [d - common if d > common else 0 for d in depths]
