@@ -124,6 +124,41 @@ def starved(got: dict[str, Counter], engines: int, total: int) -> list[str]:
             for wid, n in counts.items() if n < total / engines / 2]
 
 
+def test_a_prefix_is_shared_once_two_prompts_continue_it_differently():
+    from controlplane.scheduling.shared import SharedPrefixes
+
+    system = list(range(1000, 1032))
+    s = SharedPrefixes(lookahead=16)
+    turn1 = system + list(range(1, 11))
+    assert s.common_depth(turn1, [32, 0]) == 0          # one prompt past it: not known yet
+    assert s.common_depth(turn1, [32, 0]) == 0          # the same prompt again (a retry): still not
+    assert s.common_depth(turn1[:36], [32, 0]) == 0     # a shorter one (it may be a truncation): still not
+    follow_up = turn1 + list(range(11, 21))             # matched past the system prompt, into its conversation
+    assert s.common_depth(follow_up, [42, 32, 0]) == 0
+    other = system + list(range(500, 510))              # a new conversation on the same system prompt
+    assert s.common_depth(other, [32, 0]) == 32
+    # The follow-up's own part still tells its engine apart; the system prompt does not.
+    assert s.common_depth(follow_up, [42, 32, 0]) == 32
+    # Without any shared prefix the candidates' minimum is common.
+    assert SharedPrefixes().common_depth(follow_up, [42, 40, 40]) == 40
+
+
+def test_the_prefix_cache_scorer_counts_what_tells_candidates_apart_and_only_past_min_match():
+    from controlplane.scheduling.scorers import PrefixCacheScorer
+
+    views = [WorkerView(WorkerSpec(id=w, url=f"http://{w}", role=Role.BOTH, model="m"), Load(), HEALTHY)
+             for w in ("a", "b", "c")]
+
+    def ctx(match, chain=100, common=0):
+        return PlacementContext(request_id="r", model="m", leg="entry", chain_blocks=chain, match_blocks=match,
+                                common_blocks=common)
+
+    scorer = PrefixCacheScorer()
+    assert scorer.score(ctx({"a": 80, "b": 40, "c": 40}), views) == [0.4, 0.0, 0.0]   # 40 held by all
+    assert scorer.score(ctx({"a": 80, "b": 40}, common=40), views) == [0.4, 0.0, 0.0]  # 40 shared
+    assert scorer.score(ctx({"a": 30}), views) == [0.0, 0.0, 0.0]                  # 30 % of the prompt: load decides
+
+
 def test_the_issue_trace_shape_spreads_over_every_engine_and_keeps_conversations():
     """The shape that starved an engine: a 512-token system prompt on every prompt, 4 engines,
     a 32-request gap that the balance override never reaches."""

@@ -21,11 +21,14 @@ is its differentiating match. Policies also let the cache decide only when the d
 match covers more than a fraction of the prompt (0.3, as SGLang and vllm-router do).
 
 Branch points are learned per placement in O(1): at the depth ``d`` of the deepest match,
-the block ``lookahead`` blocks further (or the prompt's last) is remembered under the
-match's last block; a prompt that shares ``chain[:d]`` but continues differently within
-those blocks marks the prefix shared. The lookahead spans the approximate index's recording
-stride (16 blocks by default: its depths can fall up to 15 blocks short of where prompts
-part). Memory is bounded (oldest entries dropped first).
+the block ``k = min(lookahead, blocks left)`` further is remembered under the match's last
+block; a later prompt that shares ``chain[:d]`` and reaches ``d + k`` with a different block
+there (block hashes commit to their whole prefix) continued it differently, which marks the
+prefix shared. A shorter prompt is no evidence (it may be a truncation of the same one): it
+only moves the comparison to its own end. The lookahead spans the approximate index's
+recording stride (16 blocks by default: its depths can fall up to 15 blocks short of where
+prompts part). Memory is bounded (oldest entries dropped first). Not persisted: a restarted
+control plane relearns a shared prefix from the next two prompts that continue it.
 """
 
 from __future__ import annotations
@@ -49,15 +52,19 @@ class SharedPrefixes:
         if depth <= 0 or depth >= n:
             return
         key = chain[depth - 1]
-        ahead = chain[min(depth + self.lookahead, n) - 1]
+        k = min(self.lookahead, n - depth)
         seen = self._seen
         got = seen.get(key)
         if got is None:
             if len(seen) >= self.max_entries:
                 del seen[next(iter(seen))]
-            seen[key] = ahead
-        elif got is not _SHARED and got != ahead:
-            seen[key] = _SHARED
+            seen[key] = (k, chain[depth + k - 1])
+        elif got is not _SHARED:
+            if k >= got[0]:
+                if chain[depth + got[0] - 1] != got[1]:
+                    seen[key] = _SHARED
+            else:
+                seen[key] = (k, chain[depth + k - 1])
 
     def shared(self, chain: Sequence[int], depth: int) -> bool:
         """Whether ``chain[:depth]`` is a prefix that different prompts continued differently."""
