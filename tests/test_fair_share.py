@@ -89,6 +89,13 @@ def replay(policy: str, engines: int, chains: list[tuple[int, list[int]]], windo
     last: dict[int, str] = {}
     inflight: deque = deque()
     for n, (conv, chain) in enumerate(chains):
+        # A conversation's next turn comes once its previous answer is complete.
+        for i, (tokens, done, c) in enumerate(inflight):
+            if c == conv:
+                for leg, wid, uncached in done:
+                    leg.charge(wid, tokens, uncached, -1)
+                del inflight[i]
+                break
         placed = []
         for leg in legs:
             views = leg.views()
@@ -108,13 +115,15 @@ def replay(policy: str, engines: int, chains: list[tuple[int, list[int]]], windo
                     got["follow"]["same" if last[conv] == wid else "moved"] += 1
                 last[conv] = wid
         if inflight:   # the previous request's prefill is done (its first token): only its decode remains
-            for leg, wid, uncached in inflight[-1][1]:
-                leg.charge(wid, 0, uncached, -1)
-        inflight.append((len(chain) * BLOCK, placed))
-        while len(inflight) > window:
-            tokens, done = inflight.popleft()
+            tokens, done, c = inflight[-1]
             for leg, wid, uncached in done:
-                leg.charge(wid, tokens, 0, -1)
+                leg.charge(wid, 0, uncached, -1)
+            inflight[-1] = (tokens, [(leg, wid, 0) for leg, wid, _ in done], c)
+        inflight.append((len(chain) * BLOCK, placed, conv))
+        while len(inflight) > window:
+            tokens, done, _ = inflight.popleft()
+            for leg, wid, uncached in done:
+                leg.charge(wid, tokens, uncached, -1)
     return got
 
 
@@ -174,13 +183,15 @@ def test_the_issue_trace_shape_spreads_over_every_engine_and_keeps_conversations
             assert got["follow"]["same"] >= share * (got["follow"]["same"] + got["follow"]["moved"]), (policy, pd, got)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=st.sampled_from(POLICIES), engines=st.integers(2, 5), system_blocks=st.integers(1, 96),
-       turn_blocks=st.integers(1, 24), turns=st.integers(1, 5), per_engine=st.integers(3, 8),
+       turn_blocks=st.integers(1, 24), turns=st.integers(1, 5), per_engine=st.integers(5, 10),
        window_per_engine=st.integers(1, 4), pd=st.booleans(), seed=st.integers(0, 2**16))
 def test_no_equal_engine_gets_less_than_half_its_fair_share(policy, engines, system_blocks, turn_blocks, turns,
                                                             per_engine, window_per_engine, pd, seed):
+    """Conversations stick to their engine, so an engine's share moves in whole conversations:
+    at least 5 per engine, or ties lost by chance alone could leave a fair engine one of 9."""
     rng = random.Random(seed)
     chains = conversation_chains(system_blocks, per_engine * engines, turns, turn_blocks, rng)
     got = replay(policy, engines, chains, window=window_per_engine * engines, pd=pd, seed=seed)
-    assert not starved(got, engines, len(chains)), got
+    assert not starved(got, engines, len(chains)), (policy, engines, system_blocks, turn_blocks, turns, pd, got)
