@@ -16,3 +16,4 @@ def test_soak_short_loses_nothing(tmp_path):
     assert report["lost"] == 0, report["lost_or_hung_samples"]
     assert report["hung"] == 0, report["lost_or_hung_samples"]
     assert report["sent"] == report["succeeded"] + report["clean_error"]
+    assert report["leaked_load"] == 0, report["ledgers_end"]   # every request's load released
