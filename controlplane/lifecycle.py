@@ -67,6 +67,7 @@ class Lifecycle:
             record = await store.get(event.request_id)
             if record is not None:
                 self._learn_ttft(record, event)
+                self._learn_pull(record, event)
                 self._note_success(record)
                 await store.settle_prefill(event.request_id)
         elif kind == pb.EVENT_PREFILL_DONE:
@@ -100,6 +101,17 @@ class Lifecycle:
         for charge in record.charges:
             if charge.leg != "decode" and charge.prefill_tokens >= 0:
                 self.predictor.observe_ttft(charge.worker_id, record.work_ahead_tokens, event.ttft_ms / 1000)
+                return
+
+    def _learn_pull(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
+        """Sequential PD: from D's placement (P had answered) to the first token is D's pull
+        of the prompt tokens it lacked, and its first step (see ``Predictor``)."""
+        if not event.streamed or record.decode_placed_at <= 0:
+            return
+        for charge in record.charges:
+            if charge.leg == "decode":
+                self.predictor.observe_pull(charge.worker_id, record.pull_tokens,
+                                            time.monotonic() - record.decode_placed_at)
                 return
 
     def _learn_tpot(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:

@@ -118,6 +118,9 @@ class _Scheduling:
                 err.add_metric([w.id, "tpot"], m.tpot_error.mean)
                 obs.add_metric([w.id, "ttft"], m.ttft.n)
                 obs.add_metric([w.id, "tpot"], m.tpot.n)
+                if m.pull.n:   # decode engines of the sequential PD flow
+                    err.add_metric([w.id, "kv_pull"], m.pull_error.mean)
+                    obs.add_metric([w.id, "kv_pull"], m.pull.n)
             yield from (spt, ttft, tpot, err, obs)
         if self.queue is not None:
             yield GaugeMetricFamily("omni_queue_depth", "Requests held in the placement queue",

@@ -24,6 +24,7 @@ from controlplane.kvcache.manager import KVCache
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
+from controlplane.scheduling.latency import pair_decode
 from controlplane.state import Charge, RequestRecord, StateStore
 from controlplane.workers import IDLE, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -158,8 +159,13 @@ class Placer:
         # (a slice copies upb's repeated field faster than list())
         chain = req.block_hashes[:] if self.kv is not None and self.profile.uses_prefix_cache else []
         ctx = self._context(req, leg, roles, chain)
+        if Role.PREFILL in roles and leg == "entry" and self.profile.uses_predictions:
+            await self._pair_context(req.model, ctx, chain)
         decision = await self._decide(req.model, roles, ctx, chain)
         explanation = self._explain(decision, ctx, roles) if explain else ""
+        if explain and ctx.pair_decode:
+            explanation += (f" | paired decode: {ctx.pair_decode} (kv pull {ctx.pair[0] * 1000:.0f}ms "
+                            f"tpot={ctx.pair[1] * 1000:.1f}ms)")
         chosen = decision.worker
         if chosen is None:
             return self._refusal(req, leg, ctx, roles, decision.dropped, explanation)
@@ -233,6 +239,9 @@ class Placer:
                     notes["placed_at"] = now   # a prefill tried again elsewhere: timed from here
             if charge_leg != "prefill":
                 notes["decode_batch"] = w.load.requests + 1
+            if charge_leg == "decode" and leg == "decode" and flow == pb.FLOW_SEQUENTIAL:
+                notes["decode_placed_at"] = now     # P has answered: D pulls from here on
+                notes["pull_tokens"] = ctx.uncached_tokens(wid)
         template = record or RequestRecord(request_id=req.request_id, model=req.model, prompt_tokens=prompt,
                                            max_tokens=req.max_tokens, session=session, flow=flow,
                                            created_at=now, placed_at=now, **notes)
@@ -284,6 +293,17 @@ class Placer:
         if self.queue is not None:
             self.queue.kick()
         return record
+
+    async def _pair_context(self, model: str, ctx: PlacementContext, chain: list[int]) -> None:
+        """Entry leg with prefill workers among the candidates: predict the decode engine each
+        would be paired with (``latency.pair_decode``), from the decode engines' loads and their
+        own prefix caches (what they hold, they need not pull)."""
+        ids = self.fleet.group(model, _LEG_ROLES["decode"]).ids
+        if not ids:
+            return
+        loads = await self.store.loads(ids)
+        views = self.fleet.views(ids, loads)
+        pair_decode(ctx, views, self.kv.match(chain, views) if chain else {})
 
     async def _rank(self, worker: WorkerView, chain: list[int], advance: bool = True) -> tuple[int, str]:
         """The DP rank of a data-parallel worker: the deepest prefix match among its ranks,

@@ -6,7 +6,12 @@ Two straight lines per engine, refitted with every observation:
   ``b`` is the engine's seconds per uncached prompt token, ``a`` what a request pays even
   with nothing ahead (a scheduling step, the data path);
 * time per output token = c + d * (requests in the decode batch): the step time of
-  continuous batching, growing with the batch.
+  continuous batching, growing with the batch;
+* a decode engine's KV pull (sequential PD) = e + f * (prompt tokens it does not hold in
+  its own prefix cache): from P's answer to D's first token, so ``f`` is the transfer's
+  seconds per token and ``e`` D's first step. Its prior is ``kv_pull_s_per_token``, 5 us
+  a token, about what vLLM's NixlConnector moves for an ~8B model over RDMA (and what the
+  simulator charges by default, ``--kv-transfer-ms-per-token 0.005``).
 
 The fits forget old samples exponentially (a half-life counted in observations), so a
 model follows an engine that slows down (thermal throttling, a noisy neighbour, a longer
@@ -117,6 +122,7 @@ class PredictionDefaults:
     ttft_base_s: float = 0.02
     tpot_base_s: float = 0.02
     tpot_s_per_request: float = 5e-4
+    kv_pull_s_per_token: float = 5e-6
     half_life: float = 64.0
 
 
@@ -124,13 +130,16 @@ class PredictionDefaults:
 class EngineModel:
     ttft: OnlineLine
     tpot: OnlineLine
+    pull: OnlineLine
     ttft_error: ErrorTrack = field(default_factory=ErrorTrack)
     tpot_error: ErrorTrack = field(default_factory=ErrorTrack)
+    pull_error: ErrorTrack = field(default_factory=ErrorTrack)
 
     @classmethod
     def new(cls, d: PredictionDefaults) -> "EngineModel":
         return cls(ttft=OnlineLine(d.ttft_base_s, d.prefill_s_per_token, 8192.0, d.half_life),
-                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life))
+                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life),
+                   pull=OnlineLine(d.tpot_base_s, d.kv_pull_s_per_token, 8192.0, d.half_life))
 
     def observe_ttft(self, work_tokens: float, ttft_s: float) -> OnlineLine:
         self.ttft_error.add(self.ttft(work_tokens), ttft_s)
@@ -141,6 +150,11 @@ class EngineModel:
         self.tpot_error.add(self.tpot(batch), tpot_s)
         self.tpot.add(batch, tpot_s)
         return self.tpot
+
+    def observe_pull(self, pulled_tokens: float, seconds: float) -> OnlineLine:
+        self.pull_error.add(self.pull(pulled_tokens), seconds)
+        self.pull.add(pulled_tokens, seconds)
+        return self.pull
 
 
 class Predictor:
@@ -155,6 +169,7 @@ class Predictor:
         # The observed engines' fits, averaged over observations: (a, b) per line, None before any.
         self._pool_ttft: tuple[float, float] | None = None
         self._pool_tpot: tuple[float, float] | None = None
+        self._pool_pull: tuple[float, float] | None = None
 
     def model(self, worker_id: str) -> EngineModel:
         """The engine's model; one not observed yet follows the fleet's average (module docstring)."""
@@ -165,6 +180,8 @@ class Predictor:
             m.ttft.adopt(*self._pool_ttft)
         if m.tpot.n == 0 and self._pool_tpot is not None:
             m.tpot.adopt(*self._pool_tpot)
+        if m.pull.n == 0 and self._pool_pull is not None:
+            m.pull.adopt(*self._pool_pull)
         return m
 
     def observe_ttft(self, worker_id: str, work_tokens: float, ttft_s: float) -> None:
@@ -180,6 +197,10 @@ class Predictor:
         what a decode engine not chosen yet is expected to do."""
         a, b = self._pool_tpot or (self.defaults.tpot_base_s, self.defaults.tpot_s_per_request)
         return a + b * batch
+
+    def observe_pull(self, worker_id: str, pulled_tokens: float, seconds: float) -> None:
+        line = self.model(worker_id).observe_pull(pulled_tokens, seconds)
+        self._pool_pull = _pooled(self._pool_pull, line)
 
     def forget(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)

@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -369,3 +370,83 @@ def test_queue_running_cap_counts_a_prefill_engines_prompts_in_progress_not_kv_i
     assert q.should_hold(ctx, WorkerView(spec, Load(requests=5, tokens=5000, prefill_tokens=900, prefills=2)))
     both = WorkerView(dataclasses.replace(spec, role=Role.BOTH), keeping.load)
     assert q.should_hold(ctx, both)               # an aggregated engine runs what it holds
+
+
+# ---------------------------------------------------------------------------- PD pairs
+
+
+def decode_leg(rid, tokens, chain=(), **kw):
+    return pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_DECODE, prompt_tokens=tokens, max_tokens=10,
+                           block_hashes=list(chain), **kw)
+
+
+async def test_decode_leg_prefers_the_engine_holding_the_prefix_unless_its_tpot_misses_the_target():
+    plane = await make(workers=("d1", "d2"), role=Role.DECODE)
+    teach(plane, "d1", 1e-4, tpot=0.01)
+    teach(plane, "d2", 1e-4, tpot=0.01)
+    chain = list(range(1, 2001))                 # 32,000 tokens: 160 ms to pull at 5 us a token
+    plane.placer.kv = KVCache(KVCacheConfig())
+    plane.placer.kv.placed(plane.fleet.get("d1"), chain, 0)        # d1 decoded the previous turn
+    for i in range(3):                           # d1 is the busier one
+        await plane.store.reserve(RequestRecord(request_id=f"busy{i}", model="m", prompt_tokens=10, max_tokens=10),
+                                  (Charge("d1", "decode", 20),))
+    for i in range(5):
+        p = await plane.placer.place(decode_leg(f"r{i}", 32000, chain), "s")
+        assert p.decode.worker_id == "d1"        # it pulls nothing, and has TPOT headroom
+        await plane.store.end(f"r{i}")
+    # A prefix holder predicted to miss the TPOT target loses to one that pulls everything.
+    teach(plane, "d1", 1e-4, tpot=0.3)
+    assert (await plane.placer.place(decode_leg("x", 32000, chain), "s")).decode.worker_id == "d2"
+
+
+async def test_a_prefill_worker_is_judged_with_its_paired_decode_engines_pull_and_tpot():
+    """A PD path costs P's prefill, D's pull and D's TPOT: an aggregated engine as fast as P
+    with the same TPOT wins (without the pull it was a tie)."""
+    plane = await make(policy="nohold", nohold={"scorers": [{"name": "predicted_latency"}], "picker": "max_score"},
+                       workers=("p1", "d1", "a1"), roles={"p1": Role.PREFILL, "d1": Role.DECODE, "a1": Role.BOTH})
+    for wid in ("p1", "d1", "a1"):
+        teach(plane, wid, 1e-4, tpot=0.03)
+    p = await plane.placer.place(entry("r", tokens=32000, explain=True), "s")
+    assert p.flow == pb.FLOW_AGGREGATED and p.decode.worker_id == "a1", p.explanation
+    assert "paired decode: d1" in p.explanation
+    pull = re.search(r"paired decode: d1 \(kv pull (\d+)ms", p.explanation)
+    line = plane.placer.predictor.model("d1").pull
+    assert pull and int(pull.group(1)) == round((line.a + line.b * 32000) * 1000)
+
+
+def test_the_paired_decode_engine_is_the_one_that_pulls_least_with_tpot_headroom():
+    from controlplane.scheduling.base import PlacementContext
+    from controlplane.scheduling.latency import pair_decode
+    from controlplane.workers import Load, WorkerView
+
+    predictor = Predictor()
+
+    def views(d2_requests):
+        return [WorkerView(WorkerSpec(id=d, url=f"http://{d}", role=Role.DECODE, model="m"), Load(requests=n))
+                for d, n in (("d1", 0), ("d2", d2_requests))]
+
+    ctx = PlacementContext(request_id="r", model="m", leg="entry", prompt_tokens=32000, predictor=predictor)
+    pair_decode(ctx, views(10), {})
+    assert ctx.pair_decode == "d1"               # nobody holds it: the less loaded one
+    line = predictor.model("d1").pull
+    assert ctx.pair[0] == pytest.approx(line.a + line.b * 32000)
+    pair_decode(ctx, views(10), {"d2": 2000})    # d2 holds the whole prompt: no pull
+    assert ctx.pair_decode == "d2" and ctx.pair[0] == pytest.approx(predictor.model("d2").pull.a)
+    pair_decode(ctx, views(40), {"d2": 2000})    # ... but its batch would cost more TPOT than the pull
+    assert ctx.pair_decode == "d1"
+
+
+async def test_a_decodes_first_token_teaches_its_kv_pull_of_the_tokens_it_lacked():
+    plane = await make(workers=("p1", "d1"), roles={"p1": Role.PREFILL, "d1": Role.DECODE})
+    chain = list(range(1, 101))                  # 1,600 tokens; d1 holds the first 60 blocks
+    plane.placer.kv = KVCache(KVCacheConfig())
+    plane.placer.kv.placed(plane.fleet.get("d1"), chain[:60], 0)
+    await plane.placer.place(entry("r", tokens=1600, block_hashes=chain), "s")
+    await plane.placer.place(decode_leg("r", 1600, chain), "s")
+    record = await plane.store.get("r")
+    assert record.pull_tokens == 1600 - 60 * 16 and record.decode_placed_at > 0
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=80,
+                                                   streamed=True))
+    model = plane.placer.predictor.model("d1")
+    assert model.pull.n == 1 and model.pull_error.n == 1
+    assert plane.placer.predictor.model("p1").pull.n == 0

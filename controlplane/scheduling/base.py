@@ -41,6 +41,10 @@ class PlacementContext:
     ttft_slo_s: float = 0.0
     tpot_slo_s: float = 0.0
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Entry leg of a PD fleet: the decode engine a prefill worker would be paired with, and
+    # its predicted (KV pull + first step, TPOT) in seconds (``latency.pair_decode``).
+    pair: tuple[float, float] | None = None
+    pair_decode: str = ""
     # (candidates considered, routable workers) when the candidate stage sampled; (0, 0) if not.
     sampled: tuple[int, int] = (0, 0)
     matched: bool = False          # match_blocks already filled for the candidates (by the candidate stage)

@@ -7,16 +7,32 @@ For each candidate the prediction is (``controlplane.prediction``):
   cache and a short queue both count, in the same unit: seconds.
 * TPOT: the engine's learned step time at its decode batch with this request added.
 
-A prefill leg is judged by TTFT alone, a decode leg by TPOT alone, an aggregated worker by
-both, each against the request's target (its SLO headers, or the scorer's defaults).
+PD pairs are judged together (sequential flow: D is still placed after P answers):
+
+* a decode leg: the KV pull it needs (the prompt tokens that engine does not hold in its own
+  prefix cache, at its learned seconds per pulled token, plus its first step) and TPOT, so
+  the decode engine that already holds the conversation's prefix, with TPOT headroom, wins;
+* a prefill worker at entry, beside aggregated workers (and against a request's SLO): its
+  own TTFT plus the pull of the decode engine it would be paired with (the best one now,
+  ``pair_decode``), and that engine's TPOT, so an aggregated worker competes with the whole
+  PD path, not with its first leg. Among prefill workers alone that pair is the same for
+  each, so it is left out of their comparison.
+
+An aggregated worker is judged by its TTFT and TPOT, each against the request's target (its
+SLO headers, or the scorer's defaults).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
 from controlplane.workers import Role, WorkerView
+
+TTFT_TARGET_S = 2.0     # the defaults when a request names no SLO
+TPOT_TARGET_S = 0.1
+DECODE_FLOOR = 0.25
 
 
 def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
@@ -29,10 +45,15 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
     model = ctx.predictor.model(wid)
     role = spec.role
     # The models' lines evaluated inline (a + b * x): this runs per candidate per placement.
+    uncached = ctx.prompt_tokens - ctx.match_blocks.get(wid, 0) * ctx.block_size
+    if uncached < 0:
+        uncached = 0
     if ctx.leg != "decode" and role is not Role.DECODE:
-        uncached = ctx.prompt_tokens - ctx.match_blocks.get(wid, 0) * ctx.block_size
         line = model.ttft
-        ttft = line.a + line.b * (w.load.prefill_tokens + (uncached if uncached > 0 else 0))
+        ttft = line.a + line.b * (w.load.prefill_tokens + uncached)
+    elif role is Role.DECODE:
+        line = model.pull      # what this decode engine pulls: the prompt less its own prefix
+        ttft = line.a + line.b * uncached
     else:
         ttft = 0.0
     if role is not Role.PREFILL:
@@ -42,6 +63,47 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
         tpot = 0.0
     got = ctx.predicted[wid] = (ttft, tpot)
     return got
+
+
+def decode_cost(ttft_s: float, tpot_s: float, ttft_target_s: float, tpot_target_s: float,
+                floor: float = DECODE_FLOOR) -> float:
+    """A decode engine's cost: its pull against the TTFT target, its TPOT against the TPOT
+    target but never below ``floor`` (engines comfortably within it are equally good)."""
+    tpot = tpot_s / tpot_target_s
+    return ttft_s / ttft_target_s + (tpot if tpot > floor else floor)
+
+
+def pair_decode(ctx: PlacementContext, decodes: Sequence[WorkerView], match_blocks: dict[str, int]) -> None:
+    """Entry leg of a PD fleet: the decode engine a prefill worker would be paired with.
+
+    Sets ``ctx.pair`` to the best decode engine's predicted (pull + first step, TPOT), by
+    ``decode_cost``, and ``ctx.pair_decode`` to its id. ``match_blocks``: the decode engines'
+    prefix matches for this prompt. The decode leg itself is chosen again when P answers
+    (loads will have moved by then); this is what the PD path is predicted with.
+    """
+    if not decodes:
+        return
+    ttft_t = ctx.ttft_slo_s or TTFT_TARGET_S
+    tpot_t = ctx.tpot_slo_s or TPOT_TARGET_S
+    bs, prompt = ctx.block_size, ctx.prompt_tokens
+    best = None
+    for d in decodes:
+        model = ctx.predictor.model(d.id)
+        pulled = prompt - match_blocks.get(d.id, 0) * bs
+        pull = model.pull(pulled if pulled > 0 else 0)
+        tpot = model.tpot(d.load.requests + 1)
+        cost = decode_cost(pull, tpot, ttft_t, tpot_t) / (d.spec.weight if d.spec.weight > 1e-9 else 1e-9)
+        if best is None or cost < best[0]:
+            best = (cost, pull, tpot, d.id)
+    ctx.pair, ctx.pair_decode = (best[1], best[2]), best[3]
+
+
+def with_pair(ctx: PlacementContext, w: WorkerView, ttft: float, tpot: float) -> tuple[float, float]:
+    """A prefill worker's (TTFT, TPOT) for the whole PD path: its own TTFT plus the paired
+    decode engine's pull, and that engine's TPOT. Others' unchanged."""
+    if ctx.pair is None or w.spec.role is not Role.PREFILL or ctx.leg == "decode":
+        return ttft, tpot
+    return ttft + ctx.pair[0], ctx.pair[1]
 
 
 @dataclass
@@ -66,24 +128,26 @@ class PredictedLatencyScorer:
     engines that got the first requests: in a replay with a 512-token system prompt on 4
     idle-ish engines, two of them received nothing (tests/test_fair_share.py).
 
-    On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine's
-    TPOT is the fleet's average at batch 1 (``Predictor.fleet_tpot``): its request decodes on
-    a decode engine chosen later, and counted as 0 every prefill engine looked cheaper than
-    every aggregated one by a whole TPOT term, so the aggregated engines got nothing (the
-    demo's 2 aggregated engines: 0 of 16 requests).
+    On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
+    costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
+    pair with (``ctx.pair``; the fleet's average TPOT at batch 1, ``Predictor.fleet_tpot``,
+    when no pair was predicted). Counted as 0, every prefill engine looked cheaper than every
+    aggregated one by a whole TPOT term, so the aggregated engines got nothing (the demo's 2
+    aggregated engines: 0 of 16 requests).
 
-    A decode leg's cost is at least ``decode_floor`` (a fraction of the TPOT target): decode
-    engines predicted comfortably within the target are equally good for this request, and
-    the picker balances them by load. Otherwise a few milliseconds of noise in the fits
+    A decode leg's TPOT part is at least ``decode_floor`` (a fraction of the TPOT target):
+    decode engines predicted comfortably within the target are equally good for this
+    request, and what tells them apart is the KV pull (the engine that holds the prompt's
+    prefix pulls less), then the picker's load balance. Otherwise a few milliseconds of noise in the fits
     decide, since a decode step barely grows with the batch: one decode engine of two got 2
     of 200 decodes in bench/slo_replay.py's PD mode, its KV pool idle while the other's filled.
     """
 
-    ttft_target_s: float = 2.0
-    tpot_target_s: float = 0.1
+    ttft_target_s: float = TTFT_TARGET_S
+    tpot_target_s: float = TPOT_TARGET_S
     tpot_weight: float = 1.0
     recompute_weight: float = 1.0
-    decode_floor: float = 0.25
+    decode_floor: float = DECODE_FLOOR
     name: str = "predicted_latency"
     uses_prefix_cache: bool = True
     uses_predictions: bool = True
@@ -96,7 +160,7 @@ class PredictedLatencyScorer:
         pd_tpot = -1.0          # a prefill candidate's TPOT beside aggregated ones (see the docstring)
         if ctx.leg == "entry" and Role.BOTH in ctx.roles and Role.PREFILL in ctx.roles and \
                 any(w.spec.role is Role.BOTH for w in workers):
-            pd_tpot = ctx.predictor.fleet_tpot(1)
+            pd_tpot = ctx.predictor.fleet_tpot(1) if ctx.pair is None else 0.0
         costs = []
         for w in workers:
             ttft, tpot = predict(ctx, w)
@@ -108,10 +172,9 @@ class PredictedLatencyScorer:
                 per_token = ctx.predictor.model(spec.id).ttft.b
                 ttft += per_token * (mu * recompute - (ctx.uncached_tokens(spec.id) - recompute))
             if pd_tpot >= 0 and spec.role is Role.PREFILL:
-                tpot = pd_tpot
-            cost = ttft / ttft_t + tpot / tpot_t
-            if decode and cost < self.decode_floor:
-                cost = self.decode_floor
+                ttft, tpot = with_pair(ctx, w, ttft, tpot) if ctx.pair is not None else (ttft, pd_tpot)
+            cost = decode_cost(ttft, tpot, ttft_t, tpot_t, self.decode_floor) if decode else \
+                ttft / ttft_t + tpot / tpot_t
             weight = spec.weight
             costs.append(cost / (weight if weight > 1e-9 else 1e-9))
         best = min(costs, default=0.0)
@@ -137,5 +200,5 @@ class SLOFilter:
     def keep(self, ctx: PlacementContext, worker: WorkerView) -> bool:
         if not (ctx.ttft_slo_s or ctx.tpot_slo_s):
             return True
-        ttft, tpot = predict(ctx, worker)
+        ttft, tpot = with_pair(ctx, worker, *predict(ctx, worker))   # a PD path: P and its D
         return (not ctx.ttft_slo_s or ttft <= ctx.ttft_slo_s) and (not ctx.tpot_slo_s or tpot <= ctx.tpot_slo_s)

@@ -53,6 +53,10 @@ class RequestRecord:
     predicted_ttft_s: float = 0.0
     work_ahead_tokens: int = 0  # prefill tokens ahead of and including this one on its prefill worker
     decode_batch: int = 0       # requests on its decode worker, itself included, at placement
+    # Sequential PD: when D was placed (P had answered) and the prompt tokens D lacked then,
+    # which it pulls from P: what D's first token teaches its KV-pull line.
+    decode_placed_at: float = 0.0
+    pull_tokens: int = 0
 
 
 class SpecStore(Protocol):

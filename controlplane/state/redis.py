@@ -383,8 +383,8 @@ return done
 
 # ---------------------------------------------------------------------------- encoding
 
-_INT_FIELDS = frozenset({"prompt_tokens", "max_tokens", "flow", "work_ahead_tokens", "decode_batch"})
-_TIME_FIELDS = frozenset({"created_at", "placed_at", "orphaned_at"})   # monotonic <-> wall clock
+_INT_FIELDS = frozenset({"prompt_tokens", "max_tokens", "flow", "work_ahead_tokens", "decode_batch", "pull_tokens"})
+_TIME_FIELDS = frozenset({"created_at", "placed_at", "orphaned_at", "decode_placed_at"})   # monotonic <-> wall clock
 _FLOAT_FIELDS = frozenset({"predicted_ttft_s"}) | _TIME_FIELDS
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerSpec))
