@@ -112,6 +112,15 @@ class HostileEngine:
             return False
         elif plan.startswith("status "):
             writer.write(_answer(b'{"error": "odd"}', status=f"{plan.split()[1]} Odd"))
+        elif plan == "stall_stream":            # one event, then silence until the data plane hangs up
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                         b'data: {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "h"}]}\n\n')
+            await writer.drain()
+            try:
+                await asyncio.wait_for(reader.read(1), 20.0)
+            except asyncio.TimeoutError:
+                pass
+            return False
         elif plan == "huge_head":
             writer.write(b"HTTP/1.1 200 OK\r\n" + b"X-H: v\r\n" * 200_000 + b"Content-Length: 0\r\n\r\n")
         return True
@@ -244,3 +253,36 @@ def test_a_client_that_closes_for_good_still_cancels_its_request(system):
     while engine.aborted == aborted:
         assert time.monotonic() < deadline, "the engine leg was not aborted"
         time.sleep(0.02)
+
+
+def test_a_mid_stream_timeout_is_504_to_the_client_and_to_the_control_plane(system, tmp_path):
+    """The engine sends one event and then nothing: past --read-timeout the client's stream
+    ends with an error event of code 504, and the failure reported to the control plane (the
+    data plane's access line carries what it reported) says 504 too (it said 502 to the client)."""
+    engine, _, cp = system
+    with ProcessGroup(str(tmp_path)) as group:
+        dp = group.start("dataplane", ["dataplane", "--port", "0", "--controlplane", cp.address,
+                                       "--read-timeout", "0.5"])
+        _served(engine, dp)
+        failures = _worker(cp).failures_total
+        engine.plan = "stall_stream"
+        resp = requests.post(dp.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "max_tokens": 8,
+                                                                "stream": True},
+                             headers={"X-Request-Id": "stalls"}, timeout=30)
+        assert resp.status_code == 200, resp.text
+        events = [ln.removeprefix("data: ") for ln in resp.text.split("\n\n") if ln.startswith("data: ")]
+        assert events[0].startswith("{") and '"text": "h"' in events[0], resp.text
+        err = orjson.loads(events[-1])["error"]
+        assert err["code"] == 504 and "timed out" in err["message"], err
+        deadline = time.monotonic() + 10
+        while (w := _worker(cp)).failures_total == failures:   # the failure report reached the control plane
+            assert time.monotonic() < deadline, "the failure was never reported"
+            time.sleep(0.02)
+        assert "timed out" in w.last_error, w.last_error
+        deadline = time.monotonic() + 10
+        while not (lines := [orjson.loads(ln[ln.index("{"):]) for ln in dp.log_path.read_text().splitlines()
+                             if '"stalls"' in ln and '"upstream_status"' in ln]):
+            assert time.monotonic() < deadline, dp.log_tail()
+            time.sleep(0.02)
+        assert lines[0]["upstream_status"] == 504, lines[0]
+    engine.plan = "ok"

@@ -91,15 +91,19 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
             tracker.cancelled()
             ctx.metrics.cancelled.inc()
             return out
-        message = ctx.abort_reason or f"worker {worker_id} broke off the stream: {type(exc).__name__} {exc}".strip()
+        timed_out = isinstance(exc, asyncio.TimeoutError)
+        message = ctx.abort_reason or (f"worker {worker_id} timed out mid-stream: {exc}" if timed_out else
+                                       f"worker {worker_id} broke off the stream: {type(exc).__name__} {exc}".strip())
         # 502, not 0: the engine answered and then broke off, which is a failed request (the
-        # circuit breaker counts it), not proof that it is unreachable (a timeout is 504).
-        tracker.failed(worker_id, message, 504 if isinstance(exc, asyncio.TimeoutError) else 502)
+        # circuit breaker counts it), not proof that it is unreachable; a timeout is 504. The
+        # client's error event and the control plane's report carry the same status.
+        status = 504 if timed_out else 502
+        tracker.failed(worker_id, message, status)
         ctx.metrics.upstream_errors.labels(worker_id, "stream").inc()
         try:
             # An engine cut mid-event left a partial line: end it, so the error is an event of its own.
             cut = b"" if not last or last.endswith(_EVENT_END) else _EVENT_END
-            await out.write(cut + sse_error_event(502, message))
+            await out.write(cut + sse_error_event(status, message))
         except ConnectionResetError:
             pass
         return out
