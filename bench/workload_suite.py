@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     p.add_argument("--summarize-only", action="store_true")
     p.add_argument("--git-ref", default=None, help="passed to slo_replay (run the processes from git archive REF)")
+    p.add_argument("--profiles", type=Path, default=None,
+                   help="passed to slo_replay: custom policies named in --policies (e.g. bench/profiles/no_queue.toml "
+                        "for predicted_latency held vs not held)")
     return p.parse_args(argv)
 
 
@@ -67,6 +70,8 @@ def run_case(case: str, args) -> int:
     argv += ["--no-peers"] if args.no_peers else ["--peers", args.peers]
     if args.git_ref:
         argv += ["--git-ref", args.git_ref]
+    if args.profiles:
+        argv += ["--profiles", str(args.profiles)]
     print(f"== {case}: python bench/slo_replay.py {' '.join(shlex.quote(a) for a in argv)}", flush=True)
     return slo_replay.main(argv)
 
