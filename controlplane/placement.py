@@ -26,7 +26,7 @@ from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.scheduling.latency import pair_decode
 from controlplane.state import Charge, RequestRecord, StateStore
-from controlplane.workers import IDLE, Role, WorkerView
+from controlplane.workers import IDLE, ROLE_TO_PB, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,6 @@ _NONE: frozenset[str] = frozenset()
 MAX_TOKENS = 1 << 40   # per request: far above any context, far below int64 sums of many requests
 NO_WORKER_RETRY_S = 1.0   # Retry-After for a known model with no worker at the moment
 PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
-ROLE_TO_PB = {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 
 
 def _endpoint(worker: WorkerView) -> pb.Endpoint:

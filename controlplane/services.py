@@ -13,9 +13,9 @@ import grpc
 from controlplane import auth, ownership, validate
 from controlplane import registry as _registry
 from controlplane.lifecycle import Lifecycle
-from controlplane.placement import ROLE_TO_PB, Placer
+from controlplane.placement import Placer
 from controlplane.registry import WorkerRegistry
-from controlplane.workers import Health, Role, WorkerSpec, WorkerView, normalize_url
+from controlplane.workers import PB_TO_ROLE, ROLE_TO_PB, Health, Role, WorkerSpec, WorkerView, normalize_url
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
@@ -26,7 +26,6 @@ SESSION_MAX_BATCH = 256   # answers per stream write when several are queued
 
 _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HEALTHY,
                  Health.UNHEALTHY: pb.STATUS_UNHEALTHY}
-_PB_TO_ROLE = {pb.ROLE_BOTH: Role.BOTH, pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 
 
 def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int = 0, *,
@@ -259,7 +258,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
 def _spec_from_register(req: pb.RegisterRequest) -> dict:
     """Every value a registration or an operator's AddWorker brings, checked (ValueError)."""
-    role = _PB_TO_ROLE.get(req.role)
+    role = PB_TO_ROLE.get(req.role)
     if role is None:
         raise ValueError("role must be BOTH, PREFILL or DECODE")
     dp_size = validate.int_range(req.dp_size or 1, "dp_size", 1, 1024)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from protos import omni_proxy_pb2 as pb
+
 
 class Role(str, enum.Enum):
     BOTH = "both"        # aggregated: prefill and decode on one engine
@@ -26,6 +28,13 @@ class Role(str, enum.Enum):
             return cls(value.strip().lower())
         except ValueError:
             raise ValueError(f"unknown role {value!r}: expected both, prefill or decode") from None
+
+
+# The one mapping between a Role and the wire's pb.Role (the admin API, placements, fleet
+# snapshots), both ways.
+ROLE_TO_PB: Mapping[Role, int] = MappingProxyType(
+    {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE})
+PB_TO_ROLE: Mapping[int, Role] = MappingProxyType({v: k for k, v in ROLE_TO_PB.items()})
 
 
 class Health(str, enum.Enum):

@@ -64,3 +64,14 @@ async def test_huge_token_counts_are_refused_and_listing_keeps_working(admin):
         assert placement.error == pb.INVALID_REQUEST
     listing = await stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
     assert [w.load.inflight_requests for w in listing.workers] == [0]
+
+
+def test_one_role_mapping_both_ways():
+    """The Role <-> pb.Role mapping is defined once (controlplane.workers) and is what the
+    admin API and placement use: every wire role but UNSPECIFIED maps to a Role and back."""
+    from controlplane import placement, services, workers
+    assert placement.ROLE_TO_PB is workers.ROLE_TO_PB and services.ROLE_TO_PB is workers.ROLE_TO_PB
+    assert services.PB_TO_ROLE is workers.PB_TO_ROLE
+    wire = {v for n, v in pb.Role.items() if n != "ROLE_UNSPECIFIED"}
+    assert set(workers.PB_TO_ROLE) == wire and set(workers.ROLE_TO_PB) == set(workers.Role)
+    assert all(workers.PB_TO_ROLE[workers.ROLE_TO_PB[r]] is r for r in workers.Role)
