@@ -223,8 +223,8 @@ class Soak:
         if self.args.redis:
             self.start_redis()
             config = self.group.workdir / "controlplane.toml"
-            config.write_text(f'[state]\nbackend = "redis"\nredis_url = "redis://127.0.0.1:{self.procs["redis"].port}/0"\n'
-                              'key_prefix = "soak:"\n')
+            url = f"redis://127.0.0.1:{self.procs['redis'].port}/0"
+            config.write_text(f'[state]\nbackend = "redis"\nredis_url = "{url}"\nkey_prefix = "soak:"\n')
             extra = ["--config", str(config)]
         for name in self.cps:
             cp = self.group.start(name, self.cp_cmd("127.0.0.1:0", extra))
