@@ -166,6 +166,17 @@ def test_the_prefix_cache_scorer_counts_what_tells_candidates_apart_and_only_pas
     assert scorer.score(ctx({"a": 80, "b": 40, "c": 40}), views) == [0.4, 0.0, 0.0]   # 40 held by all
     assert scorer.score(ctx({"a": 80, "b": 40}, common=40), views) == [0.4, 0.0, 0.0]  # 40 shared
     assert scorer.score(ctx({"a": 30}), views) == [0.0, 0.0, 0.0]                  # 30 % of the prompt: load decides
+    # explain says which depth preferred no one
+    profile = build_profile("cache_aware")
+    profile.shared.note(list(range(100)), 40)
+    c = ctx({"a": 80, "b": 40})
+    c.chain = list(range(100))
+    c.cached_blocks = {"a": 1, "b": 1, "c": 1}
+    decision = profile.place(c, views)
+    assert decision.worker.id == "a" and "common prefix 0blk" not in decision.explain()
+    profile.shared.note(list(range(40)) + [7] * 60, 40)        # another prompt continued those 40 blocks
+    decision = profile.place(c, views)
+    assert decision.worker.id == "a" and "common prefix 40blk (prefers no one)" in decision.explain()
 
 
 def test_the_issue_trace_shape_spreads_over_every_engine_and_keeps_conversations():

@@ -93,9 +93,12 @@ class Decision:
     match_blocks: dict[str, int] = field(default_factory=dict)
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
     sampled: tuple[int, int] = (0, 0)
+    common_blocks: int = 0         # the match depth that told no candidate apart (scheduling.shared)
 
     def explain(self) -> str:
         parts = [f"policy={self.policy}"]
+        if self.common_blocks:
+            parts.append(f"common prefix {self.common_blocks}blk (prefers no one)")
         if self.sampled[1]:
             parts.append(f"candidates={self.sampled[0]} sampled of {self.sampled[1]} routable")
         for c in sorted(self.candidates, key=lambda c: -c.score):

@@ -126,7 +126,9 @@ class CacheAwarePicker:
     four received none of 978 requests, and the balance override's 32-request gap was never
     reached).
 
-    When no candidate's score exceeds ``cache_threshold``, the request goes
+    When no candidate's score exceeds ``cache_threshold`` (0: any part of a match that tells
+    candidates apart, once the whole match covers more than the scorer's ``min_match``, 0.3,
+    of the prompt: SGLang's and vllm-router's threshold), the request goes
     to the least-loaded worker (requests in flight, then uncached prefill tokens placed
     there), the fewest blocks held breaking ties (SGLang's "smallest tree"). Load comes
     first because it is counted at placement: a prompt still queued or prefilling has

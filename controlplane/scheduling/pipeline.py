@@ -91,7 +91,7 @@ class Profile:
         chosen = self.picker.pick(ctx, candidates)
         return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name,
                         chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, predicted=ctx.predicted,
-                        sampled=ctx.sampled)
+                        sampled=ctx.sampled, common_blocks=ctx.common_blocks)
 
     @staticmethod
     def dropped_from(ctx: PlacementContext, workers: list[WorkerView], dropped: dict[str, str]) -> dict[str, str]:
