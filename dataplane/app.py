@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,8 +19,7 @@ from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
 from dataplane.intake import read_client_body
-from dataplane.flows.recompute import (MAX_RECOMPUTES, Recomputed, continuation, generated_from_response,
-                                       generated_from_stream)
+from dataplane.flows.recompute import run_recomputing
 from dataplane.hygiene import sanitize_client_id
 from dataplane.loopwatch import LoopWatch
 from dataplane.messages import Request, Response, StreamResponse, json_response
@@ -358,56 +358,15 @@ class DataPlane:
 
     async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> Response | StreamResponse:
         """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""
-        recomputes = 0
-        while True:
-            try:
-                return await flow(ctx, placement)
-            except Recomputed as rc:
-                recomputes += 1
-                self.metrics.recomputes.inc()
-                req = ctx.req
-                text, tokens = (generated_from_stream(rc.forwarded) if req.stream
-                                else generated_from_response(rc.response or {}))
-                encode = None
-                if self.prompts.tokenizer is not None:
-                    tok = self.prompts.tokenizer
-                    encode = lambda t: tok.encode_prompt(t, add_special_tokens=False)  # noqa: E731
-                try:
-                    nxt = continuation(req, text, tokens, encode)
-                except ValueError as exc:
-                    raise UpstreamError(placement.decode.worker_id, f"decode asked for a recompute: {exc}", 200)
-                ctx.prior_text += text
-                ctx.prior_tokens += tokens
-                if nxt is None:  # nothing left to generate: end the answer here
-                    return await self._finish_after_recompute(ctx)
-                if recomputes > MAX_RECOMPUTES:
-                    raise UpstreamError(placement.decode.worker_id,
-                                        f"request recomputed {recomputes} times; giving up", 200)
-                ctx.tracker.continue_as(nxt, tokens)
-                ctx.req = nxt
-                current_request_id.set(nxt.request_id)
-                await self._hash_prompt(nxt)
-                placement = await place(self.placements, nxt, pb.LEG_ENTRY)
-                _, flow = FLOWS.get(placement.flow, (None, None))
-                if flow is None:
-                    raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported")
+        return await run_recomputing(ctx, placement, flow, flows=FLOWS, rehash=self._hash_prompt,
+                                     encoder=self._continuation_encoder)
 
-    async def _finish_after_recompute(self, ctx: FlowContext) -> Response | StreamResponse:
-        ctx.tracker.finished(ctx.prior_tokens)
-        if ctx.out is not None:
-            await ctx.out.write(b"data: [DONE]\n\n")
-            await ctx.out.write_eof()
-            return ctx.out
-        text = ctx.prior_text
-        kind = "chat.completion" if ctx.req.is_chat else "text_completion"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                  if ctx.req.is_chat else {"index": 0, "text": text, "finish_reason": "length"})
-        return json_response({"id": ctx.req.request_id, "object": kind, "model": ctx.req.model,
-                              "choices": [choice],
-                              "usage": {"prompt_tokens": ctx.req.prompt_tokens,
-                                        "completion_tokens": ctx.prior_tokens,
-                                        "total_tokens": ctx.req.prompt_tokens + ctx.prior_tokens}},
-                             headers={"X-Request-Id": ctx.req.echo_id})
+    def _continuation_encoder(self) -> Callable[[str], list[int]] | None:
+        """How a recompute extends a token-id prompt: the tokenizer's, once it is loaded."""
+        tok = self.prompts.tokenizer
+        if tok is None:
+            return None
+        return lambda text: tok.encode_prompt(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ ops routes
 

@@ -120,3 +120,56 @@ def test_stream_text_keeps_text_not_chunks(monkeypatch):
     text, tokens = st.result()
     assert text == "".join(str(i % 10) for i in range(100)) and tokens == 100
     assert rc_mod.generated_from_stream(event("q")) == ("q", 1)
+
+
+def test_recompute_loop_replaces_and_ends_a_non_streamed_answer_by_length(monkeypatch):
+    """dataplane.flows.recompute.run_recomputing (the loop that lived in app.py): D gives the
+    request back twice; each continuation is re-hashed and placed again; when the earlier
+    attempts already produced max_tokens the answer ends there, an OpenAI completion object
+    finished by length with every attempt's text and token count."""
+    import orjson
+    from dataplane.requests import ClientRequest
+    from protos import omni_proxy_pb2 as pb
+
+    req = ClientRequest(path="/v1/completions", raw=b"", body={"prompt": "p", "max_tokens": 4}, model="m",
+                        stream=False, max_tokens=4, request_id="r0", placement_id="p0", client_id="client-id",
+                        prompt_tokens=3)
+    placed, hashed = [], []
+
+    class Tracker(_Tracker):
+        def continue_as(self, nxt, tokens):
+            pass
+
+    class Counter:
+        def inc(self):
+            self.n = getattr(self, "n", 0) + 1
+
+    metrics = type("M", (), {"recomputes": Counter()})()
+    ctx = type("Ctx", (), {})()
+    ctx.req, ctx.tracker, ctx.metrics, ctx.out, ctx.placements = req, Tracker(), metrics, None, object()
+    ctx.prior_text, ctx.prior_tokens = "", 0
+    answers = iter([("ab", 2), ("cd", 2)])
+
+    async def flow(c, placement):
+        text, n = next(answers)
+        raise Recomputed(response={"choices": [{"text": text}], "usage": {"completion_tokens": n}})
+
+    async def fake_place(placements, nxt, leg):
+        placed.append(nxt)
+        return pb.Placement(flow=pb.FLOW_SEQUENTIAL)
+
+    async def rehash(nxt):
+        hashed.append(nxt)
+
+    monkeypatch.setattr(rc_mod, "place", fake_place)
+    resp = asyncio.run(rc_mod.run_recomputing(ctx, pb.Placement(flow=pb.FLOW_SEQUENTIAL), flow,
+                                              flows={pb.FLOW_SEQUENTIAL: ("sequential", flow)},
+                                              rehash=rehash, encoder=lambda: None))
+    assert metrics.recomputes.n == 2 and len(placed) == 1 and hashed == placed
+    assert placed[0].body["prompt"] == "pab" and placed[0].max_tokens == 2
+    body = orjson.loads(resp.body)
+    assert body["object"] == "text_completion" and body["id"] == placed[0].request_id, body
+    assert body["choices"] == [{"index": 0, "text": "abcd", "finish_reason": "length"}], body
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, body
+    assert ctx.tracker.completion_tokens == 4 and resp.headers["X-Request-Id"] == "client-id"
+    assert req.body["prompt"] == "p" and req.max_tokens == 4   # the client's request is not changed in place

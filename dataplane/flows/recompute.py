@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 
+from dataplane.errors import APIError
+from dataplane.flows.context import FlowContext
 from dataplane.hygiene import engine_request_id
+from dataplane.messages import Response, StreamResponse, json_response
+from dataplane.observe import current_request_id
+from dataplane.placing import place
 from dataplane.requests import ClientRequest
+from dataplane.upstream import UpstreamError
+from protos import omni_proxy_pb2 as pb
+
+Flow = Callable[[FlowContext, pb.Placement], Awaitable["Response | StreamResponse"]]
 
 RECOMPUTED = b'"recomputed"'
 MAX_RECOMPUTES = 3
@@ -164,3 +174,68 @@ def merge_prior(data: bytes, prior_text: str, prior_tokens: int) -> bytes:
         usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + prior_tokens
         usage["total_tokens"] = int(usage.get("total_tokens") or 0) + prior_tokens
     return orjson.dumps(obj)
+
+
+async def run_recomputing(ctx: FlowContext, placement: pb.Placement, flow: Flow, *,
+                          flows: Mapping[int, tuple[str, Flow]],
+                          rehash: Callable[[ClientRequest], Awaitable[None]],
+                          encoder: Callable[[], Callable[[str], list[int]] | None]) -> Response | StreamResponse:
+    """Run ``flow``; each time D hands the request back, place the continuation and run its
+    flow (from ``flows``), at most MAX_RECOMPUTES times.
+
+    ``rehash(req)``: the continuation's block-hash chain (its prompt grew); ``encoder()``:
+    how to extend a token-id prompt with text (None without a tokenizer), read when needed
+    because the tokenizer may load after the request started.
+    """
+    recomputes = 0
+    while True:
+        try:
+            return await flow(ctx, placement)
+        except Recomputed as rc:
+            recomputes += 1
+            ctx.metrics.recomputes.inc()
+            req = ctx.req
+            text, tokens = (generated_from_stream(rc.forwarded) if req.stream
+                            else generated_from_response(rc.response or {}))
+            try:
+                nxt = continuation(req, text, tokens, encoder())
+            except ValueError as exc:
+                raise UpstreamError(placement.decode.worker_id, f"decode asked for a recompute: {exc}", 200)
+            ctx.prior_text += text
+            ctx.prior_tokens += tokens
+            if nxt is None:  # nothing left to generate: end the answer here
+                return await _finish(ctx)
+            if recomputes > MAX_RECOMPUTES:
+                raise UpstreamError(placement.decode.worker_id,
+                                    f"request recomputed {recomputes} times; giving up", 200)
+            ctx.tracker.continue_as(nxt, tokens)
+            ctx.req = nxt
+            current_request_id.set(nxt.request_id)
+            await rehash(nxt)
+            placement = await place(ctx.placements, nxt, pb.LEG_ENTRY)
+            _, next_flow = flows.get(placement.flow, ("", None))
+            if next_flow is None:
+                raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported")
+            flow = next_flow
+
+
+async def _finish(ctx: FlowContext) -> Response | StreamResponse:
+    """The answer ends with what earlier attempts produced (the request's max_tokens were
+    reached across them): the stream's [DONE], or the whole answer."""
+    ctx.tracker.finished(ctx.prior_tokens)
+    if ctx.out is not None:
+        await ctx.out.write(b"data: [DONE]\n\n")
+        await ctx.out.write_eof()
+        return ctx.out
+    return json_response(length_answer(ctx.req, ctx.prior_text, ctx.prior_tokens),
+                         headers={"X-Request-Id": ctx.req.echo_id})
+
+
+def length_answer(req: ClientRequest, text: str, completion_tokens: int) -> dict:
+    """An OpenAI completion (or chat completion) object of ``text``, finished by length."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+              if req.is_chat else {"index": 0, "text": text, "finish_reason": "length"})
+    return {"id": req.request_id, "object": "chat.completion" if req.is_chat else "text_completion",
+            "model": req.model, "choices": [choice],
+            "usage": {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": req.prompt_tokens + completion_tokens}}
