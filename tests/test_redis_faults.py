@@ -157,11 +157,9 @@ async def test_a_stalled_redis_is_an_outage_and_leaks_no_load(sim_both, http):
 
             tasks: list[asyncio.Task] = []
             try:
-                for i in range(60):          # 15 requests/s for 4 s; Redis stopped from 1 s to 3.5 s
+                for i in range(60):          # 15 requests/s for 4 s; Redis stopped from 1 s to 4 s
                     if i == 15:
                         redis.pause()
-                    if i == 52:
-                        redis.resume()
                     tasks.append(asyncio.create_task(one()))
                     await asyncio.sleep(1 / 15)
             finally:
@@ -170,7 +168,8 @@ async def test_a_stalled_redis_is_an_outage_and_leaks_no_load(sim_both, http):
             statuses = sorted({s for s, _ in results})
             assert len(results) == 60 and statuses == [200], statuses
             slowest = max(t for _, t in results)
-            assert slowest < 1.5, f"a request took {slowest:.1f}s: the stall was waited for, not treated as an outage"
+            # (the stall lasts 3 s: a request that waited for Redis takes about that long)
+            assert slowest < 2.0, f"a request took {slowest:.1f}s: the stall was waited for, not treated as an outage"
             assert any(p.store.outages for p in r.planes)   # it was seen as one
             await wait_until(r.ledgers_idle, timeout=20, what="every replica's ledger back to 0")
 
