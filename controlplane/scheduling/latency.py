@@ -126,7 +126,9 @@ class PredictedLatencyScorer:
     lacking it computes it once (that one request is slower by the prefix's prefill time)
     and holds it from then on. Charged every time, it kept every new conversation on the
     engines that got the first requests: in a replay with a 512-token system prompt on 4
-    idle-ish engines, two of them received nothing (tests/test_fair_share.py).
+    idle-ish engines, two of them received nothing (tests/test_fair_share.py). The same
+    holds for a decode engine's KV pull: with an 8k-token system prompt every decode went to
+    the one decode engine of four that held it, its pull of that prefix counted every time.
 
     On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
     costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
@@ -171,6 +173,10 @@ class PredictedLatencyScorer:
                 recompute = ctx.recompute_tokens(spec.id)
                 per_token = ctx.predictor.model(spec.id).ttft.b
                 ttft += per_token * (mu * recompute - (ctx.uncached_tokens(spec.id) - recompute))
+            elif decode and ctx.common_blocks:
+                # Likewise a decode engine's pull of the common prefix: pulled once, held after.
+                ttft -= ctx.predictor.model(spec.id).pull.b * (ctx.uncached_tokens(spec.id) -
+                                                               ctx.recompute_tokens(spec.id))
             if pd_tpot >= 0 and spec.role is Role.PREFILL:
                 ttft, tpot = with_pair(ctx, w, ttft, tpot) if ctx.pair is not None else (ttft, pd_tpot)
             cost = decode_cost(ttft, tpot, ttft_t, tpot_t, self.decode_floor) if decode else \
