@@ -25,6 +25,7 @@ from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.scheduling.latency import pair_decode
+from controlplane.scheduling.shared import telling_apart
 from controlplane.state import Charge, RequestRecord, StateStore
 from controlplane.workers import IDLE, ROLE_TO_PB, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -308,13 +309,17 @@ class Placer:
         """The DP rank of a data-parallel worker: the deepest prefix match among its ranks,
         ties to the rank with the least load in the ledger (requests, then tokens), then in turn
         (a rotating start, so new prefixes on an idle worker spread over its ranks).
-        Returns (rank, a short reason for explanations)."""
+        As for workers, only the part of a match that tells the ranks apart counts
+        (``scheduling.shared``): with a system prompt on every prompt, every new conversation
+        went to the rank that held it. Returns (rank, a short reason for explanations)."""
         spec = worker.spec
         size = spec.dp_size
         depths = self.kv.rank_depths(chain, worker) if chain and self.kv is not None else {}
         loads = await self.store.loads([rank_key(spec.id, r) for r in range(size)])
         start = self._rank_turn.get(spec.id, 0)
-        best = min(range(size), key=lambda r: (-depths.get(r, 0), loads[rank_key(spec.id, r)].requests,
+        apart = telling_apart(self.profile.shared, chain, [depths.get(r, 0) for r in range(size)]) \
+            if depths else [0] * size
+        best = min(range(size), key=lambda r: (-apart[r], loads[rank_key(spec.id, r)].requests,
                                                loads[rank_key(spec.id, r)].tokens, (r - start) % size))
         if advance:   # (an explanation's dry run leaves the turn where it is)
             if len(self._rank_turn) >= 65536:

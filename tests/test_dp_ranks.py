@@ -77,13 +77,39 @@ async def test_repeated_prefix_goes_to_the_same_rank_routed_mode():
     placer, store, _ = await placer_of(spec("a", dp_size=2))
     chain = [11, 12, 13, 14]
     first = (await placer.place(entry("c1", chain))).decode.dp_rank
-    # Load the other rank less, then more: the prefix wins over load.
+    # A conversation's turns, each extending the last: the prefix wins over load.
+    turns = list(chain)
     for i in range(3):
-        p = await placer.place(entry(f"c{i + 2}", chain + [100 + i]))
+        turns.append(100 + i)
+        p = await placer.place(entry(f"c{i + 2}", turns))
         assert p.decode.dp_rank == first
     other = (await placer.place(entry("x", [99, 98]))).decode.dp_rank
     assert other == 1 - first    # no match anywhere: the least-loaded rank
     assert placer.kv.rank_depths(chain, spec("a", dp_size=2)) == {first: 4}
+    # A new prompt continuing the conversation's first turn differently: that turn is now
+    # a prefix different prompts share (a system prompt), which prefers no rank: load decides.
+    assert (await placer.place(entry("new", chain + [200]))).decode.dp_rank == 1 - first
+
+
+async def test_a_system_prompt_on_every_prompt_does_not_pin_every_conversation_to_one_rank():
+    """Every prompt starts with the same 32 blocks; 16 conversations of 3 turns, each request
+    finished before the next. Conversations keep their rank; every rank gets a fair part."""
+    placer, store, lifecycle = await placer_of(spec("a", dp_size=4))
+    system = list(range(1000, 1032))
+    convs = {c: list(system) for c in range(16)}
+    rank_of: dict[int, set[int]] = {}
+    got = Counter()
+    n = 0
+    for turn in range(3):
+        for c, chain in convs.items():
+            chain += [(c + 1) * 10_000 + turn * 100 + i for i in range(8)]
+            n += 1
+            p = await placer.place(entry(f"r{n}", chain, tokens=16 * len(chain)))
+            got[p.decode.dp_rank] += 1
+            rank_of.setdefault(c, set()).add(p.decode.dp_rank)
+            await lifecycle.report(pb.LifecycleEvent(request_id=f"r{n}", kind=pb.EVENT_FINISHED))
+    assert all(len(ranks) == 1 for ranks in rank_of.values()), rank_of
+    assert min(got[r] for r in range(4)) >= 48 / 4 / 2, got
 
 
 async def test_exact_events_per_rank_choose_the_deepest_rank():

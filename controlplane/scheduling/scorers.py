@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from controlplane.scheduling.base import PlacementContext
 from controlplane.scheduling.latency import PredictedLatencyScorer
+from controlplane.scheduling.shared import MIN_MATCH
 from controlplane.workers import WorkerView
 
 
@@ -74,7 +75,7 @@ class PrefixCacheScorer:
     a small match does not decide, load does.
     """
 
-    min_match: float = 0.3
+    min_match: float = MIN_MATCH
     name: str = "prefix_cache"
     uses_prefix_cache: bool = True
 

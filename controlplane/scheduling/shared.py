@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 _SHARED = object()   # the value of a key whose prefix several prompts continued differently
+MIN_MATCH = 0.3      # the deepest match must cover more of the prompt than this to count at all
 
 
 @dataclass
@@ -91,3 +92,12 @@ class SharedPrefixes:
 def differentiating(depths: Sequence[int], common: int) -> list[int]:
     """Each candidate's match beyond the common depth (``SharedPrefixes.common_depth``)."""
     return [d - common if d > common else 0 for d in depths]
+
+
+def telling_apart(shared: SharedPrefixes, chain: Sequence[int], depths: Sequence[int],
+                  min_match: float = MIN_MATCH) -> list[int]:
+    """The part of each candidate's match that tells it apart: beyond the common depth, and
+    none at all when the deepest match covers no more than ``min_match`` of the chain."""
+    if max(depths, default=0) <= min_match * len(chain):
+        return [0] * len(depths)
+    return differentiating(depths, shared.common_depth(chain, depths))
