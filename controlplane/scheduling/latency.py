@@ -164,19 +164,23 @@ class PredictedLatencyScorer:
                 any(w.spec.role is Role.BOTH for w in workers):
             pd_tpot = ctx.predictor.fleet_tpot(1) if ctx.pair is None else 0.0
         costs = []
+        computes = ctx.leg != "decode"
+        common, match, bs, prompt = ctx.common_blocks, ctx.match_blocks.get, ctx.block_size, ctx.prompt_tokens
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
-            if ctx.leg != "decode" and spec.role is not Role.DECODE:
-                # The common prefix counts as held by everyone, in the TTFT compared and in the
-                # recompute term (see the class docstring); predict() keeps the real TTFT.
-                recompute = ctx.recompute_tokens(spec.id)
-                per_token = ctx.predictor.model(spec.id).ttft.b
-                ttft += per_token * (mu * recompute - (ctx.uncached_tokens(spec.id) - recompute))
-            elif decode and ctx.common_blocks:
+            # ctx.uncached_tokens and ctx.recompute_tokens, inline (per candidate per placement):
+            # the common prefix counts as held by everyone in the comparison (class docstring);
+            # predict() keeps the real TTFT.
+            held = match(spec.id, 0)
+            uncached = prompt - held * bs
+            recompute = prompt - (held if held > common else common) * bs
+            uncached, recompute = (uncached if uncached > 0 else 0), (recompute if recompute > 0 else 0)
+            if computes and spec.role is not Role.DECODE:
+                ttft += ctx.predictor.model(spec.id).ttft.b * (mu * recompute - (uncached - recompute))
+            elif decode and common:
                 # Likewise a decode engine's pull of the common prefix: pulled once, held after.
-                ttft -= ctx.predictor.model(spec.id).pull.b * (ctx.uncached_tokens(spec.id) -
-                                                               ctx.recompute_tokens(spec.id))
+                ttft -= ctx.predictor.model(spec.id).pull.b * (uncached - recompute)
             if pd_tpot >= 0 and spec.role is Role.PREFILL:
                 ttft, tpot = with_pair(ctx, w, ttft, tpot) if ctx.pair is not None else (ttft, pd_tpot)
             cost = decode_cost(ttft, tpot, ttft_t, tpot_t, self.decode_floor) if decode else \
