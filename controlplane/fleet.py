@@ -127,6 +127,7 @@ class Fleet:
         self._work: dict[str, int] = {}                # ledger work per worker (see note_load)
         self._view_cache: dict[str, WorkerView] = {}
         self._models: Counter[str] = Counter()
+        self._loras: Counter[str] = Counter()       # LoRA adapter name -> workers serving it
         self.placements: Counter[str] = Counter()   # per worker id, for listings
 
     # ------------------------------------------------------------------ specs
@@ -144,7 +145,7 @@ class Fleet:
         spec = self._specs.pop(worker_id, None)
         if spec is not None:
             self._models[spec.model] -= 1
-            self._state.pop(worker_id, None)
+            self._loras.subtract(name for name, _ in self._state.pop(worker_id, UNCHECKED).loras)
             self._engine.pop(worker_id, None)
             self._heartbeat.pop(worker_id, None)
             self._heard.discard(worker_id)
@@ -168,7 +169,7 @@ class Fleet:
 
     def serves_model(self, model: str) -> bool:
         """Some worker is known to serve ``model``, or one's model is not discovered yet."""
-        return not model or self._models[model] > 0 or self._models[""] > 0
+        return not model or self._models[model] > 0 or self._models[""] > 0 or self._loras[model] > 0
 
     def knew_model(self, model: str) -> bool:
         """Some worker served ``model`` since this replica started, even if none does now.
@@ -177,7 +178,7 @@ class Fleet:
         retry): a model whose workers all went away for a while (a shared store that came
         back empty, every engine restarting) is the second.
         """
-        return model in self._models   # (a Counter keeps a model's key at 0)
+        return model in self._models or model in self._loras   # (a Counter keeps a model's key at 0)
 
     # ------------------------------------------------------------------ derived state
 
@@ -189,7 +190,11 @@ class Fleet:
             return
         old = self._state.get(worker_id, UNCHECKED)
         self._state[worker_id] = state
-        if old.health is not state.health or old.ejected_until != state.ejected_until:
+        if old.loras != state.loras:
+            self._loras.subtract(name for name, _ in old.loras)
+            self._loras.update(name for name, _ in state.loras)
+            self._invalidate()
+        elif old.health is not state.health or old.ejected_until != state.ejected_until:
             self._invalidate()
 
     def engine(self, worker_id: str) -> EngineMetrics:
@@ -299,6 +304,8 @@ class Fleet:
                 returns = state.ejected_until if not returns else min(returns, state.ejected_until)
                 continue
             groups.setdefault((spec.model, spec.role), []).append(wid)
+            for name, _ in state.loras:
+                groups.setdefault((name, spec.role), []).append(wid)
             if spec.model:
                 groups.setdefault((_ALL_MODELS, spec.role), []).append(wid)
         self._returns_at = returns

@@ -21,6 +21,18 @@ from controlplane.workers import EngineMetrics, Health, WorkerSpec
 log = logging.getLogger(__name__)
 
 
+def lora_adapters(models: list) -> tuple[tuple[str, str], ...]:
+    """(name, path) of each LoRA adapter in a /v1/models list: vLLM lists an adapter as a
+    model with a ``parent`` (the base model) and its path as ``root``; the block hashes of
+    its requests carry that name (and, in newer vLLM, that path)."""
+    out = []
+    for m in models:
+        if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str) and m["id"]:
+            root = m.get("root")
+            out.append((m["id"][:256], root[:4096] if isinstance(root, str) else ""))
+    return tuple(sorted(set(out)))
+
+
 @dataclass
 class HealthConfig:
     interval_s: float = 2.0
@@ -142,20 +154,24 @@ class HealthChecker:
 
     async def _read_models(self, spec: WorkerSpec) -> None:
         """The engine's /v1/models: its model (when the spec names none; a failure then fails
-        the check) and its max_model_len (once per healthy spell; ListModels passes it on)."""
+        the check), its max_model_len (ListModels passes it on) and its LoRA adapters (routed
+        and hashed as theirs), once per healthy spell."""
         try:
-            model, limit = await self._discover_model(spec)
+            model, limit, loras = await self._discover_model(spec)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError):
             if not spec.model:
                 raise
-            model, limit = spec.model, -1      # the model is configured: health is /health's to say
+            model, limit, loras = spec.model, -1, ()   # the model is configured: health is /health's to say
         if not spec.model:
             await self.registry.update(spec.id, model=model)
         state = self.fleet.state(spec.id)
-        if state.max_model_len != limit:
-            self.fleet.set_state(spec.id, replace(state, max_model_len=limit))
+        if state.max_model_len != limit or state.loras != loras:
+            if loras != state.loras:
+                log.info("worker %s serves LoRA adapters %s", spec.id, ", ".join(n for n, _ in loras) or "(none now)",
+                         extra={"worker": spec.id})
+            self.fleet.set_state(spec.id, replace(state, max_model_len=limit, loras=loras))
 
-    async def _discover_model(self, spec: WorkerSpec) -> tuple[str, int]:
+    async def _discover_model(self, spec: WorkerSpec) -> tuple[str, int, tuple[tuple[str, str], ...]]:
         assert self._session is not None
         async with self._session.get(spec.url + "/v1/models") as resp:
             if resp.status != 200:
@@ -164,8 +180,10 @@ class HealthChecker:
         models = data.get("data") or []
         if not models:
             raise ValueError("/v1/models lists no model")
-        limit = models[0].get("max_model_len")
-        return str(models[0]["id"]), (limit if type(limit) is int and 0 < limit < 2**31 else -1)
+        base = [m for m in models if isinstance(m, dict) and not m.get("parent")] or models
+        limit = base[0].get("max_model_len")
+        return (str(base[0]["id"]), (limit if type(limit) is int and 0 < limit < 2**31 else -1),
+                lora_adapters(models))
 
     async def poll_all_metrics(self) -> None:
         fleet = self.fleet

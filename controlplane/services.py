@@ -172,7 +172,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             if version != sent:
                 snapshot = pb.FleetSnapshot(workers=[
                     pb.KnownWorker(endpoint=pb.Endpoint(worker_id=s.id, url=s.url, role=ROLE_TO_PB[s.role],
-                                                        bootstrap_port=s.bootstrap_port), model=s.model)
+                                                        bootstrap_port=s.bootstrap_port), model=s.model,
+                                   loras=[pb.LoraAdapter(name=n, path=p) for n, p in fleet.state(s.id).loras])
                     for s in fleet.routable_specs()])
                 out.put_nowait(pb.ControlPlaneMessage(fleet=snapshot))
                 sent = fleet.version

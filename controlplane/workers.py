@@ -103,6 +103,13 @@ class HealthState:
     # The engine's /v1/models max_model_len: 0 not read yet (again after a failed check,
     # since a restarted engine may say otherwise), -1 the engine does not say.
     max_model_len: int = 0
+    # The LoRA adapters the engine serves besides its base model, (served name, path), read
+    # with max_model_len from /v1/models (vLLM lists each adapter with a "parent" and its
+    # path as "root"): a request naming one is routed here like one for the base model.
+    loras: tuple[tuple[str, str], ...] = ()
+
+    def serves_lora(self, name: str) -> bool:
+        return any(n == name for n, _ in self.loras)
 
     def ejected(self, now: float) -> bool:
         return self.ejected_until > now
@@ -205,7 +212,7 @@ class WorkerView:
         return self.state.health is Health.HEALTHY and self.spec.placeable
 
     def serves(self, model: str) -> bool:
-        return self.spec.serves(model)
+        return self.spec.serves(model) or self.state.serves_lora(model)
 
 
 def normalize_url(url: str) -> str:

@@ -352,9 +352,12 @@ class DataPlane:
             raise APIError(400, "'model' is required: this deployment serves several models", param="model")
 
     async def _hash_prompt(self, req: ClientRequest) -> None:
-        """The prompt's block-hash chain, when the control plane places by prefix cache."""
+        """The prompt's block-hash chain, when the control plane places by prefix cache; with
+        the adapter's key when the request names a LoRA adapter a worker serves."""
+        path = self.placements.fallback.lora_path(req.model)
         req.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, req.token_ids,
-                                                   req.body.get("cache_salt"))
+                                                   req.body.get("cache_salt"),
+                                                   (req.model, path) if path is not None else None)
 
     async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> Response | StreamResponse:
         """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""

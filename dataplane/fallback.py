@@ -20,11 +20,18 @@ class FallbackPlacer:
     def __init__(self) -> None:
         self._workers: list[pb.KnownWorker] = []
         self._cycles: dict[tuple[str, int], Iterator[pb.KnownWorker]] = {}
+        self._loras: dict[str, str] = {}
         self.placed = 0
 
     def update(self, snapshot: pb.FleetSnapshot) -> None:
         self._workers = list(snapshot.workers)
         self._cycles = {}
+        self._loras = {a.name: a.path for w in self._workers for a in w.loras}
+
+    def lora_path(self, model: str) -> str | None:
+        """The path of the LoRA adapter served as ``model`` (what its block hashes carry), or
+        None when ``model`` is no adapter any routable worker serves."""
+        return self._loras.get(model)
 
     @property
     def known(self) -> int:
@@ -35,7 +42,8 @@ class FallbackPlacer:
 
     def _next(self, model: str, role: int, exclude) -> pb.Endpoint | None:
         key = (model, role)
-        pool = [w for w in self._workers if w.endpoint.role == role and (not model or w.model == model)]
+        pool = [w for w in self._workers if w.endpoint.role == role and
+                (not model or w.model == model or any(a.name == model for a in w.loras))]
         if not pool:
             return None
         cycle = self._cycles.get(key)

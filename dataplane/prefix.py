@@ -35,15 +35,25 @@ PROCESS_MIN_BLOCKS = 1024
 # In a hashing process: one BlockHasher per hashing configuration (the process's own cache).
 _worker_hashers: dict[BlockHashConfig, BlockHasher] = {}
 
+# A LoRA adapter a request names: (its served name, its path). vLLM adds it to every block's
+# hash (kvhash's lora_key), so an adapter's blocks never match the base model's.
+Lora = tuple[str, str]
 
-def _hash_packed(config: BlockHashConfig, packed: bytes, salt: str | None) -> bytes:
+
+def _hash_packed(config: BlockHashConfig, packed: bytes, salt: str | None, lora: Lora | None = None) -> bytes:
     """Runs in the hashing process: the event-form chain of the packed ids, packed."""
     hasher = _worker_hashers.get(config)
     if hasher is None:
         hasher = _worker_hashers[config] = BlockHasher(config)
     ids = array("q")
     ids.frombytes(packed)
-    return array("Q", hasher.event_hashes(ids.tolist(), cache_salt=salt)).tobytes()
+    return array("Q", _event_hashes(hasher, ids.tolist(), salt, lora)).tobytes()
+
+
+def _event_hashes(hasher: BlockHasher, ids: list[int], salt: str | None, lora: Lora | None) -> list[int]:
+    if lora is None:
+        return hasher.event_hashes(ids, cache_salt=salt)
+    return hasher.event_hashes(ids, cache_salt=salt, lora_name=lora[0], lora_path=lora[1])
 
 
 class HashProcess:
@@ -58,7 +68,8 @@ class HashProcess:
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         return self._pool
 
-    async def event_hashes(self, config: BlockHashConfig, ids: list[int], salt: str | None) -> list[int] | None:
+    async def event_hashes(self, config: BlockHashConfig, ids: list[int], salt: str | None,
+                           lora: Lora | None = None) -> list[int] | None:
         """The chain, or None when the ids cannot be packed (beyond 64 bits) or the process
         failed (the caller hashes in a thread instead)."""
         try:
@@ -67,7 +78,7 @@ class HashProcess:
             return None
         loop = asyncio.get_running_loop()
         try:
-            out = await loop.run_in_executor(self._executor(), _hash_packed, config, packed, salt)
+            out = await loop.run_in_executor(self._executor(), _hash_packed, config, packed, salt, lora)
         except BrokenProcessPool:
             log.warning("the block-hashing process died; hashing in threads until a new one starts")
             self._pool = None
@@ -105,7 +116,9 @@ class PrefixHasher:
                 self._hasher = None
         return self._hasher
 
-    async def chain(self, cfg: pb.KVHashConfig, token_ids: list[int] | None, cache_salt: str | None) -> list[int]:
+    async def chain(self, cfg: pb.KVHashConfig, token_ids: list[int] | None, cache_salt: str | None,
+                    lora: Lora | None = None) -> list[int]:
+        """The chain vLLM computes for the prompt; ``lora``: the adapter the request names."""
         if not cfg.enabled or not token_ids:
             return []
         hasher = self._hasher_for(cfg)
@@ -121,10 +134,10 @@ class PrefixHasher:
         ids = token_ids[:usable]
         blocks = usable // max(cfg.block_size, 1)
         if blocks <= INLINE_MAX_BLOCKS:
-            return hasher.event_hashes(ids, cache_salt=salt)
+            return _event_hashes(hasher, ids, salt, lora)
         if blocks >= PROCESS_MIN_BLOCKS:
-            chain = await self.process.event_hashes(hasher.config, ids, salt)
+            chain = await self.process.event_hashes(hasher.config, ids, salt, lora)
             if chain is not None:
                 return chain
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: hasher.event_hashes(ids, cache_salt=salt))
+        return await loop.run_in_executor(None, _event_hashes, hasher, ids, salt, lora)

@@ -360,12 +360,22 @@ class FleetSnapshot(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[KnownWorker, _Mapping]]] = ...) -> None: ...
 
 class KnownWorker(_message.Message):
-    __slots__ = ("endpoint", "model")
+    __slots__ = ("endpoint", "model", "loras")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     endpoint: Endpoint
     model: str
-    def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ControlPlaneMessage(_message.Message):
     __slots__ = ("placement", "info", "fleet", "batch", "refused")

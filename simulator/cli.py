@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="write {pid, port, bootstrap_port, model, role, engine_id, kv_events_port, "
                         "kv_replay_port, ...} as JSON here once listening")
     g.add_argument("--model", default="sim-model", help="served model name (default sim-model)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="as vLLM's: LoRA adapters served besides the model, listed in /v1/models with "
+                        "their parent and path, their requests' blocks hashed with the adapter's key")
     g.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                    help="both = aggregated; prefill = kv_producer; decode = kv_consumer (default both)")
     g.add_argument("--engine-id", default=None, help="engine id put in kv_transfer_params (default: random uuid)")
@@ -112,13 +115,24 @@ def _kv_events_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise SystemExit(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        out.append((name.strip(), path.strip()))
+    return tuple(out)
+
+
 def config_from_args(args: argparse.Namespace):
     import os
 
     from simulator.config import SimConfig
 
     kwargs = dict(
-        host=args.host, port=args.port, model=args.model, role=args.role, seed=args.seed, api_key=args.api_key,
+        host=args.host, port=args.port, model=args.model, lora_modules=_lora_modules(args.lora_modules),
+        role=args.role, seed=args.seed, api_key=args.api_key,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_step=args.decode_ms_per_step,
         decode_ms_per_seq=args.decode_ms_per_seq, kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -22,6 +22,9 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 0
     model: str = "sim-model"
+    # LoRA adapters served besides the model, (name, path), as vLLM's --lora-modules: a
+    # request naming one is served, and its blocks hash with the adapter's key.
+    lora_modules: tuple[tuple[str, str], ...] = ()
     role: Role = "both"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     # Cost model (milliseconds). A step costs decode_ms_per_step if it decodes anything,

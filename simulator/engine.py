@@ -44,6 +44,10 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 _MAX_CATCH_UP_S = 0.02
 
 
+def _lora_kw(req: "SimRequest") -> dict[str, str]:
+    return {"lora_name": req.lora[0], "lora_path": req.lora[1]} if req.lora else {}
+
+
 @dataclass(eq=False, slots=True)
 class SimRequest:
     """One sequence inside the engine, plus the hooks its HTTP handler waits on."""
@@ -59,6 +63,8 @@ class SimRequest:
     # body's cache_salt, which salts the first block's hash.
     token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # The LoRA adapter (name, path) the request names: its key goes into every block's hash.
+    lora: tuple[str, str] | None = None
     # Set on a prefill node that keeps the KV for a decode node; called with the blocks
     # handed over when the request finishes normally (release them with release_held).
     hold_kv: Callable[["SimRequest", "HeldKv"], None] | None = None
@@ -206,7 +212,8 @@ class Engine:
             return
         req.hashed = True
         if self.hasher is not None and req.token_ids is not None:
-            req.block_hashes = self.hasher.block_hashes(req.token_ids, cache_salt=req.cache_salt)
+            req.block_hashes = self.hasher.block_hashes(req.token_ids, cache_salt=req.cache_salt,
+                                                        **_lora_kw(req))
 
     def cached_prefix_tokens(self, req: SimRequest) -> int:
         """Prompt tokens a prefix-cache lookup would reuse right now (nothing is touched)."""
@@ -528,7 +535,7 @@ class Engine:
         if end > start:
             req.block_hashes += self.hasher.block_hashes(
                 req.token_range(start * bs, end * bs), parent=req.block_hashes[-1] if start else None,
-                first_block=start, cache_salt=req.cache_salt)
+                first_block=start, cache_salt=req.cache_salt, **_lora_kw(req))
 
     def _cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
         """Cache the request's blocks that are full once this step ran (vLLM caches at

@@ -127,9 +127,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         stop_ids=stop_token_ids(parsed.stop) if parsed.stop else frozenset(),
         token_ids=parsed.token_ids,
         cache_salt=parsed.cache_salt,
+        lora=parsed.lora,
         hold_kv=hold_kv,
     )
-    head = ResponseHead(kind=kind, id=response_id, created=int(time.time()), model=ctx.cfg.model)
+    head = ResponseHead(kind=kind, id=response_id, created=int(time.time()),
+                        model=parsed.lora[0] if parsed.lora else ctx.cfg.model)
     try:
         if kv.pull is not None:
             req.external_tokens = await _receive_kv(ctx, kv, req, engine_id)

@@ -33,6 +33,8 @@ class ParsedRequest:
     # Characters the API server tokenizes (0 for a token-id prompt) and vLLM's cache_salt.
     text_chars: int = 0
     cache_salt: str | None = None
+    # The LoRA adapter the request names, (name, path); None for the base model.
+    lora: tuple[str, str] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -43,7 +45,8 @@ def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object")
     model = body.get("model")
-    if model and model != cfg.model:   # like vLLM: a missing, null or empty model means the served one
+    lora = next((m for m in cfg.lora_modules if m[0] == model), None) if model else None
+    if model and model != cfg.model and lora is None:   # like vLLM: a missing, null or empty model means the served one
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
     if kind == "completion":
         token_ids, fp, chars = _completion_prompt(body.get("prompt"))
@@ -72,7 +75,7 @@ def parse_request(kind: Kind, body: Any, cfg: SimConfig) -> ParsedRequest:
     return ParsedRequest(kind=kind, token_ids=token_ids, prompt_fingerprint=fp,
                          max_tokens=max_tokens, stream=stream, include_usage=include_usage,
                          stop=_stop_list(body.get("stop")), seed=seed, kv_transfer_params=kv,
-                         text_chars=chars, cache_salt=cache_salt)
+                         text_chars=chars, cache_salt=cache_salt, lora=lora)
 
 
 def _completion_prompt(prompt: Any) -> tuple[list[int], int, int]:

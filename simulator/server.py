@@ -127,9 +127,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[SIM].cfg
+    # vLLM's list: the base model, then each LoRA adapter with its base as parent and its path as root.
     return json_response({"object": "list", "data": [{
         "id": cfg.model, "object": "model", "created": _STARTED, "owned_by": "vllm", "root": cfg.model,
-        "parent": None, "max_model_len": cfg.max_model_len}]})
+        "parent": None, "max_model_len": cfg.max_model_len}] + [{
+        "id": name, "object": "model", "created": _STARTED, "owned_by": "vllm", "root": path,
+        "parent": cfg.model, "max_model_len": cfg.max_model_len} for name, path in cfg.lora_modules]})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -44,3 +44,24 @@ async def test_ids_beyond_64_bits_fall_back_to_a_thread():
         assert await hasher.chain(CFG, ids, None) == expected(ids, None)
     finally:
         hasher.close()
+
+
+@pytest.mark.parametrize("blocks", [3, prefix.INLINE_MAX_BLOCKS + 5, prefix.PROCESS_MIN_BLOCKS + 7])
+@pytest.mark.parametrize("fmt", ["tuple", "name"])
+async def test_a_lora_request_hashes_with_its_adapter(blocks, fmt):
+    """A request naming a LoRA adapter gets the chain vLLM computes for it (the adapter's key
+    on every block, in the configured format), on every path; never the base model's."""
+    rng = random.Random(blocks)
+    ids = [rng.randrange(200_000) for _ in range(blocks * 16 + 1)]
+    cfg = pb.KVHashConfig(enabled=True, block_size=16, algo="sha256", seed="0", seed_set=True, lora_key_format=fmt)
+    engine = BlockHasher(BlockHashConfig(block_size=16, algo="sha256", python_hash_seed="0", lora_key_format=fmt))
+    usable = ids[:blocks * 16]
+    hasher = PrefixHasher()
+    try:
+        chain = await hasher.chain(cfg, ids, "salt", ("sql-lora", "/adapters/sql"))
+        base = await hasher.chain(cfg, ids, "salt")
+    finally:
+        hasher.close()
+    assert chain == engine.event_hashes(usable, cache_salt="salt", lora_name="sql-lora", lora_path="/adapters/sql")
+    assert base == engine.event_hashes(usable, cache_salt="salt")
+    assert not set(chain) & set(base)
