@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,12 +17,17 @@ from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
 
-async def wait_until(cond: Callable[[], Awaitable[bool]], *, timeout: float = 15.0, what: str = "condition",
+async def wait_until(cond: Callable[[], Awaitable[bool] | bool], *, timeout: float = 15.0, what: str = "condition",
                      interval: float = 0.05) -> None:
-    """Poll ``cond`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    """Poll ``cond`` (a plain or an async callable) until it holds; fail with ``what`` after
+    ``timeout`` seconds. The one waiting helper of the tests: wait for the condition that
+    proves what a test expects, never sleep for a guessed time."""
     deadline = time.monotonic() + timeout
     while True:
-        if await cond():
+        held = cond()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")

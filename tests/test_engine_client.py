@@ -23,6 +23,7 @@ import uvloop
 from engine_api import client as client_mod
 from engine_api.client import (EngineClient, EngineConnectError, EngineDisconnected, EngineProtocolError,
                                EngineResponse)
+from tests.conftest import wait_until
 
 
 class Request:
@@ -83,13 +84,6 @@ class RawServer:
             self.closed.set()
         finally:
             writer.close()
-
-
-async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def answer(body: bytes = b"", status: str = "200 OK", extra: str = "") -> bytes:
@@ -291,7 +285,7 @@ def test_read_timeout_waiting_for_head_and_for_body(run):
         resp = await client.post(url + "/", b"")
         with pytest.raises(asyncio.TimeoutError):
             await resp.read()
-        await wait_until(lambda: sorted(hung_up) == [0, 1], "both timed-out connections closed")
+        await wait_until(lambda: sorted(hung_up) == [0, 1], what="both timed-out connections closed", timeout=5)
 
     run(case)
 

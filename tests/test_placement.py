@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections import Counter
@@ -16,6 +15,7 @@ from controlplane.scheduling import build_profile
 from controlplane.state import MemoryStore
 from controlplane.workers import Health, HealthState, Load, Role, WorkerSpec
 from protos import omni_proxy_pb2 as pb
+from tests.conftest import wait_until
 
 
 @dataclasses.dataclass
@@ -274,7 +274,8 @@ async def test_breaker_ejects_a_worker_that_keeps_failing_requests_and_lets_it_b
         assert (await plane.place(entry(f"r{i}"))).decode.worker_id == "b"
     explained = await plane.place(entry("x"), dry_run=True)
     assert "-a dropped by ejected" in explained.explanation
-    await wait_for(lambda: not plane.fleet.state("a").ejected(time.monotonic()), 2.0)
+    await wait_until(lambda: not plane.fleet.state("a").ejected(time.monotonic()), timeout=2.0,
+                     what="the ejection to end", interval=0.01)
     seen = {(await plane.place(entry(f"s{i}"))).decode.worker_id for i in range(6)}
     assert "a" in seen                                                  # back in rotation (half open)
     assert plane.fleet.state("a").circuit(time.monotonic()) == "half_open"
@@ -298,13 +299,6 @@ async def test_a_success_closes_the_breaker_and_client_errors_never_open_it():
     assert (await plane.place(entry("ok2"))).decode.worker_id == p.decode.worker_id == "a"
 
 
-async def wait_for(cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_an_engines_retry_after_keeps_it_out_of_rotation_that_long():
     plane = await make(workers=[w("a"), w("b")])
     await plane.report("x", pb.EVENT_LEG_FAILED, worker_id="a", upstream_status=429, message="busy",
@@ -312,5 +306,6 @@ async def test_an_engines_retry_after_keeps_it_out_of_rotation_that_long():
     state = plane.fleet.state("a")
     assert state.ejected(time.monotonic()) and state.ejections == 0     # not an escalation
     assert {(await plane.place(entry(f"r{i}"))).decode.worker_id for i in range(4)} == {"b"}
-    await wait_for(lambda: not plane.fleet.state("a").ejected(time.monotonic()), 2.0)
+    await wait_until(lambda: not plane.fleet.state("a").ejected(time.monotonic()), timeout=2.0,
+                     what="the ejection to end", interval=0.01)
     assert "a" in {(await plane.place(entry(f"s{i}"))).decode.worker_id for i in range(4)}

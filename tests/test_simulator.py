@@ -10,7 +10,6 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 import openai
@@ -23,6 +22,7 @@ from simulator.config import SimConfig
 from simulator.engine import Engine, SimRequest
 from simulator.server import build_app
 from simulator.tokens import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE, count_text_tokens
+from tests.conftest import wait_until
 
 MODEL = "sim-model"
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
@@ -30,14 +30,6 @@ PROMPT_TOKENS = count_text_tokens(PROMPT)
 
 
 # ---- helpers -------------------------------------------------------------------------
-
-async def wait_until(cond: Callable[[], Awaitable[bool]], *, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url) as resp:
