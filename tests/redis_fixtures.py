@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from omni_proxy.launcher import guarded, spawn
+from tests.ports import reserved_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -29,7 +30,7 @@ class RedisServer:
     and ``resume`` for a hung one.
 
     Listens only on ``<dir>/redis.sock`` (``--port 0`` turns TCP off), or on 127.0.0.1 with
-    ``tcp=True`` (a free port chosen by the OS, retried if another process takes it first).
+    ``tcp=True`` (a port from tests.ports.reserved_port, retried if another process takes it first).
     With ``appendonly`` it persists every write (``appendfsync always``) in its directory,
     so a restart keeps the data; without it a restart starts empty.
     """
@@ -63,9 +64,7 @@ class RedisServer:
             pytest.fail("redis-server is not installed: run scripts/install_services.sh (scripts/test.sh does)")
         for _attempt in range(5):
             if self.tcp and not self.port:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    self.port = s.getsockname()[1]
+                self.port = reserved_port()   # redis-server has no port 0; restarted below if it lost the race
             # Behind the launcher's guardian: it dies with the test run even when pytest is
             # killed (a plain Popen outlived a run stopped by `timeout`).
             self.proc = spawn(guarded(self._args()), log_path=self.dir / "guard.log")

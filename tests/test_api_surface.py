@@ -10,7 +10,6 @@ tokenizer and client API keys.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import orjson
@@ -22,6 +21,7 @@ from omni_proxy import __version__
 from omni_proxy.launcher import ProcessGroup
 from tests.conftest import Cluster, start_cluster, wait_until
 from tests.data.tokenizer.fixture_dirs import build
+from tests.ports import refused_port
 
 MODEL, PD_MODEL, MAX_LEN = "sim-model", "pd-model", 4096
 KEY = "s3cret-alice-key"
@@ -97,10 +97,7 @@ async def test_version_liveness_and_readiness(cluster, api, tmp_path):
             if path == "/version":
                 assert (await r.json()) == {"version": __version__}
     # A data plane whose control plane is not there: alive, not ready.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nobody = s.getsockname()[1]
-    with ProcessGroup(str(tmp_path)) as group:
+    with refused_port() as nobody, ProcessGroup(str(tmp_path)) as group:
         lonely = group.start("dp-lonely", ["dataplane", "--port", "0", "--controlplane", f"127.0.0.1:{nobody}",
                                            "--placement-timeout", "0.2"])
         async with aiohttp.ClientSession() as s:

@@ -41,7 +41,8 @@ from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from tests.redis_fixtures import REDIS_SERVER, RedisServer
-from tests.test_deploy_manifests import NGINX, free_port, localised_conf, needs_nginx
+from tests.ports import reserved_port
+from tests.test_deploy_manifests import NGINX, localised_conf, needs_nginx
 
 MODEL = "sim-model"
 REPLICAS = 3                 # deploy/nginx/nginx.conf names three data planes
@@ -131,7 +132,7 @@ def _start_nginx(group: ProcessGroup, dataplanes: list[Child]) -> Child:
     response header naming the replica that served each request."""
     tmp = group.workdir / "nginx"
     tmp.mkdir()
-    listen = free_port()
+    listen = reserved_port()        # nginx must be told its port
     conf = localised_conf(tmp, [dp.port for dp in dataplanes], listen)
     text = conf.read_text()
     assert text.count("location / {\n") == 1, "nginx.conf has no single `location / {` block"

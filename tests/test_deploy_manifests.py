@@ -1,3 +1,4 @@
+
 """deploy/: the Kubernetes manifests, the Dockerfile, docker-compose.yaml and nginx.conf.
 
 Nothing here needs a cluster, Docker or the network:
@@ -29,7 +30,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -44,6 +44,7 @@ import yaml
 from aiohttp import web
 
 from controlplane.config import DEFAULT_HTTP_PORT
+from tests.ports import reserved_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -184,12 +185,6 @@ def parse_command(argv: list[str]):
         return build_parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"omni-proxy does not accept {shlex.join(argv)}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -979,7 +974,7 @@ def nginx_argv(tmp: Path, conf: Path, *extra: str) -> list[str]:
 
 @needs_nginx
 def test_nginx_conf_syntax(tmp_path: Path) -> None:
-    conf = localised_conf(tmp_path, [free_port() for _ in range(3)], free_port())
+    conf = localised_conf(tmp_path, [reserved_port() for _ in range(3)], reserved_port())
     out = subprocess.run(nginx_argv(tmp_path, conf, "-t"), capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"nginx -t:\n{out.stderr}"
     assert "syntax is ok" in out.stderr
@@ -1025,11 +1020,10 @@ async def test_nginx_streams_balances_and_fails_over(tmp_path: Path) -> None:
     for i in range(3):
         runner = web.AppRunner(make_app(i))
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
-        ports.append(port)
-    listen = free_port()
+        ports.append(runner.addresses[0][1])
+    listen = reserved_port()        # nginx must be told its port
     conf = localised_conf(tmp_path, ports, listen)
     log = open(tmp_path / "nginx.out", "wb")
     proc = subprocess.Popen(nginx_argv(tmp_path, conf, "-g", "daemon off;"), stdout=log, stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ from omni_proxy.launcher import ProcessGroup
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import Cluster, wait_until
+from tests.ports import reserved_port
 
 MODEL = "sim-model"
 
@@ -52,28 +53,9 @@ def agg():
     c.group.close()
 
 
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 free (rank r publishes on P + r)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    pytest.skip("no two consecutive free ports")
-
-
 @pytest.fixture(scope="module")
 def exact():
-    c = start({"e": ("both", 2)}, kv_events={"e": f"tcp://127.0.0.1:{_free_port_pair()}"})
+    c = start({"e": ("both", 2)}, kv_events={"e": f"tcp://127.0.0.1:{reserved_port(2)}"})   # rank r publishes on P + r
     yield c
     c.group.close()
 

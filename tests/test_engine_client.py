@@ -24,6 +24,7 @@ from engine_api import client as client_mod
 from engine_api.client import (EngineClient, EngineConnectError, EngineDisconnected, EngineProtocolError,
                                EngineResponse)
 from tests.conftest import wait_until
+from tests.ports import refused_port
 
 
 class Request:
@@ -600,12 +601,8 @@ def test_client_error_answer_body_is_read(run):
 
 def test_connect_error(run):
     async def case(make):
-        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        port = probe.sockets[0].getsockname()[1]
-        probe.close()
-        await probe.wait_closed()
         client = EngineClient(connect_timeout_s=5)
-        with pytest.raises(EngineConnectError):
+        with refused_port() as port, pytest.raises(EngineConnectError):
             await client.post(f"http://127.0.0.1:{port}/", b"")
         client.close()
 

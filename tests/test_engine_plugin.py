@@ -29,6 +29,7 @@ from engine_plugins.vllm_plugin.agent import Agent, EngineFacts, Settings, build
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
+from tests.ports import refused_port, reserved_port
 
 
 class StandInEngine:
@@ -80,12 +81,6 @@ async def start_cp(port: int = 0, **config) -> ControlPlane:
 async def list_workers(address: str) -> list[pb.WorkerInfo]:
     async with grpc.aio.insecure_channel(address) as ch:
         return list((await pb_grpc.AdminStub(ch).ListWorkers(pb.ListWorkersRequest())).workers)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -156,7 +151,7 @@ async def test_waits_for_engine_health(engine):
 
 
 async def test_retries_while_down_and_reregisters_after_restart(engine):
-    port = free_port()
+    port = reserved_port()       # the control plane comes up (twice) at an address the agent already has
     agent = Agent(Settings(controlplanes=[f"127.0.0.1:{port}"], worker_id="eng-r", rpc_timeout_s=1.0),
                   facts_for(engine, kv_role="")).start()
     plane = None
@@ -185,16 +180,16 @@ async def test_retries_while_down_and_reregisters_after_restart(engine):
 
 async def test_second_address_used_when_first_is_down(engine):
     plane = await start_cp()
-    dead = f"127.0.0.1:{free_port()}"
-    agent = Agent(Settings(controlplanes=[dead, f"127.0.0.1:{plane.grpc_port}"], worker_id="eng-2",
-                           rpc_timeout_s=1.0), facts_for(engine)).start()
-    try:
-        async def registered():
-            return agent.registrations == 1
-        await wait_until(registered, timeout=20, what="registration with the second address")
-    finally:
-        await stop_agent(agent)
-        await plane.stop()
+    with refused_port() as nobody:
+        agent = Agent(Settings(controlplanes=[f"127.0.0.1:{nobody}", f"127.0.0.1:{plane.grpc_port}"],
+                               worker_id="eng-2", rpc_timeout_s=1.0), facts_for(engine)).start()
+        try:
+            async def registered():
+                return agent.registrations == 1
+            await wait_until(registered, timeout=20, what="registration with the second address")
+        finally:
+            await stop_agent(agent)
+            await plane.stop()
 
 
 @pytest.mark.parametrize("engine_kw, words", [
@@ -294,7 +289,8 @@ def test_request_derivation():
 
 async def test_read_load(engine):
     assert await asyncio.to_thread(read_load, f"http://127.0.0.1:{engine.port}") == (3, 1)
-    assert await asyncio.to_thread(read_load, f"http://127.0.0.1:{free_port()}") == (-1, -1)
+    with refused_port() as nobody:
+        assert await asyncio.to_thread(read_load, f"http://127.0.0.1:{nobody}") == (-1, -1)
 
 
 def test_plugin_only_patches_the_api_server(monkeypatch):

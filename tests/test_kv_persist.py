@@ -7,7 +7,6 @@ import asyncio
 import logging
 import random
 import re
-import socket
 import time
 import uuid
 
@@ -21,19 +20,14 @@ from controlplane.server import ControlPlane
 from controlplane.workers import Role
 from protos import omni_proxy_pb2 as pb
 from tests.conftest import cancel_until_done, wait_until
+from tests.ports import reserved_port
 from tests.redis_fixtures import redis_server  # noqa: F401 (fixture)
 
 BS = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(sim, redis, prefix: str, *, workers=("w", "e"), interval: float = 0.2, backend: str = "redis"):
-    port = _free_port()
+    port = reserved_port()
     specs = {"w": WorkerConfig(url=sim.url, role=Role.BOTH, id="w"),
              # an event-fed worker: nothing publishes there, its index is fed by hand
              "e": WorkerConfig(url=sim.url + "/", role=Role.BOTH, id="e", kv_events=f"tcp://127.0.0.1:{port}")}
@@ -174,8 +168,8 @@ async def test_the_subscriber_resumes_from_the_saved_sequence():
     kv = KVCache(KVCacheConfig(block_size=BS))
     header = {"ts": time.time(), "buckets": [], "hashing": persist.hashing_of(kv),
               "seqs": {"e": {"0": {"": 41}}, "gone": {"0": {"": 7}}}}
-    e = WorkerSpec(id="e", url="http://x", role=Role.BOTH, model="m", kv_events=f"tcp://127.0.0.1:{_free_port()}",
-                   kv_replay=f"tcp://127.0.0.1:{_free_port()}")
+    e = WorkerSpec(id="e", url="http://x", role=Role.BOTH, model="m", kv_events=f"tcp://127.0.0.1:{reserved_port()}",
+                   kv_replay=f"tcp://127.0.0.1:{reserved_port()}")
     persist.load(kv, header, [], [e])
     assert kv.resume_seqs == {("e", 0): {b"": 41}}
     await kv.watch(e)

@@ -20,6 +20,7 @@ from dataplane.placement_client import PlacementClient
 from protos import omni_proxy_pb2 as pb
 from protos.framing import encode, frame, read_frames
 from tests.conftest import wait_until
+from tests.ports import refused_port
 
 
 def _entry(rid: str) -> pb.PlaceRequest:
@@ -118,18 +119,16 @@ async def test_either_transport_serves_when_the_other_is_not_wanted(sim_both, se
 
 async def test_an_unreachable_socket_falls_back_to_the_grpc_stream(inproc_cp, caplog):
     cp = inproc_cp
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()         # nothing listens there: connections are refused
-    cp.session_socket.service.endpoint = pb.SessionEndpoint(port=port)
-    client = await _client(cp)
-    try:
-        assert client.transport == "grpc"
-        assert not (await client.place(_entry("r1"))).error
-        assert any("session socket" in r.getMessage() and "unreachable" in r.getMessage() for r in caplog.records)
-    finally:
-        await client.close()
+    with refused_port() as port:         # nothing listens there: connections are refused
+        cp.session_socket.service.endpoint = pb.SessionEndpoint(port=port)
+        client = await _client(cp)
+        try:
+            assert client.transport == "grpc"
+            assert not (await client.place(_entry("r1"))).error
+            assert any("session socket" in r.getMessage() and "unreachable" in r.getMessage()
+                       for r in caplog.records)
+        finally:
+            await client.close()
 
 
 async def test_a_token_is_needed_when_the_control_plane_asks_for_one(sim_both):

@@ -8,8 +8,6 @@ vllm-ascend's layerwise flow (D first) with a small metaserver run inside the te
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import uuid
 from typing import Any
 
@@ -24,20 +22,11 @@ from simulator.context import SIM
 from simulator.server import build_app
 from simulator.tokens import count_text_tokens
 from tests.conftest import wait_until
+from tests.ports import refused_port, reserved_port
 
 PROMPT = " ".join(f"word{i}" for i in range(100))  # 100 tokens -> 7 blocks of 16
 PROMPT_TOKENS = count_text_tokens(PROMPT)
 assert PROMPT_TOKENS == 100
-
-
-@contextlib.contextmanager
-def refused_port():
-    """A port where connections are refused for as long as the block runs: bound, so nobody
-    else can take it meanwhile (a bind-and-release port could be someone's server by the time
-    it is used), and not listening."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
 
 
 def start_with_own_bootstrap_port(group: ProcessGroup, name: str, args: list[str], tries: int = 5) -> Child:
@@ -45,11 +34,8 @@ def start_with_own_bootstrap_port(group: ProcessGroup, name: str, args: list[str
     number (port 0 means "the HTTP port"), so the port is picked here and may be taken before
     the sim binds it: then the sim exits with "in use" and we try another one."""
     for attempt in range(tries):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         try:
-            return group.start(name, [*args, "--bootstrap-port", str(port)])
+            return group.start(name, [*args, "--bootstrap-port", str(reserved_port())])
         except LaunchError as exc:
             if "in use" not in str(exc) or attempt == tries - 1:
                 raise

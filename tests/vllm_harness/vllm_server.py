@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -35,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.ports import reserved_port
 from tests.vllm_harness.recipe import (BLOCK_SIZE, KV_LEASE_S, MAX_MODEL_LEN, SERVED_MODEL,  # noqa: F401 - re-exported
                                       TEST_ONLY_ARGS, TEST_ONLY_KV_BUFFER_DEVICE, nixl_args, nixl_config, nixl_env,
                                       serve_args)
@@ -81,41 +80,13 @@ def vllm_test_marks() -> list:
     ]
 
 
-_handed_out: set[int] = set()
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
 def free_port() -> int:
-    """A free port on 127.0.0.1 outside the kernel's ephemeral range, for a port vLLM must be
-    told as a number (the NIXL side channel). Still a bind-and-release: ``wait_healthy``
-    restarts a server that lost the race.
-
-    vLLM binds its ports up to minutes after we choose them. A port from the ephemeral range
-    (what binding port 0 gives) may meanwhile become the source port of some outgoing
-    connection, and the NIXL side channel then fails with "Address already in use".
-    """
-    low, high = _ephemeral_ports()
-    pool = range(20000, low) if low - 20000 >= 1000 else range(high + 1, 65536)
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.choice(pool)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise VllmError(f"no free port in {pool}")
+    """A port vLLM must be told as a number (the NIXL side channel): tests.ports.reserved_port,
+    outside the kernel's ephemeral range. vLLM binds its ports up to minutes after we choose
+    them; a port from the ephemeral range (what binding port 0 gives) may meanwhile become the
+    source port of some outgoing connection ("Address already in use"). Still a
+    bind-and-release: ``wait_healthy`` restarts a server that lost the race."""
+    return reserved_port()
 
 
 def cpu_slots(count: int) -> list[str]:
