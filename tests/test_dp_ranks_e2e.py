@@ -9,6 +9,7 @@ from collections import Counter
 import grpc
 import pytest
 
+from kvhash.hashing import BlockHashConfig, BlockHasher
 from omni_proxy.launcher import ProcessGroup
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
@@ -146,8 +147,16 @@ async def test_exact_mode_follows_each_ranks_events(exact: Cluster, http):
         line = next((l for l in text.splitlines() if l.startswith('omni_kv_index_blocks{source="events"}')), "")
         return bool(line) and float(line.rsplit(" ", 1)[1]) >= 4
     await wait_until(indexed, what="rank 1's events in the index", interval=0.2)
-    await asyncio.sleep(0.3)
     prompt = list(range(5000 + 100 * len(prompts), 5064 + 100 * len(prompts)))   # the last one sent
+    chain = BlockHasher(BlockHashConfig(block_size=16, algo="sha256")).event_hashes(prompt)
+
+    async def last_prompt_indexed() -> bool:
+        # The last prompt's own blocks (not just some prompt's) reached the index.
+        async with grpc.aio.insecure_channel(exact.cp.address) as ch:
+            p = await pb_grpc.AdminStub(ch).Explain(pb.PlaceRequest(model=MODEL, leg=pb.LEG_ENTRY,
+                                                                    block_hashes=chain, explain=True))
+        return f"match={len(chain)}/{len(chain)}blk" in p.explanation
+    await wait_until(last_prompt_indexed, what="the last prompt's blocks in the index")
     await exact.clear_sim_requests()
     for i in range(4):
         async with http.post(exact.url + "/v1/completions", headers={"X-Request-Id": f"ex-{i}"},

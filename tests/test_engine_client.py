@@ -614,11 +614,12 @@ def test_pool_size_limits_connections_per_host(run):
         server, url, client = await make(sized, pool_size=1)
         first = await client.post(url + "/", b"1")
         second = asyncio.ensure_future(client.post(url + "/", b"22"))
-        await asyncio.sleep(0.05)
-        assert not second.done()          # waits for the only connection
+        # It queues for the only connection (a pool waiter), not a second connection.
+        await wait_until(lambda: any(h.waiters for h in client._hosts.values()), what="a pool waiter")
+        assert not second.done() and len(server.requests) == 1
         assert await first.read() == b'{"echo": 1}'
         assert await (await second).read() == b'{"echo": 2}'
-        assert server.connections == 1
+        assert server.connections == 1 and [(r.conn, r.nth) for r in server.requests] == [(0, 0), (0, 1)]
 
     run(case)
 

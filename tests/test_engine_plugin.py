@@ -35,6 +35,7 @@ from tests.ports import refused_port, reserved_port
 class StandInEngine:
     def __init__(self) -> None:
         self.running, self.waiting, self.healthy = 3, 1, True
+        self.health_checks = 0           # /health requests answered (the agent's polls)
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -50,6 +51,7 @@ class StandInEngine:
         return self
 
     async def _health(self, request):
+        self.health_checks += 1
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request):
@@ -138,7 +140,8 @@ async def test_waits_for_engine_health(engine):
     address = f"127.0.0.1:{plane.grpc_port}"
     agent = Agent(Settings(controlplanes=[address], worker_id="late"), facts_for(engine)).start()
     try:
-        await asyncio.sleep(1.5)
+        # Two unhealthy answers seen by the agent, and still no registration.
+        await wait_until(lambda: engine.health_checks >= 2, what="the agent's health polls")
         assert agent.registrations == 0 and not any(w.id == "late" for w in await list_workers(address))
         engine.healthy = True
 
@@ -150,13 +153,15 @@ async def test_waits_for_engine_health(engine):
         await plane.stop()
 
 
-async def test_retries_while_down_and_reregisters_after_restart(engine):
+async def test_retries_while_down_and_reregisters_after_restart(engine, caplog):
     port = reserved_port()       # the control plane comes up (twice) at an address the agent already has
     agent = Agent(Settings(controlplanes=[f"127.0.0.1:{port}"], worker_id="eng-r", rpc_timeout_s=1.0),
                   facts_for(engine, kv_role="")).start()
     plane = None
     try:
-        await asyncio.sleep(2.0)                     # several attempts against nothing
+        def failed_attempts() -> int:
+            return sum("register with" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+        await wait_until(lambda: failed_attempts() >= 2, what="several attempts against nothing")
         assert agent.registrations == 0 and agent.last_error
         plane = await start_cp(port)
 
@@ -362,8 +367,10 @@ async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
     fake = types.ModuleType(vllm_plugin._ENTRY)
     stop_serving = asyncio.Event()
     order = []
+    served = []
 
     async def build_and_serve(engine_client, listen_address, sock, args, peer_loads=None, **kwargs):
+        served.append(peer_loads)                # the wrapper decided whether to register, and serves
         await stop_serving.wait()                 # vLLM's serves until shutdown
         return "shutdown-task"
     fake.build_and_serve = build_and_serve
@@ -380,7 +387,7 @@ async def test_plugin_wraps_build_and_serve(monkeypatch, engine):
     client.vllm_config.kv_events_config.enable_kv_cache_events = False
     args = types.SimpleNamespace(host="127.0.0.1", port=engine.port, served_model_name=["tiny"])
     other = asyncio.ensure_future(fake.build_and_serve(client, "", None, args, ([0, 0], 1)))
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: len(served) == 1, what="the second API server serving")
     assert vllm_plugin._state["agent"] is None, "a second API server (client index 1) does not register"
     serving = asyncio.ensure_future(fake.build_and_serve(client, "", None, args, ([0, 0], 0)))
     try:

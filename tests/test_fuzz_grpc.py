@@ -12,6 +12,7 @@ places requests afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
-from tests.conftest import start_cluster
+from tests.conftest import start_cluster, wait_until
 from tests.fuzz_common import Tally, fuzz_settings, has_traceback
 
 TALLY = Tally("grpc")
@@ -208,6 +209,22 @@ def _cp_log(cluster) -> str:
     return cluster.cp.log_path.read_text(errors="replace")
 
 
+MARKER_LINE = "malformed /omni_proxy.v1.Admin/ListWorkers message"
+
+
+def _all_logged(cluster, channel) -> None:
+    """Wait for proof that every line the control plane logs for the calls made so far is in
+    its log: a malformed marker call (ListWorkers), whose own line is written after theirs."""
+    seen = _cp_log(cluster).count(MARKER_LINE)
+    marker = channel.unary_unary("/omni_proxy.v1.Admin/ListWorkers", request_serializer=None,
+                                 response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as refused:
+        marker(b"\xff\xff\xff", timeout=20)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    asyncio.run(wait_until(lambda: _cp_log(cluster).count(MARKER_LINE) > seen, timeout=10,
+                           what="the marker call's log line"))
+
+
 # ------------------------------------------------------------------ tests
 
 @pytest.mark.timeout(600)
@@ -226,7 +243,6 @@ def test_hostile_fields(cluster, channel, service, method, request_cls):
     try:
         run()
     finally:
-        import asyncio
         asyncio.run(cluster.restore())
     _places(channel)
 
@@ -281,7 +297,6 @@ def test_near_valid_messages(cluster, channel, service, method, request_cls):
     try:
         run()
     finally:
-        import asyncio
         asyncio.run(cluster.restore())
     _places(channel)
 
@@ -299,7 +314,6 @@ def test_admin_values_on_a_real_worker(cluster, channel):
     try:
         run()
     finally:
-        import asyncio
         asyncio.run(cluster.restore())
     _places(channel)
 
@@ -337,35 +351,25 @@ def test_random_bytes_on_every_method(cluster, channel):
     try:
         run()
     finally:
-        import asyncio
         asyncio.run(cluster.restore())
     _places(channel)
     log = _cp_log(cluster)
     assert "Traceback" not in log
     assert "DecodeError] raised by servicer" not in log
     # Not every refusal is a decode failure (a valid decode can fail validation), but every
-    # decode failure wrote exactly one line.
-    import time
-    deadline = time.monotonic() + 5
-    while _cp_log(cluster).count("controlplane.grpc_guard") - before < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    lines = _cp_log(cluster).count("controlplane.grpc_guard") - before
+    # decode failure wrote exactly one line: counted once the marker's line is there too.
+    _all_logged(cluster, channel)
+    lines = _cp_log(cluster).count("controlplane.grpc_guard") - before - 1
     assert 1 <= lines <= refused
 
 
 def test_one_malformed_message_one_line(cluster, channel):
     before = _cp_log(cluster)
     _call(channel, "Scheduler", "Place", b"\xff\xff\xff", "one line")
-    import time
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        new = _cp_log(cluster)[len(before):]
-        if "grpc_guard" in new:
-            break
-        time.sleep(0.05)
-    time.sleep(0.2)
+    _all_logged(cluster, channel)     # then the marker's line: nothing else in between
     new = _cp_log(cluster)[len(before):].strip().splitlines()
-    assert len(new) == 1 and "malformed /omni_proxy.v1.Scheduler/Place message" in new[0], new
+    assert len(new) == 2 and "malformed /omni_proxy.v1.Scheduler/Place message" in new[0], new
+    assert MARKER_LINE in new[1], new
 
 
 @pytest.mark.timeout(600)
