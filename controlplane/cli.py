@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate for TLS on the gRPC port ([auth] tls_cert)")
     p.add_argument("--tls-key", help="its PEM private key ([auth] tls_key)")
     p.add_argument("--tls-client-ca", help="PEM CA that signs client certificates: mutual TLS ([auth] tls_client_ca)")
+    p.add_argument("--state-file", help="keep operators' changes (drains, weights, added and removed workers) "
+                                        "in this file across restarts, with the memory store ([state] file)")
     p.add_argument("--otel-endpoint", help="OTLP/HTTP collector (e.g. http://127.0.0.1:4318): spans for placement "
                                             "and queueing, joined to the data plane's trace (otel_endpoint; "
                                             "needs the otel extra)")
@@ -55,7 +57,8 @@ def config_from_args(args: argparse.Namespace):
                       ("engine_api_key", "engine_api_key"), ("discovery_file", "discovery.file"),
                       ("tokens_file", "auth.tokens_file"), ("tls_cert", "auth.tls_cert"),
                       ("tls_key", "auth.tls_key"), ("tls_client_ca", "auth.tls_client_ca"),
-                      ("otel_endpoint", "otel_endpoint"), ("otel_service_name", "otel_service_name")):
+                      ("otel_endpoint", "otel_endpoint"), ("otel_service_name", "otel_service_name"),
+                      ("state_file", "state.file")):
         value = getattr(args, attr, None)
         if value is not None:
             cfg.set(key, value, "--" + attr.replace("_", "-"))
@@ -68,6 +71,7 @@ def config_from_args(args: argparse.Namespace):
 
 def check_config(cfg) -> None:
     """Refuse settings that would only fail later, under traffic."""
+    from controlplane.admin_state import AdminState
     from kvhash.hashing import BlockHashConfig, UnreproducibleHashError, resolve_seed
     from controlplane.scheduling import build_profile
     from metaserver.server import WILDCARD_HOSTS
@@ -75,6 +79,7 @@ def check_config(cfg) -> None:
     if cfg.pd_flow == "layerwise" and (cfg.metaserver_host or cfg.http_host).strip() in WILDCARD_HOSTS:
         raise ValueError("metaserver_host: layerwise needs a metaserver address decode engines can reach: "
                          "set metaserver_host / --metaserver-host (a wildcard address like 0.0.0.0 is refused)")
+    AdminState.load(cfg.state.file)   # a state file that cannot be read stops the start (ValueError)
     if cfg.parallel_protocol not in ("sglang", "mooncake"):
         raise ValueError(f"parallel_protocol must be sglang or mooncake, not {cfg.parallel_protocol!r}")
     try:

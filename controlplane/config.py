@@ -32,6 +32,7 @@ Example (TOML)::
     ledger = "shared"              # "local": placement never waits for Redis (controlplane/state/local.py)
     flush_interval_s = 0.005       # ledger = "local": this replica's loads are written this often
     op_timeout_s = 0.5             # a Redis call unanswered this long: the store is out (placed from memory)
+    # file = "/var/lib/omni-proxy/admin.json"   # backend = "memory": operators' changes survive restarts
 
     [auth]                         # gRPC API tokens (controlplane/auth.py); each scope open until set
     admin_tokens = ["ops:s3cret"]  # omni-ctl; "token" or "name:token" (the name is what logs show)
@@ -196,6 +197,7 @@ STATE: dict[str, Check] = {
     "ledger": lambda x, f: v.choice(x, f, STATE_LEDGERS),
     "flush_interval_s": lambda x, f: v.positive_seconds(x, f, max_s=1),
     "op_timeout_s": lambda x, f: v.positive_seconds(x, f, max_s=30),
+    "file": lambda x, f: _tokens_file(x, f),
 }
 
 
@@ -239,6 +241,10 @@ class StateConfig:
     ledger: str = "shared"            # "local": this replica's charges in memory, published in batches
     flush_interval_s: float = 0.005   # ledger = "local": how often changed loads are written to Redis
     op_timeout_s: float = 0.5         # a Redis call unanswered this long is an outage (a hung Redis)
+    # backend = "memory": where operators' changes (drains, weights, added and removed workers)
+    # are kept across restarts (controlplane/admin_state.py); "": in memory only (said at start
+    # and in every omni-ctl answer).
+    file: str = ""
 
 
 def _table(value: Any, name: str) -> dict[Any, Any]:
@@ -496,6 +502,9 @@ class ControlPlaneConfig:
                 raise ValueError(f"{where}.url {w.url} is listed twice with role {w.role.value} "
                                  f"(also {urls[key]}): list each engine once")
             urls[key] = where
+        if self.state.file and self.state.backend != "memory":
+            raise ValueError("state.file keeps operators' changes for the memory store; with backend = "
+                             f"{self.state.backend!r} the store keeps them: remove state.file")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(f"heartbeat_ttl_s must be greater than heartbeat_interval_s "
                              f"({self.heartbeat_interval_s:g}), got {self.heartbeat_ttl_s:g}")

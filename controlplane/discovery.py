@@ -153,7 +153,9 @@ class DiscoveryFile:
             key = _entry_key(w)
             if existing is not None and self._applied.get(wid) == key:
                 continue
-            await self.registry.add(url=w.url, role=w.role, model=w.model, weight=w.weight, worker_id=wid,
+            # New here: an operator's weight for it (before a restart) wins; a changed entry: the file's.
+            await self.registry.add(url=w.url, role=w.role, model=w.model, worker_id=wid,
+                                    weight=w.weight if existing is not None else None, default_weight=w.weight,
                                     labels=w.labels, bootstrap_port=w.bootstrap_port, source=SOURCE,
                                     kv_events=w.kv_events, kv_replay=w.kv_replay, dp_size=w.dp_size)
             self._applied[wid] = key

@@ -140,13 +140,15 @@ class Placer:
                     dry_run: bool = False) -> pb.Placement | None:
         """Decide and reserve. With ``may_hold``, returns None instead when the queue stage
         says even the best engine is too busy to start the request soon."""
+        count = not dry_run     # an explanation (omni-ctl explain) changes no metric
         leg = _LEG_NAMES.get(req.leg)
         if leg is None:
-            return self._error(req, pb.INVALID_REQUEST, "leg must be ENTRY, PREFILL or DECODE")
+            return self._error(req, pb.INVALID_REQUEST, "leg must be ENTRY, PREFILL or DECODE", count=count)
         if not (0 <= req.prompt_tokens <= MAX_TOKENS and 0 <= req.max_tokens <= MAX_TOKENS):
-            return self._error(req, pb.INVALID_REQUEST, f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}")
+            return self._error(req, pb.INVALID_REQUEST, f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}",
+                               count=count)
         if (not req.request_id and not dry_run) or len(req.request_id) > 256:
-            return self._error(req, pb.INVALID_REQUEST, "request_id must be 1 to 256 characters")
+            return self._error(req, pb.INVALID_REQUEST, "request_id must be 1 to 256 characters", count=count)
         fleet = self.fleet
         record = await self.store.get(req.request_id) if leg != "entry" else None
         if record is not None and leg == "decode" and record.flow == pb.FLOW_SEQUENTIAL and not dry_run:
@@ -168,7 +170,7 @@ class Placer:
                             f"tpot={ctx.pair[1] * 1000:.1f}ms)")
         chosen = decision.worker
         if chosen is None:
-            return self._refusal(req, leg, ctx, roles, decision.dropped, explanation)
+            return self._refusal(req, leg, ctx, roles, decision.dropped, explanation, count=count)
         if may_hold and leg == "entry" and self.profile.queue is not None and \
                 self.profile.queue.should_hold(ctx, chosen):
             return None
@@ -190,7 +192,7 @@ class Placer:
             if explain:
                 explanation += " | decode: " + self._explain(d_decision, d_ctx, d_roles)
             if d_decision.worker is None:
-                return self._refusal(req, "decode", d_ctx, d_roles, d_decision.dropped, explanation)
+                return self._refusal(req, "decode", d_ctx, d_roles, d_decision.dropped, explanation, count=count)
             out.flow = flow
             out.decode.CopyFrom(self._endpoint(d_decision.worker))
             charges.append((d_decision.worker, "decode"))
@@ -393,20 +395,22 @@ class Placer:
         return decision.explain()
 
     def _refusal(self, req: pb.PlaceRequest, leg: str, ctx: PlacementContext, roles: tuple[Role, ...],
-                 dropped: dict[str, str], explanation: str) -> pb.Placement:
+                 dropped: dict[str, str], explanation: str, count: bool = True) -> pb.Placement:
         if not self.fleet.serves_model(req.model):
             if not self.fleet.knew_model(req.model):
-                return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here", explanation)
+                return self._error(req, pb.UNKNOWN_MODEL, f"model {req.model!r} is not served here", explanation,
+                                   count=count)
             # It was served here: its workers are away for now (503 and a retry, not 404).
             refusal = self._error(req, pb.NO_HEALTHY_WORKER, f"no worker serves model {req.model!r} right now",
-                                  explanation)
+                                  explanation, count=count)
             refusal.retry_after_s = NO_WORKER_RETRY_S
             return refusal
         reasons_by_id = self.profile.dropped_from(ctx, self._everyone(), dict(dropped))
         why = Counter(reasons_by_id.values())
         reasons = ", ".join(f"{n} {r}" for r, n in why.most_common()) or "no candidates"
         refusal = self._error(req, pb.NO_HEALTHY_WORKER,
-                              f"no available {leg} worker for model {req.model!r} ({reasons})", explanation)
+                              f"no available {leg} worker for model {req.model!r} ({reasons})", explanation,
+                              count=count)
         ejected = [self.fleet.state(wid).ejected_until for wid, r in reasons_by_id.items() if r == "ejected"]
         if ejected:   # the circuit breaker holds them back: say when the first one returns
             refusal.retry_after_s = max(min(ejected) - time.monotonic(), 0.001)
@@ -415,7 +419,9 @@ class Placer:
     def internal_error(self, req: pb.PlaceRequest, exc: BaseException) -> pb.Placement:
         return self._error(req, pb.INTERNAL, f"placement failed in the control plane: {type(exc).__name__}")
 
-    def _error(self, req: pb.PlaceRequest, code: int, message: str, explanation: str = "") -> pb.Placement:
-        self.stats.errors[pb.ErrorCode.Name(code)] += 1
+    def _error(self, req: pb.PlaceRequest, code: int, message: str, explanation: str = "", *,
+               count: bool = True) -> pb.Placement:
+        if count:
+            self.stats.errors[pb.ErrorCode.Name(code)] += 1
         return pb.Placement(seq=req.seq, request_id=req.request_id, error=code, error_message=message,
                             explanation=explanation)

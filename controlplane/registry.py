@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
+from controlplane.admin_state import AdminState
 from controlplane.fleet import Fleet
 from controlplane.state import StateStore
 from controlplane.workers import Role, WorkerSpec, normalize_url
@@ -28,9 +29,11 @@ def worker_id_for(url: str, role: Role) -> str:
 
 class WorkerRegistry:
     def __init__(self, store: StateStore, fleet: Fleet, *, heartbeat_interval_s: float = 2.0,
-                 heartbeat_ttl_s: float = 10.0) -> None:
+                 heartbeat_ttl_s: float = 10.0, admin: AdminState | None = None) -> None:
         self.store = store
         self.fleet = fleet
+        # Operators' weights, drains, additions and removals (the fence): see admin_state.py.
+        self.admin = admin if admin is not None else AdminState()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
         # Called for each new worker so it can be health-checked at once, not next round.
@@ -38,19 +41,28 @@ class WorkerRegistry:
         self.on_removed: Callable[[str], Awaitable[None]] | None = None
         self._tasks: set[asyncio.Future] = set()
 
-    async def add(self, *, url: str, role: Role, model: str = "", weight: float = 1.0,
+    async def add(self, *, url: str, role: Role, model: str = "", weight: float | None = None,
                   worker_id: str = "", labels: dict[str, str] | None = None, bootstrap_port: int = 0,
                   source: str = "config", heartbeat_ttl_s: float = 0.0, kv_events: str = "",
                   kv_replay: str = "", dp_size: int = 1, owner: str | None = None,
-                  owner_key: str | None = None) -> WorkerSpec:
+                  owner_key: str | None = None, default_weight: float = 1.0,
+                  draining: bool | None = None) -> WorkerSpec:
         """Add a worker or overwrite the one with its id. Callers check who may do that first
         (AdminService.AddWorker: ``replace``; RegistryService: controlplane/ownership.py).
-        ``owner`` / ``owner_key`` None: the existing worker's are kept."""
+        ``owner`` / ``owner_key`` None: the existing worker's are kept. ``weight`` None: the
+        operator's weight is kept (the worker's current one, else the one an operator set before,
+        e.g. before a restart or while the engine was away), else ``default_weight`` (the
+        config's or the registration's). The drain flag is kept the same way."""
         url = normalize_url(url)
         worker_id = worker_id or worker_id_for(url, role)
         existing = self.fleet.get(worker_id)
+        kept = self.admin.override(worker_id)
+        if weight is None:
+            weight = existing.weight if existing is not None else float(kept.get("weight", default_weight))
+        if draining is None:
+            draining = existing.draining if existing is not None else bool(kept.get("draining", False))
         spec = WorkerSpec(id=worker_id, url=url, role=role, model=model or (existing.model if existing else ""),
-                          weight=weight, draining=existing.draining if existing else False,
+                          weight=weight, draining=draining,
                           source=existing.source if existing else source, bootstrap_port=bootstrap_port,
                           labels=dict(labels or {}), kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size,
                           heartbeat_ttl_s=heartbeat_ttl_s,

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane import metrics
+from controlplane.admin_state import AdminState, spec_from_json
 from controlplane.auth import AuthInterceptor, server_credentials, server_ssl_context
 from controlplane.config import ControlPlaneConfig
 from controlplane.discovery import DiscoveryFile
@@ -53,8 +54,11 @@ class ControlPlane:
         self.config = config
         self.store = store or make_store(config)   # [state] backend: memory (default) or redis
         self.fleet = Fleet()
+        # Operators' changes: in the state file with the memory store ([state] file), else in
+        # memory (Redis keeps the specs itself; the removal fence is then per replica).
+        self.admin_state = AdminState.load(config.state.file) if config.state.backend == "memory" else AdminState()
         self.registry = WorkerRegistry(self.store, self.fleet, heartbeat_interval_s=config.heartbeat_interval_s,
-                                       heartbeat_ttl_s=config.heartbeat_ttl_s)
+                                       heartbeat_ttl_s=config.heartbeat_ttl_s, admin=self.admin_state)
         stats = PlacementStats.new()
         self.predictor = Predictor()
         self.placer = Placer(self.store, self.fleet, build_profile(config.policy, config.profiles),
@@ -97,13 +101,30 @@ class ControlPlane:
             # health.start() below (a hook now would check before there is an HTTP session).
             self._sync = SpecSync(self.store, self.fleet)
             await self._sync.refresh()
+        admin = self.registry.admin
+        if not shared and not admin.persistent:
+            log.warning("operators' changes (omni-ctl drain, undrain, weight, add, remove) are kept in memory "
+                        "only and are lost when this control plane restarts: set [state] file "
+                        "(--state-file) to keep them")
+        elif admin.persistent:
+            log.info("operators' changes are kept in %s (%d weights or drains, %d added, %d removed workers)",
+                     admin.path, len(admin.overrides), len(admin.added), len(admin.removed))
         for spec in self.config.workers:
-            kept = self.fleet.get(spec.id or worker_id_for(spec.url, spec.role))
-            await self.registry.add(url=spec.url, role=spec.role, model=spec.model,
-                                    # an operator's weight (and drain) outlive a restart
-                                    weight=kept.weight if kept is not None else spec.weight,
-                                    worker_id=spec.id, labels=spec.labels, bootstrap_port=spec.bootstrap_port,
-                                    kv_events=spec.kv_events, kv_replay=spec.kv_replay, dp_size=spec.dp_size)
+            wid = spec.id or worker_id_for(spec.url, spec.role)
+            if wid in admin.removed or wid in admin.added:
+                continue   # an operator removed it, or replaced it (omni-ctl add --replace): theirs wins
+            # an operator's weight (and drain) outlive a restart: weight None keeps them (the
+            # shared store's copy, else the state file's), else the config's
+            await self.registry.add(url=spec.url, role=spec.role, model=spec.model, weight=None,
+                                    default_weight=spec.weight, worker_id=spec.id, labels=spec.labels,
+                                    bootstrap_port=spec.bootstrap_port, kv_events=spec.kv_events,
+                                    kv_replay=spec.kv_replay, dp_size=spec.dp_size)
+        for wid, data in admin.added.items():      # workers operators added (state file)
+            if self.fleet.get(wid) is None:
+                s = spec_from_json(wid, data)
+                await self.registry.add(url=s.url, role=s.role, model=s.model, weight=s.weight, worker_id=wid,
+                                        labels=dict(s.labels), bootstrap_port=s.bootstrap_port, source="admin",
+                                        kv_events=s.kv_events, kv_replay=s.kv_replay, dp_size=s.dp_size)
         if shared and self.config.kv_cache.snapshot_interval_s > 0:
             # KV index snapshots (kvcache/persist.py): warm from the newest before serving
             from controlplane.kvcache.persist import KVSnapshots

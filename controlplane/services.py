@@ -264,7 +264,7 @@ def _spec_from_register(req: pb.RegisterRequest) -> dict:
         raise ValueError("role must be BOTH, PREFILL or DECODE")
     dp_size = validate.int_range(req.dp_size or 1, "dp_size", 1, 1024)
     return dict(url=validate.url(req.url), role=role, model=validate.text(req.model, "model", max_len=256),
-                weight=validate.weight(req.weight) or 1.0,
+                weight=validate.weight(req.weight) or None,     # None: keep the operator's, else 1
                 worker_id=validate.worker_id(req.worker_id, "worker_id", allow_empty=True),
                 labels={validate.text(k, "label key", max_len=128): validate.text(v, "label value", max_len=1024)
                         for k, v in req.labels.items()},
@@ -345,6 +345,17 @@ class RegistryService(pb_grpc.RegistryServicer):
                                    for k, v in facts.items()})
         spec["heartbeat_ttl_s"] = spec["heartbeat_ttl_s"] or self.registry.heartbeat_ttl_s
         wid = spec["worker_id"] or _registry.worker_id_for(normalize_url(spec["url"]), spec["role"])
+        admin = self.registry.admin
+        fenced_id, fenced = admin.fenced(wid, normalize_url(spec["url"]), ownership.key_hash(key))
+        if fenced:   # omni-ctl remove holds: the plugin's next heartbeat (known=false) lands here
+            log.warning("registry: refused %s (%s): %s", request.url, wid, fenced)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fenced)
+        if fenced_id:   # a new engine process (another owner key): the deliberate way back
+            admin.lift(fenced_id)
+            if admin.persistent:
+                await asyncio.to_thread(admin.save)
+        # A re-registration keeps the operator's weight and drain; the engine's weight is a default.
+        spec["default_weight"] = spec.pop("weight") or 1.0
         who = auth.principal.get()
         async with self._registering:
             refusal = ownership.may_register(self.registry.fleet.get(wid), key, who, normalize_url(spec["url"]))
@@ -386,6 +397,24 @@ class AdminService(pb_grpc.AdminServicer):
         self.health = health                 # HealthChecker: AddWorker runs the first check at once
         self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
         self.check_timeout_s = check_timeout_s
+        # Where operators' changes are kept: a shared store (Redis) keeps the specs itself.
+        self.shared_store = hasattr(placer.store, "maintain")
+
+    async def _keep(self) -> str:
+        """Write the operators' changes to the state file (off the event loop); where they are
+        kept, for the answer: "file PATH", "redis", or "" (memory only, lost at restart)."""
+        admin = self.registry.admin
+        if self.shared_store:
+            return "redis"
+        if not admin.persistent:
+            return ""
+        try:
+            await asyncio.to_thread(admin.save)
+        except OSError as exc:
+            log.error("admin: cannot write the state file %s: %s: the change holds until a restart",
+                      admin.path, exc)
+            return ""
+        return admin.describe()
 
     def _info_of(self, view: WorkerView, cached: int = 0) -> pb.WorkerInfo:
         st, wid = self.placer.stats, view.id
@@ -401,13 +430,16 @@ class AdminService(pb_grpc.AdminServicer):
         return self._info_of(fleet.view(spec, load), cached)
 
     async def _update(self, worker_id: str, context, **changes) -> pb.WorkerResponse:
-        if await self.registry.update(worker_id, **changes) is None:
+        spec = await self.registry.update(worker_id, **changes)
+        if spec is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(worker_id)}")
+        self.registry.admin.set_override(spec)
+        kept = await self._keep()
         info = await self._info(worker_id)
         log.info("admin: worker %s: %s (%d in flight), by %s", worker_id,
                  ", ".join(f"{k}={v}" for k, v in changes.items()), info.load.inflight_requests,
                  auth.caller(context))
-        return pb.WorkerResponse(worker=info)
+        return pb.WorkerResponse(worker=info, persistence=kept)
 
     async def ListWorkers(self, request, context):
         fleet = self.registry.fleet
@@ -420,31 +452,68 @@ class AdminService(pb_grpc.AdminServicer):
                                       policy=self.placer.profile.name)
 
     async def AddWorker(self, request, context):
+        """Add an engine, or (replace) overwrite one. A replace keeps the worker's id (when none
+        is given, the one of the worker with this URL) and every field the request leaves
+        empty (model, weight, bootstrap port, KV-event endpoints, labels, role, drain).
+        With require_check, an engine that fails the first check is not added at all."""
+        fleet = self.registry.fleet
         try:
-            spec = _spec_from_register(request)
+            url = normalize_url(validate.url(request.url))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        fleet = self.registry.fleet
-        url = normalize_url(spec["url"])
-        id_for = getattr(_registry, "worker_id_for", None) or getattr(_registry, "_id_from_url")
-        wid = spec["worker_id"] or id_for(url, spec["role"])
+        role = _PB_TO_ROLE.get(request.role)
+        same_url = [s for s in fleet.specs() if s.url.lower() == url.lower()]
+        base = fleet.get(request.worker_id) if request.worker_id else None
+        if base is None and not request.worker_id and request.replace and same_url:
+            # the worker with this URL (of this role, if one is given): its id is kept
+            base = next((s for s in same_url if role is None or s.role is role), same_url[0])
+        req = pb.RegisterRequest()
+        req.CopyFrom(request)
+        if base is not None and request.replace:     # fields not given: the worker's
+            req.role = req.role or ROLE_TO_PB[base.role]
+            req.model = req.model or base.model
+            req.bootstrap_port = req.bootstrap_port or base.bootstrap_port
+            req.dp_size = req.dp_size or base.dp_size
+            if not req.kv_events:
+                req.kv_events, req.kv_replay = base.kv_events, req.kv_replay or base.kv_replay
+            if not req.labels:
+                req.labels.update(base.labels)
+            req.worker_id = base.id
+        req.role = req.role or pb.ROLE_BOTH
+        try:
+            spec = _spec_from_register(req)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        wid = spec["worker_id"] or _registry.worker_id_for(url, spec["role"])
         same_id = fleet.get(wid)
-        same_url = [s for s in fleet.specs() if s.url.lower() == url.lower() and s.id != wid]
-        conflicts = ([same_id] if same_id is not None else []) + same_url
+        others = [s for s in same_url if s.id != wid]
+        conflicts = ([same_id] if same_id is not None else []) + others
         if conflicts and not request.replace:
             what = "; ".join(f"worker {s.id} ({s.url}, {s.role.value}, source {s.source})" for s in conflicts)
             log.warning("admin: add %s (%s) refused: %s exists, by %s", wid, url, what, auth.caller(context))
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"{what} already exists: add with replace (omni-ctl add --replace) to overwrite it")
-        for s in same_url:
+        if request.require_check:
+            code, why = await self._probe(url, spec["model"], spec["role"])
+            if code is not None:
+                log.warning("admin: add %s (%s) refused: first check failed: %s, by %s", wid, url, why,
+                            auth.caller(context))
+                await context.abort(code, f"{url} failed its first check: {why}; nothing was changed "
+                                          f"(omni-ctl add --force adds it anyway, unplaced until a check passes)")
+        for s in others:
             await self.registry.remove(s.id)
+        draining = None
         if same_id is not None:
+            if spec["weight"] is None:
+                spec["weight"] = same_id.weight       # keep the operator's weight (and drain)
+            draining = same_id.draining
             if same_id.url != url or same_id.role is not spec["role"]:
                 await self.registry.remove(wid)       # another engine: start from a fresh health state
-            elif not request.weight:
-                spec["weight"] = same_id.weight       # the same engine again: keep the operator's weight
         spec["worker_id"] = wid
-        added = await self.registry.add(**spec, source="admin")
+        spec["weight"] = spec["weight"] or 1.0
+        added = await self.registry.add(**spec, source="admin", draining=draining)
+        self.registry.admin.note_added(added)
+        kept = await self._keep()
         log.info("admin: worker %s %s (%s, %s, weight %g), by %s", added.id,
                  "replaced" if conflicts else "added", added.url, added.role.value, added.weight,
                  auth.caller(context))
@@ -452,7 +521,44 @@ class AdminService(pb_grpc.AdminServicer):
         if error:
             log.warning("admin: worker %s: first check failed: %s (no placements until a check passes)",
                         added.id, error)
-        return pb.WorkerResponse(worker=await self._info(added.id), checked=checked, check_error=error)
+        return pb.WorkerResponse(worker=await self._info(added.id), checked=checked, check_error=error,
+                                 persistence=kept)
+
+    async def _probe(self, url: str, model: str, role: Role) -> tuple["grpc.StatusCode | None", str]:
+        """The first check before anything changes: (None, "") when the engine answers /health
+        (and lists ``model``, and runs as ``role`` where it says); else the status to refuse with."""
+        session = getattr(self.health, "_session", None)
+        if session is None:
+            return None, ""
+        try:
+            async with asyncio.timeout(self.check_timeout_s):
+                async with session.get(url + "/health") as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        return grpc.StatusCode.UNAVAILABLE, f"/health returned {resp.status}"
+        except (asyncio.TimeoutError, TimeoutError):
+            return grpc.StatusCode.UNAVAILABLE, f"no answer from /health within {self.check_timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001 - aiohttp client errors, OSError
+            return grpc.StatusCode.UNAVAILABLE, f"/health: {type(exc).__name__}: {exc}"
+        probe = WorkerSpec(id="probe", url=url, role=role, model=model)
+        why = await self._model_error(probe) if model else ""
+        why = why or await self._role_mismatch(probe)
+        return (grpc.StatusCode.FAILED_PRECONDITION, why) if why else (None, "")
+
+    async def _model_error(self, spec: WorkerSpec) -> str:
+        """Why /v1/models does not list the worker's model; ""."""
+        try:
+            async with self.health._session.get(spec.url + "/v1/models") as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+            if data is None:
+                return f"/v1/models returned {resp.status}"
+            served = [str(m.get("id")) for m in data.get("data") or [] if isinstance(m, dict)]
+            if spec.model not in served:
+                return (f"/v1/models does not list model {spec.model!r} "
+                        f"(it lists {', '.join(served[:5]) or 'none'})")
+        except Exception as exc:  # noqa: BLE001 - aiohttp client errors, timeouts, bad JSON
+            return f"/v1/models: {type(exc).__name__}: {exc}"
+        return ""
 
     async def _first_check(self, spec: WorkerSpec) -> tuple[bool, str]:
         """Health (and model discovery) at once, and whether /v1/models lists the model."""
@@ -471,19 +577,9 @@ class AdminService(pb_grpc.AdminServicer):
             return True, state.last_error or "unhealthy"
         current = fleet.get(spec.id)
         if current is not None and spec.model:
-            try:
-                async with health._session.get(current.url + "/v1/models") as resp:
-                    data = await resp.json(content_type=None) if resp.status == 200 else None
-                if data is None:
-                    return True, f"/v1/models returned {resp.status}"
-                served = [str(m.get("id")) for m in data.get("data") or [] if isinstance(m, dict)]
-                if current.model not in served:
-                    return True, (f"/v1/models does not list model {current.model!r} "
-                                  f"(it lists {', '.join(served[:5]) or 'none'})")
-            except (asyncio.TimeoutError, OSError, ValueError, AttributeError) as exc:
-                return True, f"/v1/models: {type(exc).__name__}: {exc}"
-            except Exception as exc:  # noqa: BLE001 - aiohttp client errors
-                return True, f"/v1/models: {type(exc).__name__}: {exc}"
+            why = await self._model_error(current)
+            if why:
+                return True, why
         if current is not None:
             mismatch = await self._role_mismatch(current)
             if mismatch:
@@ -520,10 +616,18 @@ class AdminService(pb_grpc.AdminServicer):
         return await self._update(request.worker_id, context, weight=weight)
 
     async def RemoveWorker(self, request, context):
-        if not await self.registry.remove(request.worker_id):
+        """Forget a worker and fence it: its plugin's next heartbeat is answered known=false and
+        the registration that follows is refused (FAILED_PRECONDITION), until an operator adds
+        it again; a configured worker stays out after a restart (with a state file)."""
+        spec = self.registry.fleet.get(request.worker_id)
+        info = await self._info(request.worker_id) if spec is not None else None
+        if spec is None or not await self.registry.remove(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(request.worker_id)}")
-        log.info("admin: worker %s removed, by %s", request.worker_id, auth.caller(context))
-        return pb.Ack()
+        self.registry.admin.note_removed(spec)
+        kept = await self._keep()
+        log.info("admin: worker %s removed (source %s, fenced), by %s", request.worker_id, spec.source,
+                 auth.caller(context))
+        return pb.WorkerResponse(worker=info, persistence=kept)
 
     async def Explain(self, request, context):
         if request.leg == pb.LEG_UNSPECIFIED:

@@ -26,10 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-proxy", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
         # Argument definitions are cheap to import; heavy imports happen in run().
-        importlib.import_module(module).add_arguments(p)
+        mod = importlib.import_module(module)
+        epilog = getattr(mod, "EPILOG", None)    # omni-ctl's exit statuses
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter if epilog else argparse.HelpFormatter)
+        p.set_defaults(_module=module)
+        mod.add_arguments(p)
     return parser
 
 

@@ -22,8 +22,54 @@ import sys
 import time
 from typing import Any
 
-EXIT_RPC_ERROR = 2
-EXIT_WAIT_TIMEOUT = 3
+EPILOG = """exit status:
+  0  done
+  1  another failure (explain: no worker would be chosen; drain --wait: the worker was removed)
+  2  usage: a bad flag, URL, file or value (the control plane's INVALID_ARGUMENT too)
+  3  not found: no such worker
+  4  conflict: it already exists (add without --replace), or the engine failed a check that
+     says it is the wrong one (model not listed, PD role mismatch)
+  5  unavailable: the control plane, or the engine add checks, cannot be reached
+  6  timeout: a call took longer than --rpc-timeout, or drain --wait ran past --wait-timeout
+  7  refused: the token or client certificate is not accepted
+
+--rpc-timeout bounds each call to the control plane; drain --wait-timeout bounds the wait for
+a draining worker to go idle. Changes are kept across control-plane restarts when it has a
+state file ([state] file) or Redis; otherwise every change says it is lost at restart."""
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_CONFLICT = 4
+EXIT_UNAVAILABLE = 5
+EXIT_TIMEOUT = 6
+EXIT_REFUSED = 7
+
+
+def exit_code(code_name: str) -> int:
+    """A gRPC status (by name) as omni-ctl's exit status (see EPILOG)."""
+    return {"INVALID_ARGUMENT": EXIT_USAGE, "OUT_OF_RANGE": EXIT_USAGE, "NOT_FOUND": EXIT_NOT_FOUND,
+            "ALREADY_EXISTS": EXIT_CONFLICT, "FAILED_PRECONDITION": EXIT_CONFLICT, "ABORTED": EXIT_CONFLICT,
+            "UNAVAILABLE": EXIT_UNAVAILABLE, "DEADLINE_EXCEEDED": EXIT_TIMEOUT,
+            "UNAUTHENTICATED": EXIT_REFUSED, "PERMISSION_DENIED": EXIT_REFUSED}.get(code_name, EXIT_ERROR)
+
+
+class _SplitTimeout(argparse.Action):
+    """--timeout meant two things (per call, and drain --wait's limit): it is refused, naming both."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--timeout was split in two: --rpc-timeout SECONDS (each call to the control plane, "
+                     "before the action) or drain --wait-timeout SECONDS (how long drain --wait waits)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}")
+    return value
 
 
 def _version() -> str:
@@ -46,7 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=os.environ.get("OMNI_TLS_KEY", ""),
                    help="its private key (PEM) (default $OMNI_TLS_KEY)")
     p.add_argument("--json", action="store_true", help="print JSON (typed values) instead of tables")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call to the control plane")
+    p.add_argument("--rpc-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="limit of each call to the control plane (default 5; exit status 6 past it)")
+    p.add_argument("--timeout", nargs="?", action=_SplitTimeout, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -61,26 +109,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = command("drain", "stop new placements to a worker; its in-flight requests finish")
     s.add_argument("worker_id", help="the worker's full id (omni-ctl workers)")
     s.add_argument("--wait", action="store_true", help="return once the worker has no request in flight")
-    s.add_argument("--timeout", dest="wait_timeout", type=float, default=600.0,
-                   help="with --wait: give up after this many seconds (exit status 3)")
-    s.add_argument("--poll", type=float, default=0.5, help="with --wait: seconds between checks")
+    s.add_argument("--wait-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                   help="with --wait: give up after this many seconds (exit status 6)")
+    s.add_argument("--timeout", nargs="?", action=_SplitTimeout, help=argparse.SUPPRESS)
+    s.add_argument("--poll", type=_seconds, default=0.5, help="with --wait: seconds between checks")
     s = command("undrain", "resume placements to a drained worker")
     s.add_argument("worker_id")
-    s = command("remove", "forget a worker (its in-flight requests are not stopped)")
+    s = command("remove", "forget a worker (its in-flight requests are not stopped); the registrations of "
+                          "its running engine plugin are refused until the engine restarts or is added again")
     s.add_argument("worker_id")
     s = command("weight", "set a worker's capacity weight: placement shares follow weights (0 parks it)")
     s.add_argument("worker_id")
     s.add_argument("weight", type=float)
-    s = command("add", "add an engine by URL; the control plane checks it before routing to it")
+    s = command("add", "add an engine by URL; the control plane checks it first (/health, /v1/models) and "
+                       "adds nothing when the check fails, unless --force")
     s.add_argument("url", help="http(s)://host[:port]")
-    s.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    s.add_argument("--role", choices=["both", "prefill", "decode"], default=None,
+                   help="default both (with --replace: the worker's)")
     s.add_argument("--model", default="", help="served model (default: discovered from /v1/models)")
     s.add_argument("--weight", type=float, default=None, help="capacity weight (default 1; kept on --replace)")
-    s.add_argument("--id", default="", help="worker id (default: derived from role and URL)")
+    s.add_argument("--id", default="", help="worker id (default: derived from role and URL; with --replace: "
+                                            "the id of the worker with this URL)")
     s.add_argument("--bootstrap-port", type=int, default=0, help="SGLang/Mooncake bootstrap port")
     s.add_argument("--kv-events", default="", help="the engine's ZMQ KV-event endpoint (tcp://host:port)")
     s.add_argument("--replace", action="store_true",
-                   help="overwrite a worker with the same id or URL (refused otherwise)")
+                   help="overwrite a worker with the same id or URL (refused otherwise); it keeps its id and "
+                        "every field not given here (model, weight, drain, bootstrap port, KV events, labels)")
+    s.add_argument("--force", action="store_true",
+                   help="add even when the first check fails (no placements until a check passes)")
     command("stats", "placements, refusals, queue depth, data-plane sessions")
     s = command("explain", "dry-run a placement: per candidate its prefix match depth, load and score")
     s.add_argument("--model", default="")
@@ -171,13 +227,42 @@ def _console():
 
 def _table(title: str, columns: list[str], whole: dict[str, int] | None = None):
     """Cells wrap (fold) rather than being cut; columns in ``whole`` (ids, URLs) get at least
-    that width, so an id an operator copies is never split."""
+    that width, so an id an operator copies is never split (:func:`_show` checks)."""
     from rich.table import Table
 
     table = Table(title=title)
     for col in columns:
         table.add_column(col, overflow="fold", no_wrap=False, min_width=(whole or {}).get(col))
     return table
+
+
+def _show(table, console=None, whole: tuple[str, ...] = ()) -> None:
+    """Print ``table`` if it fits with every cell of the ``whole`` columns (ids, URLs) on one
+    line; else one block per row (its first cell on a line of its own, then "column: value"
+    lines), so no id is ever cut or folded, whatever the width."""
+    import io
+
+    from rich.console import Console
+
+    console = console or _console()
+    trial = Console(file=io.StringIO(), width=console.width, soft_wrap=False, color_system=None)
+    trial.print(table)
+    lines = trial.file.getvalue().splitlines()
+    keep = [i for i, c in enumerate(table.columns) if str(c.header) in whole]
+    values = [str(cell) for i in keep for cell in table.columns[i].cells]
+    if all(len(line) <= console.width for line in lines) and all(any(v in line for line in lines) for v in values):
+        console.print(table)
+        return
+    names = [str(c.header) for c in table.columns]
+    cells = [[str(cell) for cell in c.cells] for c in table.columns]
+    if table.title:
+        print(str(table.title))
+    for r in range(table.row_count):
+        row = [col[r] if r < len(col) else "" for col in cells]
+        print(f"{names[0]}: {row[0]}" if names[0] else row[0])
+        for name, value in zip(names[1:], row[1:]):
+            if value not in ("", "-"):
+                print(f"  {name}: {value}")
 
 
 def _print_json(value: Any) -> None:
@@ -210,7 +295,7 @@ def print_workers(resp, as_json: bool) -> None:
                       "draining" if w.draining else "-", f"{ld.inflight_requests}/{ld.inflight_tokens}",
                       str(w.prefill_tokens_pending), eng, kv, hits, f"{w.placements_total}/{w.failures_total}",
                       w.last_error or "-", w.source, engine_cell(w), w.url)
-    _console().print(table)
+    _show(table, whole=("id", "url"))
 
 
 # ---------------------------------------------------------------------------------------- explain
@@ -335,7 +420,7 @@ def print_explain(p, stages, prompt_tokens: int, chain: list[int], how: str, blo
                                     for k, v in c["scores"].items()))
         for wid, why in sorted(st["dropped"].items()):
             table.add_row("-", wid, "", "", "", "", "", "", f"dropped by {why}")
-        console.print(table)
+        _show(table, console, whole=("worker",))
         for note in st["notes"]:
             console.print(f"  {note}")
 
@@ -378,7 +463,7 @@ def print_stats(s, as_json: bool) -> None:
     kh = d["kv_hash"]
     table.add_row("prefix hashing", f"{'on' if kh['enabled'] else 'off'} (block {kh['block_size']}, {kh['algo']}, "
                                     f"seed {kh['seed'] if kh['seed'] is not None else 'unset'})")
-    _console().print(table)
+    _show(table)
 
 
 def events_json(first, second, interval_s: float) -> list[dict[str, Any]]:
@@ -409,7 +494,7 @@ def print_events(rows: list[dict[str, Any]], as_json: bool) -> None:
                       "-" if r["rate_per_s"] is None else f"{r['rate_per_s']:.1f}", str(r["received"]),
                       f"{r['gaps']} ({r['gaps_too_large']} too large)", str(r["replayed"]), str(r["resets"]),
                       "-" if r["last_seq"] is None else str(r["last_seq"]), r["untracked_reason"] or "")
-    _console().print(table)
+    _show(table, whole=("worker",))
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -452,29 +537,36 @@ def run(args: argparse.Namespace) -> int:
                                                  certificate_chain=read(args.tls_cert) if args.tls_cert else None)
         except OSError as exc:
             print(f"omni-ctl: TLS: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
-            return EXIT_RPC_ERROR
+            return EXIT_USAGE
         channel = grpc.secure_channel(args.controlplane, creds)
     else:
         channel = grpc.insecure_channel(args.controlplane)
     admin = pb_grpc.AdminStub(channel)
-    t = args.timeout
+    t = args.rpc_timeout
 
     def call(method, request):
         return method(request, timeout=t, metadata=metadata)
 
-    def show_worker(w, what: str) -> None:
+    def show_worker(w, what: str, persistence: str | None = None, **extra) -> None:
         if as_json:
-            _print_json(worker_json(w))
+            out = {**worker_json(w), **extra}
+            if persistence is not None:
+                out["persistence"] = persistence or None
+            _print_json(out)
         else:
             print(f"{w.id}: {what}")
+        if persistence == "":
+            print("omni-ctl: note: this control plane keeps operators' changes in memory only: this one is lost "
+                  "when it restarts (set [state] file / --state-file, or use the redis store)", file=sys.stderr)
 
     try:
         if args.action == "workers":
             print_workers(call(admin.ListWorkers, pb.ListWorkersRequest(model=args.model)), as_json)
         elif args.action == "drain":
-            w = call(admin.Drain, pb.WorkerRef(worker_id=args.worker_id)).worker
+            resp = call(admin.Drain, pb.WorkerRef(worker_id=args.worker_id))
+            w = resp.worker
             if not args.wait:
-                show_worker(w, f"draining ({w.load.inflight_requests} in flight)")
+                show_worker(w, f"draining ({w.load.inflight_requests} in flight)", resp.persistence)
                 return 0
             deadline = time.monotonic() + args.wait_timeout
             while w.load.inflight_requests > 0 and time.monotonic() < deadline:
@@ -482,42 +574,41 @@ def run(args: argparse.Namespace) -> int:
                 listed = {x.id: x for x in call(admin.ListWorkers, pb.ListWorkersRequest()).workers}
                 if args.worker_id not in listed:
                     print(f"{args.worker_id}: removed while draining", file=sys.stderr)
-                    return 1
+                    return EXIT_ERROR
                 w = listed[args.worker_id]
             idle = w.load.inflight_requests == 0
             show_worker(w, "drained, idle" if idle else
-                        f"still {w.load.inflight_requests} in flight after {args.wait_timeout:g}s")
-            return 0 if idle else EXIT_WAIT_TIMEOUT
+                        f"still {w.load.inflight_requests} in flight after {args.wait_timeout:g}s", resp.persistence)
+            return 0 if idle else EXIT_TIMEOUT
         elif args.action == "undrain":
-            w = call(admin.Undrain, pb.WorkerRef(worker_id=args.worker_id)).worker
-            show_worker(w, "undrained")
+            resp = call(admin.Undrain, pb.WorkerRef(worker_id=args.worker_id))
+            show_worker(resp.worker, "undrained", resp.persistence)
         elif args.action == "weight":
-            w = call(admin.SetWeight, pb.SetWeightRequest(worker_id=args.worker_id, weight=args.weight)).worker
-            show_worker(w, f"weight {w.weight:g}")
+            resp = call(admin.SetWeight, pb.SetWeightRequest(worker_id=args.worker_id, weight=args.weight))
+            show_worker(resp.worker, f"weight {resp.worker.weight:g}", resp.persistence)
         elif args.action == "remove":
-            call(admin.RemoveWorker, pb.WorkerRef(worker_id=args.worker_id))
-            if as_json:
-                _print_json({"id": args.worker_id, "removed": True})
-            else:
-                print(f"{args.worker_id}: removed")
+            resp = call(admin.RemoveWorker, pb.WorkerRef(worker_id=args.worker_id))
+            fence = ("; this engine's registrations are refused until it restarts or is added again "
+                     f"(omni-ctl add {resp.worker.url})" if resp.worker.source == "registry" else "")
+            show_worker(resp.worker, f"removed{fence}", resp.persistence, removed=True)
         elif args.action == "add":
             try:
                 url = check_url(args.url)
             except ValueError as exc:
                 print(f"omni-ctl: {exc}", file=sys.stderr)
-                return EXIT_RPC_ERROR
-            role = {"both": pb.ROLE_BOTH, "prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}[args.role]
+                return EXIT_USAGE
+            role = {None: pb.ROLE_UNSPECIFIED, "both": pb.ROLE_BOTH, "prefill": pb.ROLE_PREFILL,
+                    "decode": pb.ROLE_DECODE}[args.role]
             resp = call(admin.AddWorker, pb.RegisterRequest(
                 url=url, role=role, model=args.model, weight=args.weight or 0.0, worker_id=args.id,
-                bootstrap_port=args.bootstrap_port, kv_events=args.kv_events, replace=args.replace))
+                bootstrap_port=args.bootstrap_port, kv_events=args.kv_events, replace=args.replace,
+                require_check=not args.force))
             w = resp.worker
-            if as_json:
-                _print_json({**worker_json(w), "checked": resp.checked, "check_error": resp.check_error or None})
-            else:
-                check = ("passed its first check" if resp.checked and not resp.check_error else
-                         f"first check failed: {resp.check_error} (no placements until a check passes)"
-                         if resp.checked else "first check still running")
-                print(f"{w.id}: added ({w.url}, {_enum(pb.Role, w.role, 'ROLE_')}); {check}")
+            check = ("passed its first check" if resp.checked and not resp.check_error else
+                     f"first check failed: {resp.check_error} (no placements until a check passes)"
+                     if resp.checked else "first check still running")
+            show_worker(w, f"{'replaced' if args.replace else 'added'} ({w.url}, {_enum(pb.Role, w.role, 'ROLE_')}); "
+                           f"{check}", resp.persistence, checked=resp.checked, check_error=resp.check_error or None)
         elif args.action == "stats":
             print_stats(call(admin.Stats, pb.StatsRequest()), as_json)
         elif args.action == "events":
@@ -537,23 +628,24 @@ def run(args: argparse.Namespace) -> int:
                 prompt_tokens, chain, how = _prompt_tokens(args, stats.kv_hash)
             except (OSError, ValueError) as exc:
                 print(f"omni-ctl: explain: {exc}", file=sys.stderr)
-                return EXIT_RPC_ERROR
+                return EXIT_USAGE
             leg = {"entry": pb.LEG_ENTRY, "prefill": pb.LEG_PREFILL, "decode": pb.LEG_DECODE}[args.leg]
             p = call(admin.Explain, pb.PlaceRequest(request_id="explain", model=args.model, leg=leg,
                                                     prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
                                                     block_hashes=chain, explain=True))
             print_explain(p, parse_explanation(p.explanation), prompt_tokens, chain, how,
                           stats.kv_hash.block_size or 16, as_json)
-            return 1 if p.error else 0
+            return EXIT_ERROR if p.error else 0
     except grpc.RpcError as exc:
         print(f"omni-ctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return EXIT_RPC_ERROR
+        return exit_code(exc.code().name)
     finally:
         channel.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="omni-ctl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="omni-ctl", description=__doc__.splitlines()[0], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     sys.exit(run(parser.parse_args(argv)))

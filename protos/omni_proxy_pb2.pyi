@@ -436,7 +436,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size", "replace", "engine", "owner_key")
+    __slots__ = ("url", "role", "model", "weight", "worker_id", "labels", "bootstrap_port", "heartbeat_ttl_s", "kv_events", "kv_replay", "dp_size", "replace", "require_check", "engine", "owner_key")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,7 @@ class RegisterRequest(_message.Message):
     KV_REPLAY_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_CHECK_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
     url: str
@@ -470,9 +471,10 @@ class RegisterRequest(_message.Message):
     kv_replay: str
     dp_size: int
     replace: bool
+    require_check: bool
     engine: EngineFacts
     owner_key: str
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ..., replace: _Optional[bool] = ..., engine: _Optional[_Union[EngineFacts, _Mapping]] = ..., owner_key: _Optional[str] = ...) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., worker_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., bootstrap_port: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., kv_events: _Optional[str] = ..., kv_replay: _Optional[str] = ..., dp_size: _Optional[int] = ..., replace: _Optional[bool] = ..., require_check: _Optional[bool] = ..., engine: _Optional[_Union[EngineFacts, _Mapping]] = ..., owner_key: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "owner_key")
@@ -539,14 +541,16 @@ class SetWeightRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class WorkerResponse(_message.Message):
-    __slots__ = ("worker", "check_error", "checked")
+    __slots__ = ("worker", "check_error", "checked", "persistence")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CHECK_ERROR_FIELD_NUMBER: _ClassVar[int]
     CHECKED_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENCE_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     check_error: str
     checked: bool
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., check_error: _Optional[str] = ..., checked: _Optional[bool] = ...) -> None: ...
+    persistence: str
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., check_error: _Optional[str] = ..., checked: _Optional[bool] = ..., persistence: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -469,7 +469,7 @@ class AdminStub:
         self.RemoveWorker = channel.unary_unary(
                 '/omni_proxy.v1.Admin/RemoveWorker',
                 request_serializer=protos_dot_omni__proxy__pb2.WorkerRef.SerializeToString,
-                response_deserializer=protos_dot_omni__proxy__pb2.Ack.FromString,
+                response_deserializer=protos_dot_omni__proxy__pb2.WorkerResponse.FromString,
                 _registered_method=True)
         self.Explain = channel.unary_unary(
                 '/omni_proxy.v1.Admin/Explain',
@@ -517,7 +517,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RemoveWorker(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """the removed worker (an Ack before)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -566,7 +567,7 @@ def add_AdminServicer_to_server(servicer, server):
             'RemoveWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveWorker,
                     request_deserializer=protos_dot_omni__proxy__pb2.WorkerRef.FromString,
-                    response_serializer=protos_dot_omni__proxy__pb2.Ack.SerializeToString,
+                    response_serializer=protos_dot_omni__proxy__pb2.WorkerResponse.SerializeToString,
             ),
             'Explain': grpc.unary_unary_rpc_method_handler(
                     servicer.Explain,
@@ -740,7 +741,7 @@ class Admin:
             target,
             '/omni_proxy.v1.Admin/RemoveWorker',
             protos_dot_omni__proxy__pb2.WorkerRef.SerializeToString,
-            protos_dot_omni__proxy__pb2.Ack.FromString,
+            protos_dot_omni__proxy__pb2.WorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

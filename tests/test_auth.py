@@ -147,7 +147,7 @@ async def test_omni_ctl_sends_its_token(secured_cp):
     import asyncio
 
     proc = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 2 and "UNAUTHENTICATED" in proc.stderr
+    assert proc.returncode == 7 and "UNAUTHENTICATED" in proc.stderr
     proc = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True,
                                    env={**env, "OMNI_TOKEN": ADMIN}, timeout=60)
     assert proc.returncode == 0, proc.stderr

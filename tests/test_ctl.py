@@ -72,21 +72,25 @@ async def test_workers_json_is_typed(fresh):
 
 async def test_table_shows_full_ids_off_a_terminal(fresh):
     long_id = "decode-a-very-long-worker-id-that-an-operator-must-copy-whole-" + "x" * 40
-    rc, _, err = await ctl(fresh, "add", "http://127.0.0.1:9", "--id", long_id)
+    rc, _, err = await ctl(fresh, "add", "http://127.0.0.1:9", "--id", long_id, "--force")
     assert rc == 0, err
-    rc, out, err = await ctl(fresh, "workers")
-    assert rc == 0, err
-    assert any(long_id in line for line in out.splitlines()), out
-    assert "…" not in out
+    for columns in ("", "80", "120", "200"):       # "": off a terminal, no $COLUMNS
+        rc, out, err = await ctl(fresh, "workers", env={"COLUMNS": columns})
+        assert rc == 0, err
+        assert any(long_id in line for line in out.splitlines()), (columns, out)
+        assert "http://127.0.0.1:9" in out and "…" not in out, (columns, out)
+        for w in (await fresh.workers()).values():     # every id and URL whole on some line
+            assert any(w.id in line.split() or f"id: {w.id}" in line for line in out.splitlines()), (w.id, out)
+            assert w.url in out, (w.url, out)
 
 
 async def test_add_refuses_to_overwrite_an_id_or_url_unless_replace(fresh):
     before = await fresh.workers()
     url_a = before["a"].url
     rc, _, err = await ctl(fresh, "add", "http://127.0.0.1:9", "--id", "a")
-    assert rc == 2 and "ALREADY_EXISTS" in err and "--replace" in err
+    assert rc == 4 and "ALREADY_EXISTS" in err and "--replace" in err
     rc, _, err = await ctl(fresh, "add", url_a, "--id", "another")
-    assert rc == 2 and "ALREADY_EXISTS" in err
+    assert rc == 4 and "ALREADY_EXISTS" in err
     after = await fresh.workers()
     assert after["a"].url == url_a and "another" not in after
     for bad in ("not a url", "ftp://host:1", "http://host:99999", "http://"):
@@ -103,7 +107,7 @@ async def test_add_refuses_to_overwrite_an_id_or_url_unless_replace(fresh):
 
 
 async def test_add_reports_a_failed_first_check_and_routes_nothing_there(fresh, http):
-    rc, out, err = await ctl(fresh, "add", "http://127.0.0.1:9", "--id", "dead", "--json")
+    rc, out, err = await ctl(fresh, "add", "http://127.0.0.1:9", "--id", "dead", "--json", "--force")
     assert rc == 0, err
     data = json.loads(out)
     assert data["checked"] is True and data["check_error"] and data["status"] == "unhealthy"
@@ -122,7 +126,7 @@ async def test_drain_wait_lets_in_flight_finish_and_places_nothing_new(fresh, ht
     try:
         await wait_until(lambda: _inflight(fresh, "a", 1), what="the slow request on a")
         await ctl(fresh, "weight", "b", "1")
-        drain = asyncio.ensure_future(ctl(fresh, "drain", "a", "--wait", "--poll", "0.1", "--timeout", "30"))
+        drain = asyncio.ensure_future(ctl(fresh, "drain", "a", "--wait", "--poll", "0.1", "--wait-timeout", "30"))
         await wait_until(lambda: _draining(fresh, "a"), what="a draining")
         placed_a = (await fresh.workers())["a"].placements_total
         for i in range(8):

@@ -330,4 +330,4 @@ def test_omni_ctl_lists_and_explains(cluster: Cluster):
     assert out.returncode == 0, out.stderr
     assert "flow aggregated" in out.stdout and "policy=least_load" in out.stdout
     out = ctl("drain", "no-such-worker")
-    assert out.returncode == 2 and "NOT_FOUND" in out.stderr
+    assert out.returncode == 3 and "NOT_FOUND" in out.stderr
