@@ -461,7 +461,7 @@ class AdminService(pb_grpc.AdminServicer):
             url = normalize_url(validate.url(request.url))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        role = _PB_TO_ROLE.get(request.role)
+        role = PB_TO_ROLE.get(request.role)
         same_url = [s for s in fleet.specs() if s.url.lower() == url.lower()]
         base = fleet.get(request.worker_id) if request.worker_id else None
         if base is None and not request.worker_id and request.replace and same_url:
