@@ -20,7 +20,7 @@ from omni_proxy.launcher import Child, ProcessGroup
 from omni_runtime import start_http_site
 from simulator.config import SimConfig
 from simulator.engine import Engine, SimRequest
-from simulator.server import build_app
+from simulator.server import SIM_VERSION, build_app
 from simulator.tokens import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE, count_text_tokens
 from tests.conftest import wait_until
 
@@ -218,8 +218,27 @@ async def test_info_routes(sims, http):
     (m,) = models["data"]
     assert m["id"] == MODEL and m["object"] == "model" and m["owned_by"] == "vllm"
     assert m["root"] == MODEL and m["parent"] is None and m["max_model_len"] == 32768
-    assert "version" in await get_json(http, b.url + "/version")
-    assert (await get_json(http, b.url + "/load"))["server_load"] >= 0
+    assert await get_json(http, b.url + "/version") == {"version": SIM_VERSION}
+
+    # /load is vLLM's server_load: the requests the engine holds (running and waiting). It
+    # counts two streams while they run and drops back when their clients leave.
+    async def server_load() -> int:
+        return (await get_json(http, b.url + "/load"))["server_load"]
+
+    async def idle() -> bool:
+        return await server_load() == 0
+
+    await wait_until(idle, what="an idle engine")
+    streams = [await http.post(b.url + "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 5000, "stream": True}) for _ in range(2)]
+    try:
+        for resp in streams:
+            assert resp.status == 200 and (await resp.content.readany()).startswith(b"data: ")   # generating
+        assert await server_load() == 2
+    finally:
+        for resp in streams:
+            resp.close()
+    await wait_until(idle, what="the load back at 0 once the clients left")
 
 
 async def test_errors(sims, http):
