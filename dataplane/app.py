@@ -205,6 +205,8 @@ class DataPlane:
     async def _cleanup(self) -> None:
         self.loopwatch.stop()
         self.prefix.close()
+        if self.prompts.tokenizer is not None:
+            self.prompts.tokenizer.close()      # its tokenizing threads
         await self.placements.close()
         await self.upstream.close()
         if self.tracing is not None:    # flush the last spans, off the event loop

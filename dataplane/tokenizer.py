@@ -19,7 +19,8 @@ Loading::
     file path), ``default_chat_template_kwargs`` (``--default-chat-template-kwargs``),
     ``exclude_tools_when_tool_choice_none`` and ``chat_template_content_format`` (same flags),
     ``async_threshold_chars`` (default 2000),
-    ``executor`` (for :meth:`encode_async` and friends; default: the loop's default executor).
+    ``workers`` (threads that tokenize long prompts; default: one per CPU core, at most 4),
+    ``executor`` (for :meth:`encode_async` and friends, instead of those threads).
 
 Encoding (synchronous; all return ``list[int]``)::
 
@@ -47,9 +48,17 @@ Async (off the event loop above ``async_threshold_chars``)::
     await tok.encode_completion_request_async(body)
 
     Short inputs are encoded inline: the executor hop costs more than encoding a short prompt
-    (see ``bench/tokenize_cost.py``). Long inputs go to the executor through
+    (see ``bench/tokenize_cost.py``). Long inputs go to the tokenizer's own threads through
     ``encode_batch_fast``/``encode_batch``, which release the GIL while the Rust code runs
-    (``Tokenizer.encode`` does not: from a thread it would still stall the loop).
+    (``Tokenizer.encode`` does not: from a thread it would still stall the loop), so a burst of
+    long prompts is tokenized in parallel, one per core, first come first served, while the loop
+    serves everything else. One thread per core, not the loop's default executor (6 threads on 2
+    cores, shared with hashing and start-up work): a burst of 18 prompts time-shared over more
+    threads than cores finished every prompt late instead of the first ones early, and stalled
+    the loop longer. A process pool was measured as the alternative (``bench/tokenize_cost.py
+    --burst``): no faster on this 2-core machine, and it would copy the prompt and the ids
+    between processes and keep a tokenizer (and its chat templates) in each; threads it is.
+    ``close()`` stops the threads.
 
 ``tok.engine_renderer``: ``"hf"``, or the vLLM tokenizer mode that ``from_dir`` expects vLLM to pick
 instead (``deepseek_v32``/``deepseek_v4``/``deepseek_v41``/``kimi_k3``/``kimi_audio``/``inkling`` from
@@ -85,7 +94,7 @@ import asyncio
 import json
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -109,6 +118,11 @@ from dataplane.chat_template import (
 __all__ = ["ChatTemplateError", "TokenizeError", "Tokenizer", "UnsupportedContent", "DEFAULT_ASYNC_THRESHOLD_CHARS"]
 
 DEFAULT_ASYNC_THRESHOLD_CHARS = 2000
+
+
+def default_workers() -> int:
+    """Tokenizing threads: one per core (the encode is CPU-bound Rust), at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -184,7 +198,7 @@ class Tokenizer:
                  exclude_tools_when_tool_choice_none: bool = False,
                  chat_template_content_format: str = "auto",
                  async_threshold_chars: int = DEFAULT_ASYNC_THRESHOLD_CHARS,
-                 executor: Executor | None = None, name: str = "") -> None:
+                 executor: Executor | None = None, workers: int = 0, name: str = "") -> None:
         self._tok = backend
         # "hf" unless from_dir found a model vLLM renders with other code (deepseek_v4, mistral, ...):
         # then chat ids here may differ from the engine's, and callers should not use them.
@@ -192,7 +206,9 @@ class Tokenizer:
         self.config: dict[str, Any] = dict(config or {})
         self.name = name
         self.async_threshold_chars = async_threshold_chars
-        self.executor = executor
+        self.executor = executor        # None: the tokenizer's own threads (started on first use)
+        self.workers = workers or default_workers()
+        self._pool: ThreadPoolExecutor | None = None
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         if chat_template_content_format not in ("auto", "string", "openai"):
@@ -439,8 +455,21 @@ class Tokenizer:
         text = self.render_chat(**args)
         return self._encode_ids_nogil(text, add_special_tokens)
 
+    def _threads(self) -> Executor:
+        if self.executor is not None:
+            return self.executor
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="omni-tokenize")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the tokenizing threads (an ``executor`` passed in is the caller's to close)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._threads(), partial(fn, *args))
 
     async def encode_async(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """:meth:`encode_prompt`, off the event loop when ``len(prompt) >= async_threshold_chars``."""
