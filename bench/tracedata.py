@@ -5,11 +5,14 @@ Each trace row has an arrival time (ms), an input length, an output length and
 ``hash_ids``: one id per 512-token block, equal ids meaning equal content. Every id becomes
 a run of deterministic token ids, so requests that share ids share prefixes exactly as the
 trace intends, and the simulators' prefix caches (vLLM block hashes) see the same reuse.
+``text_prompt_for`` does the same with text: every id becomes a deterministic paragraph of
+words (about 512 tokens of it), for benchmarks that go through a real tokenizer.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import socket
 from pathlib import Path
 
@@ -80,6 +83,52 @@ def prompt_for(row: dict, token_scale: int = 1, max_len: int | None = None) -> l
             break
         tokens.extend(block_tokens(h, per_block))
     return tokens[:length] or [1]
+
+
+# Pseudo-English words (fixed): text with a realistic share of repeated words, so the
+# tokenizer's word cache helps about as much as it does on real prompts.
+_WORDS: list[str] = []
+
+
+def _words() -> list[str]:
+    if not _WORDS:
+        rng = random.Random(0)
+        letters = "etaoinshrdlucmfwypvbgkjqxz"
+        weights = [12, 9, 8, 8, 7, 7, 6, 6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+        _WORDS.extend("".join(rng.choices(letters, weights, k=rng.randint(2, 9))) for _ in range(4000))
+        _WORDS.extend("the of and to in is that for it as with was on be by this are at from".split() * 60)
+    return _WORDS
+
+
+def block_text(hash_id: int, chars: int) -> str:
+    """A deterministic paragraph of about ``chars`` characters for one trace block, ending in
+    a newline (so a block tokenizes the same whatever precedes it, mostly)."""
+    rng = random.Random(hash_id * 2654435761 + 17)
+    words = _words()
+    out: list[str] = []
+    size = 0
+    while size < chars - 1:
+        w = rng.choice(words)
+        if rng.random() < 0.08:
+            w += rng.choice((",", ".", ";", "?"))
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:chars - 1] + "\n"
+
+
+def text_prompt_for(row: dict, index: int, chars_per_token: float, min_tokens: int = 0,
+                    max_tokens: int | None = None) -> str:
+    """The row's prompt as text of about ``input_length`` tokens (clamped to ``min_tokens``..
+    ``max_tokens``): one ``block_text`` per hash id, so rows that share ids share a text prefix;
+    a row made longer than its ids gets blocks of its own (``index``: the row's number)."""
+    length = max(row["input_length"], min_tokens)
+    if max_tokens is not None:
+        length = min(length, max_tokens)
+    block_chars = max(2, round(TRACE_BLOCK * chars_per_token))
+    ids = list(row["hash_ids"])
+    need = -(-length // TRACE_BLOCK)
+    ids += [-(index * 10_000 + k + 1) for k in range(max(0, need - len(ids)))]
+    return "".join(block_text(h, block_chars) for h in ids[:need])[:max(1, round(length * chars_per_token))]
 
 
 def free_port() -> int:
