@@ -189,7 +189,7 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
         if args.profile and speedup == max(args.speedup_list) and repeat == 0:
             args.profile.mkdir(parents=True, exist_ok=True)
             spies = [subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(2, int(offsets[-1]) + 2)),
-                                       "-r", "200", "-f", "raw", "-o", str(args.profile / f"{name}-x{speedup:g}.txt"),
+                                       "-r", "200", "-f", "raw", "-o", str(args.profile / f"{name}-{variant}-x{speedup:g}.txt"),
                                        "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for name, pid in (("dataplane", dp.proc.pid), ("controlplane", cp.proc.pid))]
         outcomes, wall = asyncio.run(send_all(dp_url, bodies, offsets, args.cell_timeout))
@@ -354,7 +354,8 @@ def write_text_markdown(path: Path, report: dict) -> None:
              "Code: " + "; ".join(f"**{k}** = {v}" for k, v in cfg["variants"].items()) + ".", "",
              f"Window: rows {w['start']}..{w['start'] + w['rows'] - 1} of `{cfg['trace_name']}`, the densest "
              f"{cfg['window_s']:g} s of arrivals ({w['rows']} requests; peak {w['peak_rps']:.0f} req/s in one "
-             f"second at 1x). Prompts: {cfg['prompts']} text through the data plane's tokenizer "
+             f"second at 1x). Prompts: {'chat messages' if cfg['prompts'] == 'chat' else 'completions text'} "
+             "through the data plane's tokenizer "
              f"(`{cfg['tokenizer_name']}`), clamped to {cfg['min_tokens']}..{cfg['max_tokens']} tokens: "
              f"{w['prompt_tokens_mean']:.0f} tokens mean, {w['prompt_tokens_max']} max (the data plane's counts), "
              f"{w['prompt_chars_mean']:.0f} characters mean; rows sharing trace blocks share a text prefix. "
@@ -420,7 +421,8 @@ def write_text_plot(path: Path, report: dict) -> None:
             pooled = {v: [x for c in cells if c["speedup"] == sp and c["variant"] == v
                           for x in c["stage_samples_ms"].get(stage, [])] for v in variants}
             top = max((max(x) for x in pooled.values() if x), default=1.0)
-            bins = [0.05 * 1.25 ** k for k in range(80) if 0.05 * 1.25 ** k <= top * 1.3] or [0.05, 1]
+            low = max(0.005, min((min(x) for x in pooled.values() if x), default=0.05) / 1.25)
+            bins = [low * 1.25 ** k for k in range(120) if low * 1.25 ** k <= top * 1.3] or [low, 1]
             for k, v in enumerate(variants):
                 if pooled[v]:
                     ax.hist(pooled[v], bins=bins, alpha=0.55, color=f"C{k}", label=f"{v} (n={len(pooled[v])})")

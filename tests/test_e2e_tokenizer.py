@@ -37,6 +37,28 @@ async def test_completions_prompt_reaches_the_engine_as_the_engines_token_ids(cl
     assert usage["prompt_tokens"] == len(expected)
 
 
+async def test_long_and_short_prompts_of_a_burst_reach_the_engines_as_their_ids(cluster, tok_dir, http):
+    """Long prompts go to the tokenizing threads, short ones stay inline: both give the engines
+    the ids inline tokenization gives, however the burst interleaves them."""
+    import asyncio
+
+    await wait_until(cluster.all_idle, what="idle")
+    await cluster.clear_sim_requests()
+    tok = Tokenizer.from_dir(tok_dir)
+    texts = [f"Request {i} of a burst. " + ("long context paragraph %d. " % i) * (400 if i % 2 else 1)
+             for i in range(6)]
+    assert {len(t) >= tok.async_threshold_chars for t in texts} == {True, False}
+
+    async def send(text: str) -> None:
+        async with http.post(cluster.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": text, "max_tokens": 2}) as r:
+            assert r.status == 200
+
+    await asyncio.gather(*(send(t) for t in texts))
+    seen = sorted([x["body"]["prompt"] for n in cluster.sims for x in await cluster.sim_requests(n)])
+    assert seen == sorted(tok.encode_prompt(t) for t in texts)
+
+
 async def _predicted_hit_blocks(cluster: Cluster, http) -> float:
     async with http.get(f"http://127.0.0.1:{cluster.cp.info['http_port']}/metrics") as r:
         text = await r.text()

