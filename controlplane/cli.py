@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from omni_runtime import flags
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML or YAML file (see controlplane/config.py)")
@@ -11,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-listen", help="data-plane session socket: host:port, auto (the gRPC host, "
                    "any free port) or off (sessions on gRPC only)")
     p.add_argument("--http-host", help="host for /metrics, /health and the metaserver")
-    p.add_argument("--http-port", type=int, help="port for /metrics and /health (default 9090; 0 = any free port)")
+    p.add_argument("--http-port", type=flags.port, help="port for /metrics and /health (default 9090; 0 = any free port)")
     p.add_argument("--policy", help="predicted_latency (default) | cache_aware | apc_first | least_load | "
                    "power_of_two | round_robin | random | a custom profile")
     p.add_argument("--pd-flow", choices=["sequential", "parallel", "layerwise"], help="how P/D pairs run")
@@ -95,23 +97,35 @@ def check_config(cfg) -> None:
             raise ValueError(f"kv_cache.hash_seed is required for policy {cfg.policy!r}: {exc}") from None
 
 
-def _grpc_bind_error(listen: str):
-    """gRPC only says "Failed to bind": find out why by trying the same bind once ourselves."""
+def _probe_listen(listen: str):
+    """The bind error of ``listen`` (a StartupError naming the key), or None: tried once here,
+    before gRPC, whose C core logs its own line on stderr when a bind fails and then only
+    says "Failed to bind"."""
     import socket
 
-    from omni_runtime import StartupError, bind_error
+    from omni_runtime import bind_error
 
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
     try:
+        if int(port) == 0:
+            return None
         family, kind, proto, _, addr = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC: TIME_WAIT is no error
             probe.bind(addr)
     except OSError as exc:
         return bind_error(exc, "listen", host, port)
     except ValueError:
         pass
-    return StartupError(f"listen: cannot listen on {listen}")
+    return None
+
+
+def _grpc_bind_error(listen: str):
+    """gRPC only says "Failed to bind": find out why by trying the same bind once ourselves."""
+    from omni_runtime import StartupError
+
+    return _probe_listen(listen) or StartupError(f"listen: cannot listen on {listen}")
 
 
 async def _start(cp, cfg) -> None:
@@ -120,6 +134,9 @@ async def _start(cp, cfg) -> None:
     from omni_runtime import StartupError, bind_error
     from protos.framing import split_target
 
+    refused = _probe_listen(cfg.listen)
+    if refused is not None:
+        raise refused
     try:
         await cp.start()
     except BaseException as exc:

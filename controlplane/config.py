@@ -428,6 +428,9 @@ class ControlPlaneConfig:
     state: StateConfig = field(default_factory=StateConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    # The keys a file or a flag set ("listen", "state.file"...): what was chosen, not defaulted
+    # (omni-proxy up binds a private port unless ``listen`` was chosen).
+    explicit: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ControlPlaneConfig":
@@ -466,6 +469,9 @@ class ControlPlaneConfig:
         state = _table(data.pop("state", None), "state")
         auth = _table(data.pop("auth", None), "auth")
         discovery = _table(data.pop("discovery", None), "discovery")
+        cfg.explicit = {str(k) for k in data} | {f"{sec}.{k}" for sec, table in (
+            ("health", health), ("kv_cache", kv), ("state", state), ("auth", auth), ("discovery", discovery))
+            for k in table}
         _apply(cfg, TOP_LEVEL, data, "", "config key")
         _apply(cfg.health, HEALTH, health, "health", "health key")
         _apply(cfg.kv_cache, KV_CACHE, kv, "kv_cache", "kv_cache key")
@@ -486,6 +492,7 @@ class ControlPlaneConfig:
                           "kv_cache": (self.kv_cache, KV_CACHE), "state": (self.state, STATE),
                           "auth": (self.auth, AUTH), "discovery": (self.discovery, DISCOVERY)}[section]
         setattr(target, sub, checks[sub](value, name))
+        self.explicit.add(key)
 
     def check(self) -> None:
         """Checks across keys: run again after flags have added workers."""

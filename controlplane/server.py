@@ -102,13 +102,6 @@ class ControlPlane:
             self._sync = SpecSync(self.store, self.fleet)
             await self._sync.refresh()
         admin = self.registry.admin
-        if not shared and not admin.persistent:
-            log.warning("operators' changes (omni-ctl drain, undrain, weight, add, remove) are kept in memory "
-                        "only and are lost when this control plane restarts: set [state] file "
-                        "(--state-file) to keep them")
-        elif admin.persistent:
-            log.info("operators' changes are kept in %s (%d weights or drains, %d added, %d removed workers)",
-                     admin.path, len(admin.overrides), len(admin.added), len(admin.removed))
         for spec in self.config.workers:
             wid = spec.id or worker_id_for(spec.url, spec.role)
             if wid in admin.removed or wid in admin.added:
@@ -192,6 +185,14 @@ class ControlPlane:
                             asyncio.create_task(self._sync.run())]
             if self.kv_snapshots is not None:
                 self.kv_snapshots.start()      # stopped by kv_snapshots.close() in stop()
+        admin = self.registry.admin
+        if not shared and not admin.persistent:
+            log.warning("operators' changes (omni-ctl drain, undrain, weight, add, remove) are kept in memory "
+                        "only and are lost when this control plane restarts: set [state] file "
+                        "(--state-file) to keep them")
+        elif admin.persistent:
+            log.info("operators' changes are kept in %s (%d weights or drains, %d added, %d removed workers)",
+                     admin.path, len(admin.overrides), len(admin.added), len(admin.removed))
         log.info("control plane: gRPC on port %d, session socket on port %d, HTTP on %s:%d, policy %s, %d workers",
                  self.grpc_port, self.session_port, self.config.http_host, self.http_port, self.config.policy,
                  len(self.config.workers))

@@ -196,8 +196,14 @@ class DataPlane:
         install_request_id_filter()
         if self.config.tokenizer:
             loop = asyncio.get_running_loop()
-            self.prompts.tokenizer = await loop.run_in_executor(None, lambda: Tokenizer.from_dir(
-                self.config.tokenizer, chat_template=self.config.chat_template or None))
+            try:
+                self.prompts.tokenizer = await loop.run_in_executor(None, lambda: Tokenizer.from_dir(
+                    self.config.tokenizer, chat_template=self.config.chat_template or None))
+            except Exception as exc:  # noqa: BLE001 - one line naming the tokenizer, not a port error
+                from omni_runtime import StartupError
+
+                raise StartupError(f"--tokenizer {self.config.tokenizer}: cannot load it: "
+                                   f"{type(exc).__name__}: {exc}") from None
         await self.upstream.start()
         await self.placements.start()
         self.loopwatch.start()

@@ -5,36 +5,38 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omni_runtime import flags
+
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
-    p.add_argument("--controlplane", default="127.0.0.1:50051",
+    p.add_argument("--host", type=flags.host, default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=flags.port, default=8000, help="port (0 = any free port)")
+    p.add_argument("--controlplane", type=flags.targets, default="127.0.0.1:50051",
                    help="control-plane gRPC address, or several replicas' as a comma-separated list")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=flags.count(1, 256), default=1,
                    help="serving processes on the one port (SO_REUSEPORT; each has its own control-plane session)")
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--fallback-after", type=float, default=1.0,
+    p.add_argument("--fallback-after", type=flags.seconds, default=1.0,
                    help="seconds without any control plane before placing locally (round robin over the "
                         "last known workers)")
     p.add_argument("--node-id", help="name of this node in the control plane's logs")
-    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
-    p.add_argument("--placement-timeout", type=float, default=5.0, help="seconds to wait for a placement")
-    p.add_argument("--prefill-retries", type=int, default=1,
+    p.add_argument("--max-body-bytes", type=flags.count(1, 2**40), default=32 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--placement-timeout", type=flags.seconds, default=5.0, help="seconds to wait for a placement")
+    p.add_argument("--prefill-retries", type=flags.count(0, 16), default=1,
                    help="sequential PD: other prefill workers to try when one fails")
-    p.add_argument("--retries", type=int, default=2,
+    p.add_argument("--retries", type=flags.count(0, 16), default=2,
                    help="aggregated and decode legs failing before the first byte: other workers to try")
     p.add_argument("--tokenizer", default="",
                    help="model directory with tokenizer.json (+ tokenizer_config.json): tokenize once here")
     p.add_argument("--chat-template", default="", help="chat template file or text, as vLLM's --chat-template")
     p.add_argument("--no-reuse-tokens", action="store_true",
                    help="keep sending completions prompts as text (default: send the token ids)")
-    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an engine")
-    p.add_argument("--read-timeout", type=float, default=600.0,
+    p.add_argument("--connect-timeout", type=flags.seconds, default=5.0, help="seconds to connect to an engine")
+    p.add_argument("--read-timeout", type=flags.seconds, default=600.0,
                    help="longest silence from an engine before the leg fails")
-    p.add_argument("--prefill-timeout", type=float, default=300.0,
+    p.add_argument("--prefill-timeout", type=flags.seconds, default=300.0,
                    help="whole prefill leg, request to answer (a timed-out P is retried elsewhere)")
     p.add_argument("--engine-api-key", default=None,
                    help="sent to engines as a Bearer token (default: $OMNI_ENGINE_API_KEY; a flag shows in `ps`, "
@@ -54,24 +56,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-client-fields", default="",
                    help="comma-separated PD-internal body fields a client may set (kv_transfer_params, "
                         "bootstrap_*); by default the data plane drops them")
-    p.add_argument("--client-header-timeout", type=float, default=30.0,
+    p.add_argument("--client-header-timeout", type=flags.seconds_or_zero, default=30.0,
                    help="seconds for a client to send a request's line and headers (0 = no limit)")
-    p.add_argument("--client-body-timeout", type=float, default=60.0,
+    p.add_argument("--client-body-timeout", type=flags.seconds_or_zero, default=60.0,
                    help="seconds for a client to send a request's body (0 = no limit)")
-    p.add_argument("--keepalive-timeout", type=float, default=75.0,
+    p.add_argument("--keepalive-timeout", type=flags.seconds, default=75.0,
                    help="seconds an idle client keep-alive connection stays open")
-    p.add_argument("--max-header-bytes", type=int, default=8190,
+    p.add_argument("--max-header-bytes", type=flags.count(256, 1 << 20), default=8190,
                    help="longest request line or header field (431 beyond)")
-    p.add_argument("--max-connections", type=int, default=0,
+    p.add_argument("--max-connections", type=flags.count(0, 1 << 24), default=0,
                    help="client connections at once (0 = half the open-file limit); at the cap the longest-idle "
                         "connection is closed for a new one, and with none idle the new one gets 503")
-    p.add_argument("--max-connections-per-client", type=int, default=0,
+    p.add_argument("--max-connections-per-client", type=flags.count(0, 1 << 24), default=0,
                    help="client connections from one address (0 = no limit; behind a balancer all share one)")
-    p.add_argument("--max-inflight", type=int, default=4096,
+    p.add_argument("--max-inflight", type=flags.count(1, 1 << 24), default=4096,
                    help="requests in progress at once in this process; more wait in the admission queue")
-    p.add_argument("--max-queued", type=int, default=1024,
+    p.add_argument("--max-queued", type=flags.count(0, 1 << 24), default=1024,
                    help="requests waiting for a slot (by priority, then arrival); beyond: 429 with Retry-After")
-    p.add_argument("--queue-timeout", type=float, default=30.0,
+    p.add_argument("--queue-timeout", type=flags.seconds_or_zero, default=30.0,
                    help="seconds a request may wait for a slot before a 429")
     p.add_argument("--rate-limits", default="", metavar="FILE",
                    help="per-client token buckets (TOML: [default] and [keys.NAME] with requests_per_s, burst, "

@@ -62,6 +62,15 @@ class _SplitTimeout(argparse.Action):
                      "before the action) or drain --wait-timeout SECONDS (how long drain --wait waits)")
 
 
+def _controlplane(text: str) -> str:
+    """host:port (checked), or a gRPC target with a scheme (unix:, dns:, ipv4:, ipv6:) as is."""
+    from omni_runtime import flags
+
+    if text.strip().startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return text.strip()
+    return flags.target(text)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -80,7 +89,8 @@ def _version() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=f"omni-ctl {_version()}")
-    p.add_argument("--controlplane", default=os.environ.get("OMNI_CONTROLPLANE", "127.0.0.1:50051"),
+    p.add_argument("--controlplane", type=_controlplane,
+                   default=os.environ.get("OMNI_CONTROLPLANE", "127.0.0.1:50051"),
                    help="control plane gRPC address (default $OMNI_CONTROLPLANE or 127.0.0.1:50051)")
     p.add_argument("--token", default=os.environ.get("OMNI_TOKEN", ""),
                    help="admin token, sent as 'authorization: Bearer' (default $OMNI_TOKEN; prefer the variable: "

@@ -14,9 +14,10 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+if TYPE_CHECKING:   # imported where used: omni_runtime.flags is read at every command's start
+    from aiohttp import web
 
 
 class StartupError(Exception):
@@ -82,6 +83,8 @@ async def start_http_site(
     ``reuse_port`` (SO_REUSEPORT) lets several processes listen on one port, the kernel
     spreading new connections over them.
     """
+    from aiohttp import web
+
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
@@ -105,6 +108,10 @@ def run_main(main: Callable[[], Awaitable[None]], name: str = "omni-proxy") -> N
     except KeyboardInterrupt:
         pass
     except StartupError as exc:
+        import logging
+
+        for handler in logging.getLogger().handlers:   # log lines held in a batch go first:
+            getattr(handler, "flush_now", handler.flush)()   # the error is the last line
         raise SystemExit(f"{name}: {exc}") from None
 
 

@@ -28,7 +28,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 def add_log_arguments(parser, *, level: bool = True) -> None:
     """``--log-format`` (and ``--log-level``) as every process spells them."""
     if level:
-        parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        from omni_runtime import flags
+
+        parser.add_argument("--log-level", type=flags.log_level, default="INFO",
+                            help="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                         help="text (default) or json: one JSON object per line (ts, level, logger, message, "
                              "request_id and worker where known)")

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 
+from omni_runtime import flags
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     from omni_runtime.logs import add_log_arguments
 
     add_log_arguments(g, level=False)
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one (default 0)")
+    g.add_argument("--host", type=flags.host, default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=flags.port, default=0, help="HTTP port; 0 picks a free one (default 0)")
     g.add_argument("--ready-file", default=None,
                    help="write {pid, port, bootstrap_port, model, role, engine_id, kv_events_port, "
                         "kv_replay_port, ...} as JSON here once listening")
@@ -29,35 +31,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the generated text (default 0)")
     g.add_argument("--api-key", default="", help="as vLLM's: /v1/* requests need this Bearer token")
     c = parser.add_argument_group("cost model")
-    c.add_argument("--prefill-ms-per-token", type=float, default=0.05, help="default 0.05")
-    c.add_argument("--decode-ms-per-step", type=float, default=4.0,
+    c.add_argument("--prefill-ms-per-token", type=flags.number(0, 1e6), default=0.05, help="default 0.05")
+    c.add_argument("--decode-ms-per-step", type=flags.number(0, 1e6), default=4.0,
                    help="fixed cost of a step that decodes anything (default 4.0)")
-    c.add_argument("--decode-ms-per-seq", type=float, default=0.05,
+    c.add_argument("--decode-ms-per-seq", type=flags.number(0, 1e6), default=0.05,
                    help="extra step time per decoding sequence (default 0.05)")
-    c.add_argument("--kv-transfer-ms-per-token", type=float, default=0.005,
+    c.add_argument("--kv-transfer-ms-per-token", type=flags.number(0, 1e6), default=0.005,
                    help="decode-side time to pull one prompt token's KV (default 0.005)")
     s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="running batch size cap (default 64)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192,
+    s.add_argument("--max-num-seqs", type=flags.count(1, 1 << 20), default=64, help="running batch size cap (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=flags.count(1, 1 << 30), default=8192,
                    help="per-step token budget; longer prompts prefill in chunks (default 8192)")
-    s.add_argument("--dp-size", type=int, default=1,
+    s.add_argument("--dp-size", type=flags.count(1, 1024), default=1,
                    help="data-parallel ranks in this process (vLLM --data-parallel-size; default 1)")
-    s.add_argument("--max-model-len", type=int, default=32768, help="default 32768")
-    s.add_argument("--default-max-tokens", type=int, default=16,
+    s.add_argument("--max-model-len", type=flags.count(1, 1 << 30), default=32768, help="default 32768")
+    s.add_argument("--default-max-tokens", type=flags.count(1, 1 << 30), default=16,
                    help="max_tokens when a request gives none (default 16)")
-    s.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    s.add_argument("--num-gpu-blocks", type=int, default=32768,
+    s.add_argument("--block-size", type=flags.count(1, 4096), default=16, help="KV block size in tokens (default 16)")
+    s.add_argument("--num-gpu-blocks", type=flags.count(1, 1 << 30), default=32768,
                    help="KV pool size in blocks; when full, admission waits and decodes preempt (default 32768)")
-    s.add_argument("--kv-lease-s", type=float, default=30.0,
+    s.add_argument("--kv-lease-s", type=flags.seconds, default=30.0,
                    help="how long a prefill node keeps KV for a decode node to pull (default 30)")
     k = parser.add_argument_group("parallel / layerwise PD")
-    k.add_argument("--bootstrap-port", type=int, default=0,
+    k.add_argument("--bootstrap-port", type=flags.port, default=0,
                    help="port serving /sim/bootstrap/pull, i.e. the bootstrap_port a proxy puts in requests; "
                         "0 = the HTTP port (default 0)")
-    k.add_argument("--bootstrap-timeout-s", type=float, default=30.0,
+    k.add_argument("--bootstrap-timeout-s", type=flags.seconds, default=30.0,
                    help="how long a prefill node holds a bootstrap room's KV waiting for its decode peer, "
                         "and how long a decode node's fetch waits for the prefill (default 30)")
-    k.add_argument("--metaserver-timeout-s", type=float, default=60.0,
+    k.add_argument("--metaserver-timeout-s", type=flags.seconds, default=60.0,
                    help="layerwise decode: how long to wait for the metaserver's answer (default 60)")
     p = parser.add_argument_group("prefix caching (vLLM's flags; PYTHONHASHSEED is read from the environment)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -76,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="ROUTER endpoint for replay (always binds), e.g. tcp://*:5558, or tcp://127.0.0.1:0 "
                         "for a free port, reported as kv_replay_port in the ready file")
     e.add_argument("--kv-events-topic", default="", help="first frame of every message (default empty)")
-    e.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
+    e.add_argument("--kv-events-buffer-steps", type=flags.count(0, 1 << 30), default=10_000,
                    help="batches kept for replay (default 10000)")
     e.add_argument("--kv-events-format", choices=("map", "array"), default="map",
                    help="map = vLLM >= v0.26 (0.32): events as maps, replay frames with the topic; "
@@ -86,10 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "\"tcp://*:5557\"}'; its endpoint, replay_endpoint, topic, buffer_steps and hwm "
                         "fill the flags above")
     t = parser.add_argument_group("API-server tokenization cost")
-    t.add_argument("--tokenize-us-per-char", type=float, default=0.4,
+    t.add_argument("--tokenize-us-per-char", type=flags.number(0, 1e6), default=0.4,
                    help="microseconds of real time per character of a text prompt (chat is always text), spent "
                         "before the engine queue; token-id prompts skip it (default 0.4)")
-    t.add_argument("--tokenize-workers", type=int, default=1,
+    t.add_argument("--tokenize-workers", type=flags.count(1, 1024), default=1,
                    help="text prompts tokenized at once (default 1, like vLLM's single tokenizer thread)")
 
 

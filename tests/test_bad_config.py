@@ -154,6 +154,47 @@ def test_bad_flags_are_one_line(name, tmp_path):
     assert_one_line_error(proc, "omni-proxy controlplane", *fragments)
 
 
+# Every port, duration and address of every command, checked when the command line is read:
+# (command, flags, what the last stderr line must name).
+OTHER_FLAG_CASES = {
+    "dp_port": ("dataplane", ["--port", "70000"], ["--port", "0 to 65535"]),        # was: port 4464
+    "dp_log_level": ("dataplane", ["--log-level", "LOUD"], ["--log-level", "DEBUG"]),   # was: a traceback
+    "dp_controlplane": ("dataplane", ["--controlplane", "not_a_host:xx"], ["--controlplane", "host:port"]),
+    "dp_controlplane_list": ("dataplane", ["--controlplane", "127.0.0.1:50051,cp2"], ["--controlplane"]),
+    "dp_read_timeout": ("dataplane", ["--read-timeout", "0"], ["--read-timeout", "> 0"]),
+    "dp_placement_timeout": ("dataplane", ["--placement-timeout", "nan"], ["--placement-timeout"]),
+    "dp_queue_timeout": ("dataplane", ["--queue-timeout", "-1"], ["--queue-timeout"]),
+    "dp_host": ("dataplane", ["--host", "http://0.0.0.0"], ["--host"]),
+    "dp_workers": ("dataplane", ["--workers", "0"], ["--workers", "1 to 256"]),
+    "dp_retries": ("dataplane", ["--retries", "-1"], ["--retries"]),
+    "cp_http_port": ("controlplane", ["--listen", "127.0.0.1:0", "--http-port", "70000"], ["--http-port"]),
+    "cp_log_level": ("controlplane", ["--listen", "127.0.0.1:0", "--log-level", "LOUD"], ["--log-level"]),
+    "sim_port": ("sim", ["--port", "70000"], ["--port"]),
+    "sim_bootstrap_port": ("sim", ["--bootstrap-port", "-1"], ["--bootstrap-port"]),
+    "sim_kv_lease": ("sim", ["--kv-lease-s", "inf"], ["--kv-lease-s"]),
+    "sim_host": ("sim", ["--host", "a b"], ["--host"]),
+    "ctl_controlplane": ("ctl", ["--controlplane", "not_a_host:xx", "workers"], ["--controlplane"]),
+    "ctl_rpc_timeout": ("ctl", ["--rpc-timeout", "0", "workers"], ["--rpc-timeout"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_FLAG_CASES))
+def test_every_commands_flags_are_checked_in_one_line(name, tmp_path):
+    command, flags, fragments = OTHER_FLAG_CASES[name]
+    proc = run_cli([command, *flags], tmp_path)
+    assert proc.returncode == 2, proc.stderr            # argparse's usage error, before anything starts
+    assert_one_line_error(proc, f"omni-proxy {command}", *fragments)
+
+
+def test_dataplane_missing_tokenizer_names_the_tokenizer(tmp_path):
+    """Was reported as a port error (--host/--port: cannot listen)."""
+    proc = run_cli(["dataplane", "--port", "0", "--controlplane", "127.0.0.1:9", "--placement-timeout", "0.2",
+                    "--tokenizer", str(tmp_path / "no-model")], tmp_path)
+    last = assert_one_line_error(proc, "omni-proxy dataplane", "--tokenizer", str(tmp_path / "no-model"),
+                                 "tokenizer.json")
+    assert "--port" not in last
+
+
 def test_hash_seed_number_means_pythonhashseed(tmp_path):
     """``hash_seed = 0`` reaches the data planes as PYTHONHASHSEED=0 ("0"), not as an empty seed."""
     from controlplane.config import ControlPlaneConfig
@@ -179,6 +220,7 @@ def busy_port():
 def test_controlplane_grpc_port_in_use(busy_port, tmp_path):
     proc = run_cli(["controlplane", "--listen", f"127.0.0.1:{busy_port}"], tmp_path)
     assert_one_line_error(proc, "omni-proxy controlplane", "listen", str(busy_port), "in use")
+    assert "Failed to add port" not in proc.stderr, proc.stderr     # gRPC's C core says nothing first
 
 
 def test_controlplane_http_port_in_use(busy_port, tmp_path):
