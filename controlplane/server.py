@@ -105,7 +105,10 @@ class ControlPlane:
         for spec in self.config.workers:
             wid = spec.id or worker_id_for(spec.url, spec.role)
             if wid in admin.removed or wid in admin.added:
-                continue   # an operator removed it, or replaced it (omni-ctl add --replace): theirs wins
+                # an operator removed it, or replaced it (omni-ctl add --replace): theirs wins
+                log.info("config worker %s: %s by an operator (state file %s): not added from the config",
+                         wid, "removed" if wid in admin.removed else "replaced", admin.path)
+                continue
             # an operator's weight (and drain) outlive a restart: weight None keeps them (the
             # shared store's copy, else the state file's), else the config's
             await self.registry.add(url=spec.url, role=spec.role, model=spec.model, weight=None,
