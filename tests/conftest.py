@@ -168,7 +168,7 @@ async def inproc_cp(sim_both):
     from controlplane.server import ControlPlane
     from controlplane.workers import Role
 
-    config = ControlPlaneConfig(listen="127.0.0.1:0",
+    config = ControlPlaneConfig(http_port=0, listen="127.0.0.1:0",
                                 workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")])
     plane = ControlPlane(config)
     await plane.start()

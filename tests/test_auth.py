@@ -25,8 +25,9 @@ async def secured_cp(sim_both):
     from controlplane.server import ControlPlane
     from controlplane.workers import Role
 
-    config = ControlPlaneConfig(listen="127.0.0.1:0", workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")],
-                                auth=AuthConfig(admin_tokens={"ops": ADMIN}, registry_tokens={"plugin": REGISTRY}))
+    config = ControlPlaneConfig(
+        http_port=0, listen="127.0.0.1:0", workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")],
+        auth=AuthConfig(admin_tokens={"ops": ADMIN}, registry_tokens={"plugin": REGISTRY}))
     plane = ControlPlane(config)
     await plane.start()
     try:
@@ -106,7 +107,8 @@ async def test_dataplane_tokens_close_the_scheduler(sim_both):
     from controlplane.config import ControlPlaneConfig
     from controlplane.server import ControlPlane
 
-    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", auth=AuthConfig(dataplane_tokens={"dp": "dp-tok"})))
+    plane = ControlPlane(ControlPlaneConfig(
+        http_port=0, listen="127.0.0.1:0", auth=AuthConfig(dataplane_tokens={"dp": "dp-tok"})))
     await plane.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.grpc_port}") as ch:

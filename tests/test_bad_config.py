@@ -218,7 +218,7 @@ def busy_port():
 
 
 def test_controlplane_grpc_port_in_use(busy_port, tmp_path):
-    proc = run_cli(["controlplane", "--listen", f"127.0.0.1:{busy_port}"], tmp_path)
+    proc = run_cli(["controlplane", "--listen", f"127.0.0.1:{busy_port}", "--http-port", "0"], tmp_path)
     assert_one_line_error(proc, "omni-proxy controlplane", "listen", str(busy_port), "in use")
     assert "Failed to add port" not in proc.stderr, proc.stderr     # gRPC's C core says nothing first
 
@@ -229,7 +229,8 @@ def test_controlplane_http_port_in_use(busy_port, tmp_path):
 
 
 def test_controlplane_session_port_in_use(busy_port, tmp_path):
-    proc = run_cli(["controlplane", "--listen", "127.0.0.1:0", "--session-listen", f"127.0.0.1:{busy_port}"],
+    proc = run_cli(["controlplane", "--listen", "127.0.0.1:0", "--http-port", "0",
+                    "--session-listen", f"127.0.0.1:{busy_port}"],
                    tmp_path)
     assert_one_line_error(proc, "omni-proxy controlplane", "session_listen", str(busy_port), "in use")
 

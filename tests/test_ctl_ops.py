@@ -218,7 +218,8 @@ async def plugin_cp():
     from controlplane.config import ControlPlaneConfig
     from controlplane.server import ControlPlane
 
-    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_interval_s=0.2, heartbeat_ttl_s=5.0))
+    plane = ControlPlane(ControlPlaneConfig(
+        http_port=0, listen="127.0.0.1:0", heartbeat_interval_s=0.2, heartbeat_ttl_s=5.0))
     await plane.start()
     try:
         yield plane

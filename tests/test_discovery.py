@@ -31,8 +31,9 @@ async def cp_with_file(sim_both, tmp_path):
 
     path = tmp_path / "workers.toml"
     _write(path, f'[[workers]]\nurl = "{sim_both.url}"\nrole = "prefill"\nid = "f1"\nweight = 2\n')
-    config = ControlPlaneConfig(listen="127.0.0.1:0", workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")],
-                                discovery=DiscoveryConfig(file=str(path), interval_s=0.1))
+    config = ControlPlaneConfig(
+        http_port=0, listen="127.0.0.1:0", workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")],
+        discovery=DiscoveryConfig(file=str(path), interval_s=0.1))
     config.health.interval_s = 0.2
     plane = ControlPlane(config)
     await plane.start()

@@ -31,8 +31,9 @@ def _config(sim, redis, prefix: str, *, workers=("w", "e"), interval: float = 0.
     specs = {"w": WorkerConfig(url=sim.url, role=Role.BOTH, id="w"),
              # an event-fed worker: nothing publishes there, its index is fed by hand
              "e": WorkerConfig(url=sim.url + "/", role=Role.BOTH, id="e", kv_events=f"tcp://127.0.0.1:{port}")}
-    cfg = ControlPlaneConfig(listen="127.0.0.1:0", workers=[specs[w] for w in workers], policy="cache_aware",
-                             state=StateConfig(backend=backend, redis_url=redis.url if redis else "", key_prefix=prefix))
+    cfg = ControlPlaneConfig(
+        http_port=0, listen="127.0.0.1:0", workers=[specs[w] for w in workers], policy="cache_aware",
+        state=StateConfig(backend=backend, redis_url=redis.url if redis else "", key_prefix=prefix))
     cfg.kv_cache.snapshot_interval_s = interval
     cfg.kv_cache.block_size = BS
     return cfg

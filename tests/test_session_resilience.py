@@ -186,7 +186,7 @@ async def test_requests_orphaned_by_a_store_sweep_are_released_after_the_grace(s
     from controlplane.config import ControlPlaneConfig, WorkerSpec
     from controlplane.workers import Role
 
-    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", session_grace_s=1.0,
+    plane = ControlPlane(ControlPlaneConfig(http_port=0, listen="127.0.0.1:0", session_grace_s=1.0,
                                             workers=[WorkerSpec(url=sim_both.url, role=Role.BOTH, id="w")]))
     await plane.start()
     client = None

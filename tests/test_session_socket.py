@@ -39,7 +39,7 @@ async def _requests_on_w(cp: ControlPlane) -> int:
 
 
 async def _plane(sim, **config) -> ControlPlane:
-    plane = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0",
+    plane = ControlPlane(ControlPlaneConfig(http_port=0, listen="127.0.0.1:0",
                                             workers=[WorkerSpec(url=sim.url, role=Role.BOTH, id="w")], **config))
     await plane.start()
     return plane

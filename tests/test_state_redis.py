@@ -619,7 +619,7 @@ async def test_control_plane_places_and_releases_through_redis(sim_both, redis_s
     from protos import omni_proxy_pb2 as pb
 
     prefix = _prefix()
-    config = ControlPlaneConfig(listen="127.0.0.1:0",
+    config = ControlPlaneConfig(http_port=0, listen="127.0.0.1:0",
                                 workers=[WorkerConfig(url=sim_both.url, role=Role.BOTH, id="w")],
                                 state=StateConfig(backend="redis", redis_url=redis_server.url, key_prefix=prefix))
     plane = ControlPlane(config)
