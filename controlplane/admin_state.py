@@ -107,13 +107,15 @@ class AdminState:
         if spec.id in self.added:
             self.added[spec.id].update(weight=spec.weight, draining=spec.draining)
 
-    def note_added(self, spec: WorkerSpec) -> None:
-        self.removed.pop(spec.id, None)
-        for wid, gone in list(self.removed.items()):     # the same engine under another id
-            if gone.get("url", "").lower() == spec.url.lower():
-                del self.removed[wid]
+    def note_added(self, spec: WorkerSpec) -> list[str]:
+        """An operator added (or replaced) ``spec``; the fences it lifts (its id, its URL)."""
+        lifted = [wid for wid, gone in self.removed.items()
+                  if wid == spec.id or gone.get("url", "").lower() == spec.url.lower()]
+        for wid in lifted:
+            del self.removed[wid]
         self.added[spec.id] = spec_to_json(spec)
         self.set_override(spec)
+        return lifted
 
     def note_removed(self, spec: WorkerSpec) -> None:
         self.added.pop(spec.id, None)

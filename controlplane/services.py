@@ -315,6 +315,21 @@ def hashing_mismatch(facts: pb.EngineFacts, kv: pb.KVHashConfig | None) -> str:
             "--block-size, --prefix-caching-hash-algo and PYTHONHASHSEED, or change [kv_cache]")
 
 
+async def _keep_fences(store, shared: bool, admin, *, fenced: str = "", lifted: list[str] = ()) -> None:
+    """Write removal fences where every replica (Redis) or the next start (state file) sees them."""
+    if shared:
+        try:
+            if fenced:
+                await store.put_fence(fenced, admin.removed[fenced])
+            for wid in lifted:
+                await store.drop_fence(wid)
+        except Exception as exc:  # noqa: BLE001 - the store is away: this replica's fence holds
+            log.warning("cannot write the removal fence of %s to the store (%s): only this replica has it",
+                        fenced or ", ".join(lifted), exc)
+    elif admin.persistent:
+        await asyncio.to_thread(admin.save)
+
+
 class RegistryService(pb_grpc.RegistryServicer):
     """Engine plugins' calls. Each may touch only the worker id its registration owns
     (controlplane/ownership.py); configured and operators' workers are refused."""
@@ -346,14 +361,21 @@ class RegistryService(pb_grpc.RegistryServicer):
         spec["heartbeat_ttl_s"] = spec["heartbeat_ttl_s"] or self.registry.heartbeat_ttl_s
         wid = spec["worker_id"] or _registry.worker_id_for(normalize_url(spec["url"]), spec["role"])
         admin = self.registry.admin
+        store = self.registry.store
+        shared = hasattr(store, "maintain")
+        if shared:   # removals made through any replica (Redis); while it is away, this replica's
+            try:
+                admin.removed = await store.fences()
+            except Exception as exc:  # noqa: BLE001 - StoreUnavailable and the like
+                log.warning("registry: cannot read the removal fences from the store (%s): this replica's "
+                            "are used", exc)
         fenced_id, fenced = admin.fenced(wid, normalize_url(spec["url"]), ownership.key_hash(key))
         if fenced:   # omni-ctl remove holds: the plugin's next heartbeat (known=false) lands here
             log.warning("registry: refused %s (%s): %s", request.url, wid, fenced)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, fenced)
         if fenced_id:   # a new engine process (another owner key): the deliberate way back
             admin.lift(fenced_id)
-            if admin.persistent:
-                await asyncio.to_thread(admin.save)
+            await _keep_fences(store, shared, admin, lifted=[fenced_id])
         # A re-registration keeps the operator's weight and drain; the engine's weight is a default.
         spec["default_weight"] = spec.pop("weight") or 1.0
         who = auth.principal.get()
@@ -512,7 +534,9 @@ class AdminService(pb_grpc.AdminServicer):
         spec["worker_id"] = wid
         spec["weight"] = spec["weight"] or 1.0
         added = await self.registry.add(**spec, source="admin", draining=draining)
-        self.registry.admin.note_added(added)
+        lifted = self.registry.admin.note_added(added)
+        if lifted and self.shared_store:
+            await _keep_fences(self.placer.store, True, self.registry.admin, lifted=lifted)
         kept = await self._keep()
         log.info("admin: worker %s %s (%s, %s, weight %g), by %s", added.id,
                  "replaced" if conflicts else "added", added.url, added.role.value, added.weight,
@@ -624,6 +648,8 @@ class AdminService(pb_grpc.AdminServicer):
         if spec is None or not await self.registry.remove(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(request.worker_id)}")
         self.registry.admin.note_removed(spec)
+        if self.shared_store:
+            await _keep_fences(self.placer.store, True, self.registry.admin, fenced=spec.id)
         kept = await self._keep()
         log.info("admin: worker %s removed (source %s, fenced), by %s", request.worker_id, spec.source,
                  auth.caller(context))

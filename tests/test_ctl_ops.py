@@ -18,6 +18,7 @@ import pytest
 
 from omni_proxy.launcher import Child, ProcessGroup
 from tests.conftest import wait_until
+from tests.redis_fixtures import redis_server  # noqa: F401
 
 MODEL = "sim-model"
 
@@ -296,3 +297,55 @@ async def test_operator_weight_and_drain_survive_reregistration(plugin_cp, engin
         assert plugin_cp.fleet.get("eng-2").weight == 3.0
     finally:
         await asyncio.to_thread(agent.stop)
+
+
+async def test_remove_holds_on_every_replica_through_redis(redis_server):  # noqa: F811
+    """Two control-plane replicas sharing Redis: an engine removed through one is refused by the
+    other too (its heartbeats may go to either), until a new engine process registers."""
+    import uuid
+
+    import grpc
+
+    from controlplane.config import ControlPlaneConfig, StateConfig
+    from controlplane.server import ControlPlane
+    from protos import omni_proxy_pb2 as pb
+    from protos import omni_proxy_pb2_grpc as pb_grpc
+
+    planes, prefix = [], f"fence-{uuid.uuid4().hex[:8]}:"
+    url = "http://127.0.0.1:21"
+    try:
+        for _ in range(2):
+            cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", http_port=0, heartbeat_ttl_s=30.0,
+                                                 state=StateConfig(backend="redis", redis_url=redis_server.url,
+                                                                   key_prefix=prefix)))
+            await cp.start()
+            planes.append(cp)
+        a, b = planes
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{b.grpc_port}") as cb:
+            reg_b = pb_grpc.RegistryStub(cb)
+            register = pb.RegisterRequest(url=url, role=pb.ROLE_BOTH, worker_id="eng-f", owner_key="key-f")
+            await reg_b.Register(register, timeout=5)
+
+            async def seen_by_a() -> bool:
+                return a.fleet.get("eng-f") is not None
+
+            await wait_until(seen_by_a, what="the registration to reach the replica omni-ctl talks to")
+            rc, out, err = await ctl(f"127.0.0.1:{a.grpc_port}", "remove", "eng-f")
+            assert rc == 0, err
+
+            async def gone_from_b() -> bool:
+                return b.fleet.get("eng-f") is None
+
+            await wait_until(gone_from_b, what="the removal to reach the other replica")
+            assert not (await reg_b.Heartbeat(pb.HeartbeatRequest(worker_id="eng-f", owner_key="key-f"),
+                                              timeout=5)).known
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await reg_b.Register(register, timeout=5)       # the same engine, at the other replica
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "removed by an operator" in refused.value.details()
+            restarted = pb.RegisterRequest(url=url, role=pb.ROLE_BOTH, worker_id="eng-f", owner_key="key-new")
+            assert (await reg_b.Register(restarted, timeout=5)).worker_id == "eng-f"
+            await reg_b.Deregister(pb.DeregisterRequest(worker_id="eng-f", owner_key="key-new"), timeout=5)
+    finally:
+        for cp in planes:
+            await cp.stop()

@@ -614,6 +614,20 @@ class RedisStore:
     async def specs(self) -> list[WorkerSpec]:
         return [decode_spec(raw) for raw in (await self.redis.hgetall(self._k_spec)).values()]
 
+    # -- operators' removals (controlplane/admin_state.py): every replica refuses the removed
+    # engine's registration, not only the one that answered omni-ctl remove
+    @_unavailable
+    async def put_fence(self, worker_id: str, record: dict) -> None:
+        await self.redis.hset(self.prefix + "fences", worker_id, orjson.dumps(record).decode())
+
+    @_unavailable
+    async def drop_fence(self, worker_id: str) -> None:
+        await self.redis.hdel(self.prefix + "fences", worker_id)
+
+    @_unavailable
+    async def fences(self) -> dict[str, dict]:
+        return {wid: orjson.loads(raw) for wid, raw in (await self.redis.hgetall(self.prefix + "fences")).items()}
+
     @_unavailable
     async def spec_version(self) -> int:
         """Bumped by every spec change: poll it to know when to re-read ``specs()``."""
