@@ -299,10 +299,17 @@ class Placer:
     async def _pair_context(self, model: str, ctx: PlacementContext, chain: list[int]) -> None:
         """Entry leg with prefill workers among the candidates: predict the decode engine each
         would be paired with (``latency.pair_decode``), from the decode engines' loads and their
-        own prefix caches (what they hold, they need not pull)."""
-        ids = self.fleet.group(model, _LEG_ROLES["decode"]).ids
+        own prefix caches (what they hold, they need not pull). A large decode group is
+        sampled by the profile's candidate stage, as a decode leg's candidates are."""
+        group = self.fleet.group(model, _LEG_ROLES["decode"])
+        ids = group.ids
         if not ids:
             return
+        stage = self.profile.candidates
+        if stage is not None and stage.applies(len(ids)):
+            # A scratch context: the stage notes its matches there, not in the entry's.
+            scratch = dataclasses.replace(ctx, leg="decode", match_blocks={}, matched=False, predicted={})
+            ids = stage.select(scratch, group, self.kv if chain else None, chain)
         loads = await self.store.loads(ids)
         views = self.fleet.views(ids, loads)
         pair_decode(ctx, views, self.kv.match(chain, views) if chain else {})

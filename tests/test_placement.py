@@ -238,6 +238,25 @@ async def test_placement_reads_only_its_candidates_not_the_fleet():
     assert store.read == [2] * 10
 
 
+async def test_a_pd_entrys_paired_decode_prediction_reads_a_sample_of_a_large_decode_group():
+    plane = await make(workers=[w("p0", Role.PREFILL), w("p1", Role.PREFILL)])
+    store = CountingStore()
+    fleet = plane.fleet
+    for i in range(200):
+        spec, _ = w(f"d{i}", role=Role.DECODE)
+        fleet.put(spec)
+        fleet.set_state(spec.id, HealthState(health=Health.HEALTHY))
+    for spec in fleet.specs():
+        await store.put_spec(spec)
+    placer = Placer(store, fleet, build_profile("predicted_latency"))
+    for i in range(5):
+        p = await placer.place(entry(f"r{i}", explain=True))
+        assert p.prefill.worker_id in ("p0", "p1") and "paired decode: d" in p.explanation
+    # Each load read: the 2 prefill candidates, or a sample of the 200 decode engines (not all).
+    sample = build_profile("predicted_latency").candidates
+    assert all(n <= 2 + sample.deepest + sample.least_loaded + sample.random for n in store.read), store.read
+
+
 async def test_reserve_is_all_or_nothing_per_call_and_release_is_per_leg():
     store = MemoryStore()
     from controlplane.state import Charge, RequestRecord
