@@ -56,6 +56,22 @@ async def test_up_honours_every_config_key_listen_included(group, tmp_path):
         group.stop(up)
 
 
+async def test_up_with_a_closed_scheduler_uses_a_data_plane_token(group, tmp_path):
+    """[auth] dataplane_tokens closes the Scheduler service: up's own data plane still gets its
+    placements (it was refused, and up never became ready)."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[auth]\ndataplane_tokens = ["dp:tok-0123456789"]\nadmin_tokens = ["ops:adm-0123456789"]\n'
+                      f'[[workers]]\nurl = "{group.sim.url}"\n')
+    up = group.start("up-auth", ["up", "--config", str(config), "--port", "0", "--http-port", "0",
+                                 "--health-interval", "0.2"])
+    try:
+        async with aiohttp.ClientSession() as http, \
+                http.post(up.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
+            assert r.status == 200, await r.text()
+    finally:
+        group.stop(up)
+
+
 async def test_up_offers_the_data_planes_options(group, tmp_path):
     tok = build("tiny_llama", tmp_path / "tok")
     keys = tmp_path / "keys.txt"
