@@ -527,7 +527,7 @@ def predecessors(rows: list[dict]) -> dict[int, tuple[int, float, float]]:
 
 
 def followup_affinity(run: dict, preds: dict, scale: float, close_s: float) -> dict:
-    """Share of follow-up requests (a prefix shared with an earlier request) placed on the
+    """Share of follow-up requests (more than half of the prompt is an earlier request's) placed on the
     engine that served that earlier request, overall and when it arrived within
     ``close_s`` model seconds of it (its predecessor is then likely still queued or
     prefilling: its blocks are not in the engine's cache, nor in KV events, yet)."""
@@ -538,7 +538,9 @@ def followup_affinity(run: dict, preds: dict, scale: float, close_s: float) -> d
         return a.get("both", a.get("prefill"))
 
     same = total = same_close = total_close = 0
-    for i, (j, gap, _share) in preds.items():
+    for i, (j, gap, share) in preds.items():
+        if share <= 0.5:
+            continue       # shares only a common head (a system prompt): not its conversation
         ei, ej = engine(i), engine(j)
         if ei is None or ej is None:
             continue

@@ -49,7 +49,7 @@ CASES: dict[str, list[str]] = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="", help=f"comma-separated cases (default all: {', '.join(CASES)})")
-    p.add_argument("--rates", default="0.5,1,2,3,4")
+    p.add_argument("--rates", default="1,2,4,6,8")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--policies", default=f"{DEFAULT_POLICY},cache_aware,round_robin")
     p.add_argument("--peers", default="vllm-router,smg")
