@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import prom  # noqa: E402
 from bench.overhead import cpu_seconds, host_line, lag_delta, loop_lag, process_tree, write_keeping_notes  # noqa: E402
-from bench.slo_replay import (Cost, _group, _pct, code_from, open_loop, send_router,  # noqa: E402
+from bench.slo_replay import (Cost, Outcome, _group, _pct, code_from, open_loop, send_router,  # noqa: E402
                               start_engines, start_ours)
 from bench.tracedata import (TraceMissing, densest_window, load_rows, peak_rate, prompt_for,  # noqa: E402
                              resolve_trace, text_prompt_for)
@@ -131,11 +131,51 @@ def stage_intervals(rec: dict) -> dict[str, float]:
     return out
 
 
+async def send_chat(session: aiohttp.ClientSession, url: str, body: dict, idx: int) -> Outcome:
+    """One streamed /v1/chat/completions request (send_router's outcome; chunks carry deltas)."""
+    out = Outcome(idx)
+    t0 = time.perf_counter()
+    first = last = None
+    done = False
+    try:
+        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json", "X-Request-Id": f"slo{idx}x"}) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return out
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    event = event.strip()
+                    if event == b"data: [DONE]":
+                        done = True
+                    elif event.startswith(b"data: {") and any((c.get("delta") or {}).get("content")
+                                                              for c in orjson.loads(event[6:]).get("choices") or []):
+                        out.tokens += 1
+                        first = first or now
+                        last = now
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"[:300]
+        return out
+    out.e2e = time.perf_counter() - t0
+    if first is not None:
+        out.ttft = first - t0
+        if out.tokens > 1:
+            out.tpot = (last - first) / (out.tokens - 1)
+    out.error = "" if done and out.tokens else ("stream did not end with [DONE]" if not done else "no tokens")
+    out.ok = not out.error
+    return out
+
+
 async def send_all(url: str, bodies: list[dict], offsets: list[float], limit_s: float, base: int = 0):
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limit_s, sock_connect=10),
                                      connector=conn) as session:
-        return await open_loop(offsets, lambda i: send_router(session, url, bodies[i], base + i), limit_s)
+        return await open_loop(offsets, lambda i: (send_chat if "messages" in bodies[i] else send_router)(
+            session, url, bodies[i], base + i), limit_s)
 
 
 def dist(values: list[float]) -> dict:
@@ -192,7 +232,9 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
                                        "-r", "200", "-f", "raw", "-o", str(args.profile / f"{name}-{variant}-x{speedup:g}.txt"),
                                        "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for name, pid in (("dataplane", dp.proc.pid), ("controlplane", cp.proc.pid))]
+        load0 = os.getloadavg()[0]
         outcomes, wall = asyncio.run(send_all(dp_url, bodies, offsets, args.cell_timeout))
+        load1 = os.getloadavg()[0]
         time.sleep(0.2)   # the last access-log lines and lifecycle reports
         # the hashing process starts on the first long prompt: count it once it exists
         late = [p for p in process_tree(dp.proc.pid) if p not in dp_pids]
@@ -238,6 +280,7 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
                  "longest_ms": lag.get("longest_ms"), "longest_le_ms": lag.get("longest_le_ms"),
                  "longest_best_ms": lag.get("longest_ms") or lag.get("longest_le_ms")},
         "dp_cpu_share": round((cpu1[0] - cpu0[0]) / wall, 3), "cp_cpu_share": round((cpu1[1] - cpu0[1]) / wall, 3),
+        "host_load_1m": [round(load0, 2), round(load1, 2)],   # the machine is shared: how busy it was
         "dp_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) * 1000 / n, 3),
         "cp_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) * 1000 / n, 3),
         "ttft_ms": dist([o.ttft * 1000 for o in ok if o.ttft is not None]),
@@ -328,6 +371,11 @@ def _ratio(after: dict | None, before: dict | None) -> str:
     return f"{after['median'] / before['median']:.2f}"
 
 
+def _load_range(cells: list[dict]) -> str:
+    loads = [x for c in cells for x in c.get("host_load_1m") or ()]
+    return f"{min(loads):.1f}..{max(loads):.1f}" if loads else "not recorded"
+
+
 def text_verdict(summary: list[dict]) -> list[str]:
     lines = []
     t = TEXT_TARGETS_MS
@@ -364,7 +412,8 @@ def write_text_markdown(path: Path, report: dict) -> None:
              f"{cfg['warmup']} warm-up requests first).", "",
              f"Setup: {cfg['agg_engines']} simulated engines (`{' '.join(cfg['sim_args'])}`), our control plane "
              f"(`--policy {cfg['policy']}`) and one data plane (`--tokenizer`, access log on), on loopback; "
-             "the processes run under the bench's own niceness.", "",
+             "the processes run under the bench's own niceness. Host load (1-minute average, 2 cores) at the "
+             "cells' start and end: " + _load_range(report["cells"]) + ".", "",
              "Stages (ms, from the data plane's access log `stages_ms`, every request of the repeats pooled): "
              "tokenized = receipt to token ids (body read and parsed, admitted, tokenized); hashed = ids to "
              "block hashes; placement = hashes to the control plane's answer (matched to placed); "

