@@ -5,9 +5,9 @@
 
 ``--burst N``: where a burst of N long prompts (sizes drawn in ``--burst-chars``) should be
 tokenized, all submitted at once, ``--reps`` rounds with the strategies interleaved: the loop's
-default executor (min(32, cores + 4) threads), one thread per core at the loop's priority, the
-tokenizer's own threads (one per core at a lower priority: what the data plane uses), and a
-process pool of one process per core (each with its own tokenizer; the ids come back packed).
+default executor (min(32, cores + 4) threads), the tokenizer's own threads (one per core: what
+the data plane uses), and a process pool of one process per core (each with its own tokenizer;
+the ids come back packed).
 Per strategy: prompt latency p50/p90/max and the longest stall of a 1 ms loop ticker. Every
 strategy's ids are checked against inline encoding.
 
@@ -207,13 +207,10 @@ async def burst_async(tok: Tokenizer, model_dir: Path, n: int, chars: tuple[int,
         out.frombytes(await loop.run_in_executor(procs, _proc_encode, text))
         return out.tolist()
 
-    from dataplane.tokenizer import _lower_priority
-    plain = ThreadPoolExecutor(cores)
     strategies = {
         f"default executor ({default._max_workers} threads)":
             lambda x: loop.run_in_executor(default, tok._encode_ids_nogil, x, True),
-        f"{cores} threads, loop's priority": lambda x: loop.run_in_executor(plain, tok._encode_ids_nogil, x, True),
-        f"tokenizer threads ({cores}, nice +{tok.nice})": tok.encode_async,
+        f"tokenizer threads ({cores})": tok.encode_async,
         f"process pool ({cores})": via_process,
     }
     print(f"burst of {n} prompts, {sum(map(len, texts)) / n:.0f} chars ({tokens / n:.0f} tokens) mean, "
@@ -228,7 +225,6 @@ async def burst_async(tok: Tokenizer, model_dir: Path, n: int, chars: tuple[int,
     finally:
         procs.shutdown()
         default.shutdown()
-        plain.shutdown()
         tok.close()
     print(f"{'strategy':34s} {'p50 ms':>16} {'p90 ms':>16} {'max ms':>16} {'stall ms':>16}"
           "   (median of rounds, min..max)")

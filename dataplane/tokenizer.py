@@ -20,7 +20,6 @@ Loading::
     ``exclude_tools_when_tool_choice_none`` and ``chat_template_content_format`` (same flags),
     ``async_threshold_chars`` (default 2000),
     ``workers`` (threads that tokenize long prompts; default: one per CPU core, at most 4),
-    ``nice`` (how much lower their CPU priority is than the event loop's; default 5, Linux),
     ``executor`` (for :meth:`encode_async` and friends, instead of those threads).
 
 Encoding (synchronous; all return ``list[int]``)::
@@ -59,7 +58,11 @@ Async (off the event loop above ``async_threshold_chars``)::
     the loop longer. A process pool was measured as the alternative (``bench/tokenize_cost.py
     --burst``): no faster on this 2-core machine, and it would copy the prompt and the ids
     between processes and keep a tokenizer (and its chat templates) in each; threads it is.
-    ``close()`` stops the threads.
+    Threads at a lower CPU priority than the loop (nice +5) were tried too: alone with the loop
+    they shortened its stalls, but on a host shared with other processes they lost the CPU to
+    them, and the loop then waited for a GIL such a thread held (``bench/burst.py --prompts
+    chat``: tokenized p50 1.2x, p99 1.3x); they run at the loop's priority. ``close()`` stops
+    the threads.
 
 ``tok.engine_renderer``: ``"hf"``, or the vLLM tokenizer mode that ``from_dir`` expects vLLM to pick
 instead (``deepseek_v32``/``deepseek_v4``/``deepseek_v41``/``kimi_k3``/``kimi_audio``/``inkling`` from
@@ -94,8 +97,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
-import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
@@ -123,28 +124,10 @@ __all__ = ["ChatTemplateError", "TokenizeError", "Tokenizer", "UnsupportedConten
 DEFAULT_ASYNC_THRESHOLD_CHARS = 2000
 
 
-# How much lower the tokenizing threads' CPU priority is than the event loop's (Linux nice).
-TOKENIZE_NICE = 5
-
-
 def default_workers() -> int:
     """Tokenizing threads: one per core (the encode is CPU-bound Rust), at most 4."""
     return max(1, min(4, os.cpu_count() or 1))
 
-
-def _lower_priority(delta: int) -> None:
-    """Runs first in each tokenizing thread: make it nicer than the loop's thread, so that on a
-    busy machine the loop (every other request's reads, placements and writes) gets the core
-    when it needs it and tokenizing takes the rest. A one-prompt batch is encoded on the calling
-    thread (not on the Rust thread pool), so the thread's own priority is what counts. Linux
-    only (a thread id is a process id for ``setpriority`` there); elsewhere nothing changes."""
-    if delta <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + delta))
-    except OSError:
-        pass
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -220,8 +203,7 @@ class Tokenizer:
                  exclude_tools_when_tool_choice_none: bool = False,
                  chat_template_content_format: str = "auto",
                  async_threshold_chars: int = DEFAULT_ASYNC_THRESHOLD_CHARS,
-                 executor: Executor | None = None, workers: int = 0, nice: int = TOKENIZE_NICE,
-                 name: str = "") -> None:
+                 executor: Executor | None = None, workers: int = 0, name: str = "") -> None:
         self._tok = backend
         # "hf" unless from_dir found a model vLLM renders with other code (deepseek_v4, mistral, ...):
         # then chat ids here may differ from the engine's, and callers should not use them.
@@ -231,7 +213,6 @@ class Tokenizer:
         self.async_threshold_chars = async_threshold_chars
         self.executor = executor        # None: the tokenizer's own threads (started on first use)
         self.workers = workers or default_workers()
-        self.nice = nice
         self._pool: ThreadPoolExecutor | None = None
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
@@ -478,8 +459,7 @@ class Tokenizer:
         if self.executor is not None:
             return self.executor
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="omni-tokenize",
-                                            initializer=_lower_priority, initargs=(self.nice,))
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="omni-tokenize")
         return self._pool
 
     def close(self) -> None:
@@ -502,7 +482,7 @@ class Tokenizer:
         """:meth:`encode_chat`: the template rendered here, on the loop (tens of µs even for a
         100k-character chat: string joins), and the text encoded like a completion prompt, off
         the loop when long. Rendering in the tokenizing threads would run Python there, holding
-        the GIL in threads that yield the CPU to everything else."""
+        the GIL that the loop waits for, for no gain."""
         add_special_tokens = kwargs.pop("add_special_tokens", False)
         text = self.render_chat(messages, add_generation_prompt, tools, **kwargs)
         return await self.encode_async(text, add_special_tokens)
