@@ -405,7 +405,7 @@ def write_text_markdown(path: Path, report: dict) -> None:
              f"second at 1x). Prompts: {'chat messages' if cfg['prompts'] == 'chat' else 'completions text'} "
              "through the data plane's tokenizer "
              f"(`{cfg['tokenizer_name']}`), clamped to {cfg['min_tokens']}..{cfg['max_tokens']} tokens: "
-             f"{w['prompt_tokens_mean']:.0f} tokens mean, {w['prompt_tokens_max']} max (the data plane's counts), "
+             f"{w['prompt_tokens_mean']:.0f} tokens mean, {w['prompt_tokens_max']} max (counted with that tokenizer), "
              f"{w['prompt_chars_mean']:.0f} characters mean; rows sharing trace blocks share a text prefix. "
              f"Output capped at {cfg['max_output']} tokens, streamed. Speedups {cfg['speedups']}, "
              f"{cfg['repeats']} repeats; before and after alternate cell by cell (fresh processes per cell, "
