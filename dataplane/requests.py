@@ -51,6 +51,19 @@ class ClientRequest:
         return self.client_id or self.request_id
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or the 400 that says what it is instead."""
+    if not raw:
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
 def _check_type(body: dict, key: str, types: tuple[type, ...], label: str) -> None:
     value = body.get(key)
     if value is None:
@@ -131,15 +144,7 @@ def slo_header(headers, name: str) -> float:
 def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
                   allowed_fields: frozenset[str] = frozenset()) -> ClientRequest:
     """Validate once; PD-internal fields the client set are dropped (unless ``allowed_fields``)."""
-    if not raw:
-        raise APIError(400, "request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    body, raw = strip_pd_fields(body, raw, allowed_fields)
+    body, raw = strip_pd_fields(json_object(raw), raw, allowed_fields)
 
     _check_type(body, "model", (str,), "a string")
     _check_type(body, "stream", (bool,), "a boolean")
@@ -192,15 +197,7 @@ def parse_passthrough(path: str, raw: bytes, client_request_id: str | None, *,
                       allowed_fields: frozenset[str] = frozenset()) -> ClientRequest:
     """A body for a pass-through route: a JSON object with a string "model" (or none, where
     the deployment serves one model); every other field is the engine's to check."""
-    if not raw:
-        raise APIError(400, "request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    body, raw = strip_pd_fields(body, raw, allowed_fields)
+    body, raw = strip_pd_fields(json_object(raw), raw, allowed_fields)
     _check_type(body, "model", (str,), "a string")
     stream = False
     if path == RESPONSES:

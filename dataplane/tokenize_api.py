@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 
 from dataplane.chat_template import TokenizeError
 from dataplane.errors import APIError
+from dataplane.requests import json_object
 from dataplane.tokenizer import Tokenizer
 
 NO_TOKENIZER = ("this data plane has no tokenizer: start it with --tokenizer DIR (a model directory with "
@@ -28,14 +28,7 @@ NO_TOKENIZER = ("this data plane has no tokenizer: start it with --tokenizer DIR
 
 
 def json_body(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise APIError(400, "request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
+    body = json_object(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
