@@ -110,7 +110,7 @@ class Plane:
         return (await self.store.loads([wid]))[wid]
 
 
-async def make(policy="predicted_latency", workers=("a", "b"), role=Role.BOTH, roles=None, **profiles) -> Plane:
+async def make(policy="predicted_latency_queued", workers=("a", "b"), role=Role.BOTH, roles=None, **profiles) -> Plane:
     """``roles``: {worker id: role} for a mixed fleet (else every worker has ``role``)."""
     store, fleet, stats, predictor = MemoryStore(), Fleet(), PlacementStats.new(), Predictor()
     for wid in workers:
