@@ -119,6 +119,23 @@ def test_near_best_picker_lets_load_decide_what_the_scores_cannot():
     assert set(Counter(p.pick(ctx(), same).worker.id for _ in range(100))) == {"x", "y"}
 
 
+def test_near_best_picker_keeps_a_conversation_on_the_engine_holding_it_beyond_the_common_prefix():
+    p = NearBestPicker(rng=random.Random(6))
+    # Every engine holds the 4-block system prompt; "a" also holds this conversation (20 blocks)
+    # and runs more requests, its cost 3 % worse: the cache decides, not load.
+    c = ctx(match_blocks={"a": 20, "b": 4, "c": 4}, common_blocks=4)
+    cands = [Candidate(worker("a", reqs=6), score=0.97), Candidate(worker("b", reqs=0), score=1.0),
+             Candidate(worker("c", reqs=1), score=0.99)]
+    assert all(p.pick(c, cands).worker.id == "a" for _ in range(20))
+    # Beyond the band the cost still wins.
+    cands[0].score = 0.9
+    assert all(p.pick(c, cands).worker.id == "b" for _ in range(20))
+    # A new conversation (nothing beyond the common prefix anywhere): load decides.
+    new = ctx(match_blocks={"a": 4, "b": 4, "c": 4}, common_blocks=4)
+    cands[0].score = 0.97
+    assert all(p.pick(new, cands).worker.id == "b" for _ in range(20))
+
+
 def test_near_best_picker_widens_the_band_by_the_tpot_error_for_decode_legs():
     from controlplane.prediction import Predictor
     predictor = Predictor()
