@@ -86,8 +86,11 @@ async def test_repeated_prefix_goes_to_the_same_rank_routed_mode():
     other = (await placer.place(entry("x", [99, 98]))).decode.dp_rank
     assert other == 1 - first    # no match anywhere: the least-loaded rank
     assert placer.kv.rank_depths(chain, spec("a", dp_size=2)) == {first: 4}
-    # A new prompt continuing the conversation's first turn differently: that turn is now
-    # a prefix different prompts share (a system prompt), which prefers no rank: load decides.
+    # New prompts continuing the conversation's first turn differently: once several have,
+    # that turn is a prefix different prompts share (a system prompt), which prefers no rank:
+    # load decides (the first ones still followed it, so its rank is the busier one).
+    for i in range(placer.profile.shared.branches - 1):
+        assert (await placer.place(entry(f"branch{i}", chain + [300 + i]))).decode.dp_rank == first
     assert (await placer.place(entry("new", chain + [200]))).decode.dp_rank == 1 - first
 
 

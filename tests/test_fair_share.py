@@ -135,7 +135,7 @@ def starved(got: dict[str, Counter], engines: int, total: int) -> list[str]:
             for wid, n in counts.items() if n < total / engines / 2]
 
 
-def test_a_prefix_is_shared_once_two_prompts_continue_it_differently():
+def test_a_prefix_is_shared_once_several_prompts_continue_it_differently():
     from controlplane.scheduling.shared import SharedPrefixes
 
     system = list(range(1000, 1032))
@@ -146,8 +146,12 @@ def test_a_prefix_is_shared_once_two_prompts_continue_it_differently():
     assert s.common_depth(turn1[:36], [32, 0]) == 0     # a shorter one (it may be a truncation): still not
     follow_up = turn1 + list(range(11, 21))             # matched past the system prompt, into its conversation
     assert s.common_depth(follow_up, [42, 32, 0]) == 0
-    other = system + list(range(500, 510))              # a new conversation on the same system prompt
-    assert s.common_depth(other, [32, 0]) == 32
+    # New conversations on the same system prompt: a prefix two prompts continue (a document
+    # asked twice, a branched agent) still tells its engine apart; a third continuation
+    # makes it a shared prefix (SharedPrefixes.branches).
+    for n, start in enumerate((500, 600, 700)):
+        other = system + list(range(start, start + 10))
+        assert s.common_depth(other, [32, 0]) == (32 if n >= s.branches - 1 else 0)
     # The follow-up's own part still tells its engine apart; the system prompt does not.
     assert s.common_depth(follow_up, [42, 32, 0]) == 32
     # Without any shared prefix the candidates' minimum is common.
@@ -176,7 +180,8 @@ def test_the_prefix_cache_scorer_counts_what_tells_candidates_apart_and_only_pas
     c.cached_blocks = {"a": 1, "b": 1, "c": 1}
     decision = profile.place(c, views)
     assert decision.worker.id == "a" and "common prefix 0blk" not in decision.explain()
-    profile.shared.note(list(range(40)) + [7] * 60, 40)        # another prompt continued those 40 blocks
+    for other in range(7, 7 + profile.shared.branches):       # other prompts continued those 40 blocks
+        profile.shared.note(list(range(40)) + [other] * 60, 40)
     decision = profile.place(c, views)
     assert decision.worker.id == "a" and "common prefix 40blk (prefers no one)" in decision.explain()
 
