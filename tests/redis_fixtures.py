@@ -8,6 +8,7 @@ from the OS packages when it is missing. Import the fixtures you use into the te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -152,3 +153,25 @@ def redis_persistent():
         yield server.start()
     finally:
         server.close()
+
+
+@contextlib.asynccontextmanager
+async def redis_replicas(redis_url: str, key_prefix: str, count: int = 2, **config):
+    """``count`` in-process control planes sharing one Redis state (``key_prefix`` keeps the
+    test's keys apart), on any free ports; stopped on the way out, even when one failed to
+    start."""
+    from controlplane.config import ControlPlaneConfig, StateConfig
+    from controlplane.server import ControlPlane
+
+    planes = []
+    try:
+        for _ in range(count):
+            cp = ControlPlane(ControlPlaneConfig(
+                listen="127.0.0.1:0", http_port=0,
+                state=StateConfig(backend="redis", redis_url=redis_url, key_prefix=key_prefix), **config))
+            await cp.start()
+            planes.append(cp)
+        yield planes
+    finally:
+        for cp in planes:
+            await cp.stop()

@@ -18,7 +18,7 @@ import pytest
 
 from omni_proxy.launcher import Child, ProcessGroup
 from tests.conftest import wait_until
-from tests.redis_fixtures import redis_server  # noqa: F401
+from tests.redis_fixtures import redis_replicas, redis_server  # noqa: F401
 
 MODEL = "sim-model"
 
@@ -306,20 +306,11 @@ async def test_remove_holds_on_every_replica_through_redis(redis_server):  # noq
 
     import grpc
 
-    from controlplane.config import ControlPlaneConfig, StateConfig
-    from controlplane.server import ControlPlane
     from protos import omni_proxy_pb2 as pb
     from protos import omni_proxy_pb2_grpc as pb_grpc
 
-    planes, prefix = [], f"fence-{uuid.uuid4().hex[:8]}:"
     url = "http://127.0.0.1:21"
-    try:
-        for _ in range(2):
-            cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", http_port=0, heartbeat_ttl_s=30.0,
-                                                 state=StateConfig(backend="redis", redis_url=redis_server.url,
-                                                                   key_prefix=prefix)))
-            await cp.start()
-            planes.append(cp)
+    async with redis_replicas(redis_server.url, f"fence-{uuid.uuid4().hex[:8]}:", heartbeat_ttl_s=30.0) as planes:
         a, b = planes
         async with grpc.aio.insecure_channel(f"127.0.0.1:{b.grpc_port}") as cb:
             reg_b = pb_grpc.RegistryStub(cb)
@@ -346,6 +337,3 @@ async def test_remove_holds_on_every_replica_through_redis(redis_server):  # noq
             restarted = pb.RegisterRequest(url=url, role=pb.ROLE_BOTH, worker_id="eng-f", owner_key="key-new")
             assert (await reg_b.Register(restarted, timeout=5)).worker_id == "eng-f"
             await reg_b.Deregister(pb.DeregisterRequest(worker_id="eng-f", owner_key="key-new"), timeout=5)
-    finally:
-        for cp in planes:
-            await cp.stop()

@@ -425,19 +425,25 @@ class _Collector:
         self.server.server_close()
 
 
-@pytest.fixture(scope="module")
-def otel():
-    pytest.importorskip("opentelemetry.sdk")
-    collector = _Collector()
+def _start_exporting_fast(roles: dict, **kw):
+    """start_cluster with the processes' span exporters flushing every 100 ms (their
+    environment is read at start; this process's is restored at once)."""
     saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"     # the data plane exports every 100 ms
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
     try:
-        c = start_cluster({"agg": "both"}, dp_args=["--otel-endpoint", collector.url])
+        return start_cluster(roles, **kw)
     finally:
         if saved is None:
             os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
         else:
             os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
+
+
+@pytest.fixture(scope="module")
+def otel():
+    pytest.importorskip("opentelemetry.sdk")
+    collector = _Collector()
+    c = _start_exporting_fast({"agg": "both"}, dp_args=["--otel-endpoint", collector.url])
     try:
         yield c, collector
     finally:
@@ -511,17 +517,9 @@ def otel_cp(tmp_path_factory):
     collector = _Collector()
     config = tmp_path_factory.mktemp("cp") / "cp.toml"
     config.write_text(HELD_PROFILE)
-    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
-    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
-    try:
-        c = start_cluster({"agg": "both"}, policy="held", dp_args=["--otel-endpoint", collector.url],
-                          cp_args=["--config", str(config), "--otel-endpoint", collector.url],
-                          sim_args={"agg": ["--prefill-ms-per-token", "2.0"]})
-    finally:
-        if saved is None:
-            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
-        else:
-            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
+    c = _start_exporting_fast({"agg": "both"}, policy="held", dp_args=["--otel-endpoint", collector.url],
+                              cp_args=["--config", str(config), "--otel-endpoint", collector.url],
+                              sim_args={"agg": ["--prefill-ms-per-token", "2.0"]})
     try:
         yield c, collector
     finally:

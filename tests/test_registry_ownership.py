@@ -18,13 +18,13 @@ import grpc
 import pytest
 
 from controlplane.auth import AuthConfig
-from controlplane.config import ControlPlaneConfig, StateConfig, WorkerSpec as WorkerConfig
+from controlplane.config import ControlPlaneConfig, WorkerSpec as WorkerConfig
 from controlplane.server import ControlPlane
 from controlplane.workers import Role
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
-from tests.redis_fixtures import redis_server  # noqa: F401
+from tests.redis_fixtures import redis_replicas, redis_server  # noqa: F401
 
 ADMIN = "adm-secret-123"
 ENGINE_1 = "eng1-secret-456"
@@ -172,14 +172,7 @@ def test_a_spec_from_before_owner_keys_stays_usable_by_its_engine():
 async def test_ownership_is_shared_by_replicas_through_redis(redis_server):  # noqa: F811
     """The owner key lives in the spec: a replica that did not see the registration still
     knows the owner (heartbeats go to whichever replica answers)."""
-    planes, prefix = [], f"own-{uuid.uuid4().hex[:8]}:"
-    try:
-        for _ in range(2):
-            cp = ControlPlane(ControlPlaneConfig(listen="127.0.0.1:0", http_port=0, heartbeat_ttl_s=30.0,
-                                                 state=StateConfig(backend="redis", redis_url=redis_server.url,
-                                                                   key_prefix=prefix)))
-            await cp.start()
-            planes.append(cp)
+    async with redis_replicas(redis_server.url, f"own-{uuid.uuid4().hex[:8]}:", heartbeat_ttl_s=30.0) as planes:
         a, b = planes
         async with grpc.aio.insecure_channel(f"127.0.0.1:{a.grpc_port}") as ca, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{b.grpc_port}") as cb:
@@ -198,6 +191,3 @@ async def test_ownership_is_shared_by_replicas_through_redis(redis_server):  # n
                                           timeout=5)).known
             assert b.fleet.get("eng-r").url == "http://127.0.0.1:21"
             await reg_b.Deregister(pb.DeregisterRequest(worker_id="eng-r", owner_key="key-r"), timeout=5)
-    finally:
-        for cp in planes:
-            await cp.stop()
