@@ -19,13 +19,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from controlplane.dp_rank import RankChooser, rank_key
 from controlplane.fleet import Fleet
 from controlplane.kvcache.manager import KVCache
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.scheduling.latency import pair_decode
-from controlplane.scheduling.shared import telling_apart
 from controlplane.state import Charge, RequestRecord, StateStore
 from controlplane.workers import IDLE, ROLE_TO_PB, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -45,11 +45,6 @@ def _endpoint(worker: WorkerView) -> pb.Endpoint:
     spec = worker.spec
     return pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
                        bootstrap_port=spec.bootstrap_port, dp_size=spec.dp_size if spec.dp_size > 1 else 0)
-
-
-def rank_key(worker_id: str, dp_rank: int) -> str:
-    """The ledger key of one DP rank's load (charged beside the worker's own total)."""
-    return f"{worker_id}#{dp_rank}"
 
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
@@ -101,7 +96,7 @@ class Placer:
         self.predictor = predictor or Predictor()
         self.block_size = block_size
         self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
-        self._rank_turn: dict[str, int] = {}   # per DP worker: the rank that wins the next full tie
+        self.ranks = RankChooser(store, profile.shared)   # the DP rank of a data-parallel worker
         # The fleet's least-loaded order follows the ledger: told by the store on every change
         # when the store can (MemoryStore), else by this placer whenever it reads or charges a load.
         listeners = getattr(store, "load_listeners", None)
@@ -212,7 +207,7 @@ class Placer:
         ranks: dict[str, int] = {}
         for w, _ in charges:
             if w.spec.dp_size > 1 and w.spec.id not in ranks:
-                ranks[w.spec.id], why = await self._rank(w, chain, advance=not dry_run)
+                ranks[w.spec.id], why = await self.ranks.choose(w, chain, self.kv, advance=not dry_run)
                 for ep in (out.prefill, out.decode):
                     if ep.worker_id == w.spec.id:
                         ep.dp_rank = ranks[w.spec.id]
@@ -313,29 +308,6 @@ class Placer:
         loads = await self.store.loads(ids)
         views = self.fleet.views(ids, loads)
         pair_decode(ctx, views, self.kv.match(chain, views) if chain else {})
-
-    async def _rank(self, worker: WorkerView, chain: list[int], advance: bool = True) -> tuple[int, str]:
-        """The DP rank of a data-parallel worker: the deepest prefix match among its ranks,
-        ties to the rank with the least load in the ledger (requests, then tokens), then in turn
-        (a rotating start, so new prefixes on an idle worker spread over its ranks).
-        As for workers, only the part of a match that tells the ranks apart counts
-        (``scheduling.shared``): with a system prompt on every prompt, every new conversation
-        went to the rank that held it. Returns (rank, a short reason for explanations)."""
-        spec = worker.spec
-        size = spec.dp_size
-        depths = self.kv.rank_depths(chain, worker) if chain and self.kv is not None else {}
-        loads = await self.store.loads([rank_key(spec.id, r) for r in range(size)])
-        start = self._rank_turn.get(spec.id, 0)
-        apart = telling_apart(self.profile.shared, chain, [depths.get(r, 0) for r in range(size)]) \
-            if depths else [0] * size
-        best = min(range(size), key=lambda r: (-apart[r], loads[rank_key(spec.id, r)].requests,
-                                               loads[rank_key(spec.id, r)].tokens, (r - start) % size))
-        if advance:   # (an explanation's dry run leaves the turn where it is)
-            if len(self._rank_turn) >= 65536:
-                self._rank_turn.clear()
-            self._rank_turn[spec.id] = (best + 1) % size
-        load = loads[rank_key(spec.id, best)]
-        return best, f"prefix {depths.get(best, 0)} blocks, {load.requests} requests, {load.tokens} tokens"
 
     def _endpoint(self, worker: WorkerView) -> pb.Endpoint:
         """The worker's endpoint message, built once per spec (specs are immutable; callers
