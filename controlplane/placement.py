@@ -11,14 +11,13 @@ placement of the same burst, which a policy reading engine metrics seconds old c
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+from controlplane.commit import Placed, PlacementCommit
 from controlplane.dp_rank import RankChooser, rank_key
 from controlplane.fleet import Fleet
 from controlplane.kvcache.manager import KVCache
@@ -26,11 +25,15 @@ from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.scheduling.latency import pair_decode
-from controlplane.state import Charge, RequestRecord, StateStore
+from controlplane.placement_stats import LATENCY_BUCKETS, LatencyHistogram, PlacementStats
+from controlplane.state import RequestRecord, StateStore
 from controlplane.workers import IDLE, ROLE_TO_PB, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# Importable from here as before (controlplane.metrics, lifecycle, server, tests).
+__all__ = ["LATENCY_BUCKETS", "MAX_TOKENS", "PD_FLOWS", "LatencyHistogram", "PlacementStats", "Placer", "rank_key"]
 
 _LEG_NAMES = {pb.LEG_ENTRY: "entry", pb.LEG_PREFILL: "prefill", pb.LEG_DECODE: "decode"}
 _LEG_ROLES = {"prefill": (Role.PREFILL,), "decode": (Role.DECODE,)}
@@ -45,39 +48,6 @@ def _endpoint(worker: WorkerView) -> pb.Endpoint:
     spec = worker.spec
     return pb.Endpoint(worker_id=spec.id, url=spec.url, role=ROLE_TO_PB[spec.role],
                        bootstrap_port=spec.bootstrap_port, dp_size=spec.dp_size if spec.dp_size > 1 else 0)
-
-
-LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
-
-
-@dataclass
-class LatencyHistogram:
-    counts: list[int]
-    sum_s: float = 0.0
-    total: int = 0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds) if seconds <= LATENCY_BUCKETS[-1]
-                    else len(LATENCY_BUCKETS)] += 1
-        self.sum_s += seconds
-        self.total += 1
-
-
-@dataclass
-class PlacementStats:
-    """Counters the control plane exports on /metrics."""
-
-    placed: Counter
-    errors: Counter
-    predicted_hit_blocks: Counter   # per worker: blocks the index said it held at placement
-    query_blocks: Counter           # per worker: blocks of the prompts placed on it
-    sessions: Counter               # data-plane sessions: opened, closed; requests claimed, released
-    latency: LatencyHistogram       # per placement decision (queue waits excluded)
-
-    @classmethod
-    def new(cls) -> "PlacementStats":
-        return cls(placed=Counter(), errors=Counter(), predicted_hit_blocks=Counter(), query_blocks=Counter(),
-                   sessions=Counter(), latency=LatencyHistogram([0] * (len(LATENCY_BUCKETS) + 1)))
 
 
 class Placer:
@@ -103,6 +73,8 @@ class Placer:
         self._store_notes_loads = listeners is not None
         if listeners is not None and fleet.note_load not in listeners:
             listeners.append(fleet.note_load)
+        # The one step that writes: ledger, fleet order, prefix bookkeeping, counters.
+        self.commit = PlacementCommit(store, fleet, self.stats, store_notes_loads=self._store_notes_loads)
         # The queue stage's runner, when the policy has one (late binding).
         self.queue = PlacementQueue(profile.queue, self.place) if profile.queue is not None else None
         self.metaserver_url = ""
@@ -217,50 +189,9 @@ class Placer:
         if dry_run:
             return out
 
-        prompt, total = req.prompt_tokens, req.prompt_tokens + req.max_tokens
-        now = time.monotonic()
-        charge_list = []
-        notes: dict = {}
-        for w, charge_leg in charges:
-            wid = w.spec.id
-            computes = charge_leg != "decode"
-            uncached = ctx.uncached_tokens(wid) if computes else 0
-            charge_list.append(Charge(worker_id=wid, leg=charge_leg, tokens=prompt if charge_leg == "prefill" else total,
-                                      prefill_tokens=uncached))
-            if wid in ranks:   # the rank's own load, released with the worker's (see rank_key)
-                charge_list.append(dataclasses.replace(charge_list[-1], worker_id=rank_key(wid, ranks[wid])))
-            if computes:
-                notes["work_ahead_tokens"] = w.load.prefill_tokens + uncached
-                notes["predicted_ttft_s"] = ctx.predicted.get(wid, (0.0, 0.0))[0]
-                if record is not None:
-                    notes["placed_at"] = now   # a prefill tried again elsewhere: timed from here
-            if charge_leg != "prefill":
-                notes["decode_batch"] = w.load.requests + 1
-            if charge_leg == "decode" and leg == "decode" and flow == pb.FLOW_SEQUENTIAL:
-                notes["decode_placed_at"] = now     # P has answered: D pulls from here on
-                notes["pull_tokens"] = ctx.uncached_tokens(wid)
-        template = record or RequestRecord(request_id=req.request_id, model=req.model, prompt_tokens=prompt,
-                                           max_tokens=req.max_tokens, session=session, flow=flow,
-                                           created_at=now, placed_at=now, **notes)
-        await self.store.reserve(template, tuple(charge_list), **notes)
-        stats = self.stats
-        for worker, charge_leg in charges:
-            wid = worker.spec.id
-            if not self._store_notes_loads:
-                # The least-loaded order learns of this charge now (a store with a load
-                # listener has told the fleet already).
-                c = next(c for c in charge_list if c.worker_id == wid)
-                load = worker.load
-                fleet.note_load(wid, dataclasses.replace(load, requests=load.requests + 1,
-                                                         tokens=load.tokens + c.tokens))
-            fleet.placements[wid] += 1
-            stats.placed[(wid, charge_leg)] += 1
-            if chain and charge_leg != "decode":
-                # The worker that computes the prompt is the one whose cache counts.
-                depth = ctx.match_blocks.get(wid, 0)
-                self.kv.placed(worker.spec, chain, depth, ranks.get(wid, 0))
-                stats.predicted_hit_blocks[wid] += depth
-                stats.query_blocks[wid] += len(chain)
+        await self.commit(Placed(request_id=req.request_id, model=req.model, prompt_tokens=req.prompt_tokens,
+                                 max_tokens=req.max_tokens, session=session, leg=leg, flow=flow, ctx=ctx,
+                                 charges=charges, chain=chain, ranks=ranks, record=record), self.kv)
         if flow == pb.FLOW_LAYERWISE and leg == "entry" and self.on_layerwise is not None:
             self.on_layerwise(req, out)
         return out

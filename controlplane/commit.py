@@ -1,0 +1,136 @@
+"""The commit step of a placement: everything a decision changes once it is made.
+
+Deciding reads (candidates, loads, the prefix index) and changes nothing but the policy's own
+memory; an explanation (``omni-ctl explain``) is the same decision, not committed. Committing
+is the one place that writes, in this order:
+
+1. **the ledger**: every charge of the decision (the worker's, and its DP rank's beside it,
+   ``dp_rank.rank_key``) in one ``reserve`` call, with what placement predicted noted on the
+   request's record (``ledger_charges``): what the outcome later teaches the latency models;
+2. **the fleet's least-loaded order**, when the store does not tell the fleet of each load
+   change itself (a store with load listeners has already);
+3. **the prefix bookkeeping**: the worker that computes the prompt now holds it (pending until
+   its KV events say so, or routed for a worker without events);
+4. **the counters** for /metrics (placements per worker and leg, predicted hit blocks).
+
+The ledger comes first: if it fails (a store outage), nothing else claims a placement that
+never happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from controlplane.dp_rank import rank_key
+from controlplane.fleet import Fleet
+from controlplane.placement_stats import PlacementStats
+from controlplane.scheduling import PlacementContext
+from controlplane.state import Charge, RequestRecord, StateStore
+from controlplane.workers import WorkerSpec, WorkerView
+from protos import omni_proxy_pb2 as pb
+
+
+class PlacedPrefixes(Protocol):
+    """What the commit step needs of the prefix index (``kvcache.manager.KVCache``)."""
+
+    def placed(self, worker: WorkerSpec | WorkerView, chain: Sequence[int], predicted_depth: int,
+               dp_rank: int = 0) -> None: ...
+
+
+@dataclass(slots=True)
+class Placed:
+    """A decided placement, as much of it as committing needs."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    session: str
+    leg: str                                    # the leg placed: "entry", "prefill" or "decode"
+    flow: int                                   # pb.Flow of the request
+    ctx: PlacementContext                       # the decision's context (matches, predictions)
+    charges: list[tuple[WorkerView, str]]       # (worker, leg it is charged for), in charge order
+    chain: Sequence[int] = ()                   # the prompt's block hashes (empty: caches ignored)
+    ranks: dict[str, int] = field(default_factory=dict)   # DP rank per data-parallel worker charged
+    record: RequestRecord | None = None         # the request's record, for a later leg
+
+
+def ledger_charges(placed: Placed, now: float) -> tuple[list[Charge], dict[str, Any]]:
+    """The ledger's charges of ``placed`` and the notes for its record (a pure function).
+
+    A worker that computes the prompt (prefill, aggregated) is charged the tokens it lacks
+    as prefill work; the one that decodes holds the whole request's tokens. The notes say what
+    placement predicted: the prefill work ahead and the predicted TTFT on the computing worker,
+    the decode batch joined, and for a sequential decode leg when D started pulling, and how much.
+    """
+    ctx, prompt = placed.ctx, placed.prompt_tokens
+    total = prompt + placed.max_tokens
+    charge_list: list[Charge] = []
+    notes: dict[str, Any] = {}
+    for w, charge_leg in placed.charges:
+        wid = w.spec.id
+        computes = charge_leg != "decode"
+        uncached = ctx.uncached_tokens(wid) if computes else 0
+        charge_list.append(Charge(worker_id=wid, leg=charge_leg, tokens=prompt if charge_leg == "prefill" else total,
+                                  prefill_tokens=uncached))
+        if wid in placed.ranks:   # the rank's own load, released with the worker's (see rank_key)
+            charge_list.append(dataclasses.replace(charge_list[-1], worker_id=rank_key(wid, placed.ranks[wid])))
+        if computes:
+            notes["work_ahead_tokens"] = w.load.prefill_tokens + uncached
+            notes["predicted_ttft_s"] = ctx.predicted.get(wid, (0.0, 0.0))[0]
+            if placed.record is not None:
+                notes["placed_at"] = now   # a prefill tried again elsewhere: timed from here
+        if charge_leg != "prefill":
+            notes["decode_batch"] = w.load.requests + 1
+        if charge_leg == "decode" and placed.leg == "decode" and placed.flow == pb.FLOW_SEQUENTIAL:
+            notes["decode_placed_at"] = now     # P has answered: D pulls from here on
+            notes["pull_tokens"] = ctx.uncached_tokens(wid)
+    return charge_list, notes
+
+
+class PlacementCommit:
+    """Commits decided placements for one placer (see the module's docstring for the order)."""
+
+    def __init__(self, store: StateStore, fleet: Fleet, stats: PlacementStats, *, store_notes_loads: bool) -> None:
+        self.store = store
+        self.fleet = fleet
+        self.stats = stats
+        # Whether the store tells the fleet of every load change itself (a load listener).
+        self.store_notes_loads = store_notes_loads
+
+    async def __call__(self, placed: Placed, kv: PlacedPrefixes | None) -> None:
+        """Reserve ``placed`` in the ledger, then account for it (``kv``: the prefix index, or
+        None when placement ignores caches)."""
+        now = time.monotonic()
+        charge_list, notes = ledger_charges(placed, now)
+        template = placed.record or RequestRecord(
+            request_id=placed.request_id, model=placed.model, prompt_tokens=placed.prompt_tokens,
+            max_tokens=placed.max_tokens, session=placed.session, flow=placed.flow, created_at=now, placed_at=now,
+            **notes)
+        await self.store.reserve(template, tuple(charge_list), **notes)
+        self.account(placed, charge_list, kv)
+
+    def account(self, placed: Placed, charge_list: Sequence[Charge], kv: PlacedPrefixes | None) -> None:
+        """After the ledger: the fleet's load order, the prefix bookkeeping and the counters."""
+        fleet, stats, chain, ctx = self.fleet, self.stats, placed.chain, placed.ctx
+        for worker, charge_leg in placed.charges:
+            wid = worker.spec.id
+            if not self.store_notes_loads:
+                # The least-loaded order learns of this charge now (a store with a load
+                # listener has told the fleet already).
+                c = next(c for c in charge_list if c.worker_id == wid)
+                load = worker.load
+                fleet.note_load(wid, dataclasses.replace(load, requests=load.requests + 1,
+                                                         tokens=load.tokens + c.tokens))
+            fleet.placements[wid] += 1
+            stats.placed[(wid, charge_leg)] += 1
+            if chain and kv is not None and charge_leg != "decode":
+                # The worker that computes the prompt is the one whose cache counts.
+                depth = ctx.match_blocks.get(wid, 0)
+                kv.placed(worker.spec, chain, depth, placed.ranks.get(wid, 0))
+                stats.predicted_hit_blocks[wid] += depth
+                stats.query_blocks[wid] += len(chain)
