@@ -33,7 +33,7 @@ from dataplane.tokenizer import Tokenizer
 from dataplane import tokenize_api
 from dataplane.requests import (CHAT, COMPLETIONS, PASSTHROUGH, ClientRequest, parse_passthrough, parse_request,
                                 slo_header)
-from dataplane.retry import RetryPolicy
+from dataplane.retry import leg_retry, prefill_retry
 from dataplane.server import App, ClientLimits
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
@@ -140,7 +140,8 @@ class DataPlane:
 
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
-        self._retry = RetryPolicy(attempts=config.retries)
+        self._retry = leg_retry(config.retries)
+        self._prefill_retry = prefill_retry(config.prefill_retries)
         self.tracing = _tracing(config) if config.otel_endpoint else None
         self.metrics = DataPlaneMetrics()
         self.upstream = Upstream(config.upstream)
@@ -317,8 +318,8 @@ class DataPlane:
             tracker.failed("", "flow not supported", 0)
             raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
         ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
-                          tracker=tracker, metrics=self.metrics, prefill_retries=self.config.prefill_retries,
-                          retry=self._retry,
+                          tracker=tracker, metrics=self.metrics, retry=self._retry,
+                          prefill_retry=self._prefill_retry,
                           watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
         try:
             response = await self._run_flow(ctx, placement, flow)

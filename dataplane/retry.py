@@ -2,37 +2,36 @@
 
 Only before the client has received a byte, and only for failures that are the engine's
 (unreachable, 5xx, overloaded 429/503, timed out): a 4xx is the request's own fault and
-would fail anywhere. The pause before each further attempt grows exponentially with
-jitter, so a fleet-wide hiccup does not turn into a synchronized retry storm. A failed
-engine's ``Retry-After`` concerns that engine: it goes to the control plane with the
-failure report, which keeps the engine out of rotation that long (for every request),
-and to the client when no other worker could take the request.
+would fail anywhere. The pause before each further attempt is ``omni_runtime.retry``'s, the
+policy of every retried thing: exponential with full jitter, so a fleet-wide hiccup does not
+turn into a synchronized retry storm. A failed engine's ``Retry-After`` concerns that engine:
+it goes to the control plane with the failure report, which keeps the engine out of rotation
+that long (for every request), and to the client when no other worker could take the request.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
-
 from dataplane.upstream import UpstreamError
+from omni_runtime.retry import Retry, retryable_error
 
-RETRYABLE = frozenset({0, 429, 500, 502, 503, 504})
+BASE_DELAY_S = 0.02     # the first retry's jitter window, doubling up to
+MAX_DELAY_S = 1.0
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempts: int = 2               # further workers to try after the first failed
-    base_delay_s: float = 0.02
-    max_delay_s: float = 1.0
-    rng: random.Random = field(default_factory=random.Random, compare=False)
+def leg_retry(attempts: int) -> Retry:
+    """Aggregated and decode legs: ``attempts`` further workers after the first failed."""
+    return Retry(attempts=attempts, base_s=BASE_DELAY_S, max_s=MAX_DELAY_S)
 
-    def retryable(self, exc: UpstreamError, attempt: int) -> bool:
-        return attempt < self.attempts and (exc.upstream_status or 0) in RETRYABLE
 
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before attempt number ``attempt`` (1 = the first retry)."""
-        backoff = min(self.base_delay_s * (2 ** (attempt - 1)), self.max_delay_s)
-        return self.rng.uniform(0, backoff)            # "full jitter"
+def _prefill_retryable(exc: BaseException) -> bool:
+    # A P that answered 200 without kv_transfer_params lacks a kv_producer connector:
+    # another P may have one.
+    return retryable_error(exc) or (isinstance(exc, UpstreamError) and exc.upstream_status == 200)
+
+
+def prefill_retry(attempts: int) -> Retry:
+    """Sequential prefill legs: ``attempts`` further prefill workers after the first failed."""
+    return Retry(attempts=attempts, base_s=BASE_DELAY_S, max_s=MAX_DELAY_S, retryable=_prefill_retryable)
 
 
 def retry_after_s(exc: UpstreamError) -> float:

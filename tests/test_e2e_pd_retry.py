@@ -62,3 +62,18 @@ async def test_prefill_over_its_timeout_is_retried_elsewhere_and_stays_in_rotati
     assert len(await pd.sim_requests("p-a")) >= 1 and len(await pd.sim_requests("p-b")) == 2
     a = (await pd.workers())["p-a"]
     assert a.failures_total >= 1 and a.status == pb.STATUS_HEALTHY   # slow is not dead
+
+
+
+async def test_a_prefill_4xx_is_not_tried_on_another_prefill_worker(pd: Cluster, http):
+    """A 4xx would fail on every P: one P sees the request, D never does. (Most 4xx pass
+    through as the client's own error before any retry decision; 408 reaches the retry
+    policy, omni_runtime.retry, which never retries a 4xx.) A P that answers 5xx is retried, above."""
+    for name in ("p-a", "p-b"):
+        await pd.sim_post(name, "/sim/faults", {"status": 408, "message": f"{name}: request timeout", "count": -1})
+    async with http.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+    assert err["upstream_status"] == 408 and "request timeout" in err["message"]
+    assert len(await pd.sim_requests("p-a")) + len(await pd.sim_requests("p-b")) == 1
+    assert await pd.sim_requests("d") == []

@@ -8,9 +8,10 @@ from dataplane.messages import Request, StreamResponse
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import PlacementClient
 from dataplane.requests import ClientRequest
-from dataplane.retry import RetryPolicy
+from dataplane.retry import leg_retry, prefill_retry
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream
+from omni_runtime.retry import Retry
 
 
 @dataclass
@@ -21,8 +22,8 @@ class FlowContext:
     placements: PlacementClient
     tracker: RequestTracker
     metrics: DataPlaneMetrics
-    prefill_retries: int = 1      # other prefill workers to try when P fails (sequential)
-    retry: RetryPolicy = field(default_factory=RetryPolicy)   # aggregated legs and D legs
+    retry: Retry = field(default_factory=lambda: leg_retry(2))                  # aggregated legs and D legs
+    prefill_retry: Retry = field(default_factory=lambda: prefill_retry(1))      # P legs (sequential)
     # Why the flow closed a leg itself (e.g. parallel P failed): shown to the client.
     abort_reason: str = ""
     # Recompute support (PD flows): watch for D giving the request back; the client's

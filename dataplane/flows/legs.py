@@ -1,14 +1,13 @@
 """Opening a leg that may be moved to another worker while nothing has reached the client.
 
 One loop for every flow that can retry a leg (aggregated, decode): the leg is opened on
-its worker; a failure the retry policy allows (``dataplane.retry``) is reported for that
-worker, ``replace`` picks another one (raising the original error when there is none),
-and after a jittered pause the leg is opened there.
+its worker; a failure the retry policy allows (``dataplane.retry``, ``omni_runtime.retry``) is
+reported for that worker, ``replace`` picks another one (raising the original error when there
+is none), and after the policy's jittered pause the leg is opened there.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -36,11 +35,12 @@ async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: st
         except UpstreamError as exc:
             failed = endpoint.worker_id
             tried.append(failed)
-            if not ctx.retry.retryable(exc, len(tried) - 1):
+            pause = ctx.retry.next_delay(exc, len(tried))
+            if pause is None:
                 raise
             log.warning("worker %s failed before the first byte (%s %s); trying another worker",
                         failed, exc.upstream_status, exc.message, extra={"worker": failed})
             ctx.tracker.leg_failed(failed, exc.message, exc.upstream_status or 0, retry_after_s(exc))
             ctx.metrics.upstream_errors.labels(failed, str(exc.upstream_status)).inc()
             endpoint = await replace(tried, exc)
-            await asyncio.sleep(ctx.retry.delay(len(tried)))
+            await ctx.retry.sleep(pause)

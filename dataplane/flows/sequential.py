@@ -3,7 +3,9 @@
 P gets a copy capped at one token with ``do_remote_decode``; it answers with the
 ``kv_transfer_params`` that tell D where the KV blocks are. D is chosen only after P is
 done, so the choice uses D's load at that moment. P's load is released when D's first
-chunk arrives, because P holds the blocks until D has read them.
+chunk arrives, because P holds the blocks until D has read them. A P that fails is
+replaced by another (``dataplane.retry.prefill_retry``: not for a 4xx, which would fail on
+every P; yes for an answer without ``kv_transfer_params``, a P without a producer connector).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamRes
             break
         except UpstreamError as exc:
             tried.append(prefill.worker_id)
-            if len(tried) > ctx.prefill_retries:
+            pause = ctx.prefill_retry.next_delay(exc, len(tried))
+            if pause is None:
                 raise
             log.warning("prefill on %s failed (%s); trying another prefill worker", prefill.worker_id, exc.message,
                         extra={"worker": prefill.worker_id})
@@ -67,6 +70,7 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamRes
                 prefill = (await place(ctx.placements, req, pb.LEG_PREFILL, exclude=tried)).prefill
             except APIError:
                 raise exc from None  # no other prefill worker: the client hears the real failure
+            await ctx.prefill_retry.sleep(pause)
 
     decode = (await place(ctx.placements, req, pb.LEG_DECODE)).decode
     body = with_fields(req, {"kv_transfer_params": kv_params})
