@@ -22,6 +22,7 @@ import collections
 import itertools
 import logging
 import ssl
+import sys
 import time
 import zlib
 
@@ -31,6 +32,7 @@ from google.protobuf.message import DecodeError
 from dataplane.fallback import FallbackPlacer
 from dataplane.session_socket import SessionRefused, SocketCall
 from dataplane.session_socket import connect as connect_socket
+from omni_runtime.retry import Retry
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from protos.framing import FrameError, split_target
@@ -49,6 +51,10 @@ MAX_BATCH = 256
 REPORT_HOLD_S = 0.002
 # A control plane whose session socket could not be reached is asked on gRPC meanwhile.
 SOCKET_RETRY_S = 60.0
+# The pause before connecting again (omni_runtime.retry: full jitter, 50 ms doubling to 1 s):
+# after every replica failed to answer, longer each round; after a session ended, longer
+# each time one ends within RECONNECT.max_s of its start (a control plane refusing us).
+RECONNECT = Retry(attempts=sys.maxsize, base_s=0.05, max_s=1.0)
 
 
 class ControlPlaneUnavailable(Exception):
@@ -259,7 +265,8 @@ class PlacementClient:
 
     async def _run(self) -> None:
         index = self._first
-        failed_in_a_row = 0
+        failed_in_a_row = 0      # replicas that did not answer since one did
+        ended_in_a_row = 0       # sessions that ended soon after they started
         while not self._closing:
             target = self.targets[index]
             channel = self._channel(target)
@@ -269,12 +276,14 @@ class PlacementClient:
                 index = (index + 1) % len(self.targets)
                 failed_in_a_row += 1
                 if failed_in_a_row >= len(self.targets):   # every replica tried: breathe
-                    await asyncio.sleep(min(0.05 * failed_in_a_row, 1.0))
+                    await RECONNECT.sleep(RECONNECT.delay(failed_in_a_row - len(self.targets) + 1))
                 continue
             failed_in_a_row = 0
+            started = time.monotonic()
             await self._session(target, channel)
+            ended_in_a_row = ended_in_a_row + 1 if time.monotonic() - started < RECONNECT.max_s else 1
             if not self._closing:
-                await asyncio.sleep(0.05)
+                await RECONNECT.sleep(RECONNECT.delay(ended_in_a_row))
 
     async def _open_socket(self, target: str) -> SocketCall | None:
         """The session socket of ``target``'s control plane, or None: use the gRPC stream
