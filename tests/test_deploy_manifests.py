@@ -832,7 +832,9 @@ def test_vllm_plugin_image(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     wheel = next((tmp_path / "wheels").glob("omni_proxy_vllm_plugin-*.whl"))
     assert wheel.name.startswith(f"omni_proxy_vllm_plugin-{VERSION}-")
-    assert "engine_plugins/vllm_plugin/agent.py" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "engine_plugins/vllm_plugin/agent.py" in names
+    assert "omni_runtime/retry.py" in names          # the agent's backoff
     # every engine of the manifests runs this image, at the package version
     engines = [w for w in workloads(all_docs()) if w["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
     assert engines

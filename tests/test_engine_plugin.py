@@ -12,6 +12,7 @@ answers, several control-plane addresses, environment parsing and the plugin's p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import sys
@@ -477,7 +478,7 @@ async def test_a_second_engine_cannot_take_a_registered_id_until_the_first_lets_
         url = plane.fleet.get("same").url
         second = Agent(Settings(controlplanes=[address], worker_id="same", advertise_url="http://127.0.0.1:9"),
                        facts_for(engine))
-        second.BACKOFF_MAX_S = 0.5
+        second.REGISTER_RETRY = dataclasses.replace(Agent.REGISTER_RETRY, max_s=0.5)
         second.start()
 
         async def second_refused():

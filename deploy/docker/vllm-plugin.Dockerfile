@@ -2,7 +2,7 @@
 # (VLLM_PLUGINS=omni_proxy; the OMNI_* variables of deploy/kubernetes/overlays/example say where).
 # Built from the repository root, which is the context (.dockerignore lets in what the wheel needs):
 #   docker build -f deploy/docker/vllm-plugin.Dockerfile -t omni-proxy-vllm:0.1.0 .
-# The plugin is the small wheel of packaging/vllm-plugin (the plugin and the gRPC stubs; it
+# The plugin is the small wheel of packaging/vllm-plugin (the plugin, the gRPC stubs and omni_runtime; it
 # depends only on grpcio and protobuf), so none of the router's dependencies enter the engine.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 

@@ -2,7 +2,8 @@
 
 One daemon thread per engine. It waits until the engine answers ``/health`` locally, then
 registers with the first control plane (of ``OMNI_CONTROLPLANE``'s comma-separated list) that
-answers, retrying with jittered exponential backoff (0.5 s doubling to 30 s) while none does.
+answers, retrying with backoff while none does (``omni_runtime.retry``, the policy of every retried
+thing: full jitter, 0.5 s doubling to 30 s).
 It never raises into the engine and never blocks it: every gRPC call has a deadline and runs
 on this thread. Heartbeats carry the engine's running/waiting requests (read from its own
 ``/metrics``), at the interval the control plane answered. A heartbeat answered
@@ -30,10 +31,10 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -43,6 +44,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from omni_runtime.retry import Retry
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
@@ -234,8 +236,9 @@ def engine_healthy(local_url: str, timeout: float = 2.0) -> bool:
 class Agent:
     """Registers one engine and keeps it registered, on a daemon thread."""
 
-    BACKOFF_MIN_S = 0.5
-    BACKOFF_MAX_S = 30.0
+    # Registration failed (no control plane answered, the id still held): the pause before the
+    # next try, by failures in a row. Waited on the stop event, so only its delays are used.
+    REGISTER_RETRY = Retry(attempts=sys.maxsize, base_s=0.5, max_s=30.0)
 
     def __init__(self, settings: Settings, facts: EngineFacts, *, refused_retry_s: float = 60.0,
                  load_reader=read_load) -> None:
@@ -346,16 +349,16 @@ class Agent:
             if self._stop.is_set():
                 return
             self._connect()
-        backoff = self.BACKOFF_MIN_S
+        failures = 0
         while not self._stop.is_set():
             if not self.worker_id:
                 wait = self._register()
                 if wait is None:
-                    backoff = self.BACKOFF_MIN_S
+                    failures = 0
                     continue
                 if wait == "backoff":
-                    wait = backoff * random.uniform(0.8, 1.2)
-                    backoff = min(backoff * 2, self.BACKOFF_MAX_S)
+                    failures += 1
+                    wait = self.REGISTER_RETRY.delay(failures)
                 if self._wait(wait):
                     return
                 continue
