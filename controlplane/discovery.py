@@ -23,15 +23,12 @@ import tomllib
 from typing import Any
 
 from controlplane.config import WorkerSpec as ConfigWorker
-from controlplane import registry as _registry
-from controlplane.registry import WorkerRegistry
+from controlplane.registry import WorkerRegistry, worker_id_for
 from controlplane.workers import normalize_url
 
 log = logging.getLogger(__name__)
 
 SOURCE = "file"
-# the id a worker without one gets (the same as for config workers)
-_id_from_url = getattr(_registry, "worker_id_for", None) or getattr(_registry, "_id_from_url")
 
 
 def _entry_key(w: ConfigWorker) -> tuple:
@@ -120,7 +117,7 @@ class DiscoveryFile:
             except ValueError as exc:
                 log.error("discovery file: skipped: %s", exc)
                 continue
-            wid = w.id or _id_from_url(normalize_url(w.url), w.role)
+            wid = w.id or worker_id_for(normalize_url(w.url), w.role)   # as for config workers
             key = (normalize_url(w.url).lower(), w.role.value)
             if wid in out or key in urls:
                 log.error("discovery file: skipped: %s duplicates %s (id %s)", where,

@@ -93,6 +93,12 @@ class HealthChecker:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The HTTP session engines are checked with (its timeout and engine API key), for
+        another check made at once (omni-ctl add's first check); None until ``start``."""
+        return self._session
+
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
                                               headers=self._headers)

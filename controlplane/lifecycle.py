@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from controlplane.fleet import Fleet
+from controlplane.hooks import Hook
 from controlplane.placement import PlacementStats
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
@@ -55,8 +56,9 @@ class Lifecycle:
         self.stats = stats
         self.session_grace_s = session_grace_s
         self.max_request_age_s = max_request_age_s
-        # Hook for the metaserver: a request ended (its pending prefill, if any, goes too).
-        self.on_request_end: Callable[[str], None] | None = None
+        # Emitted with the request id when a placed request ends, whatever ended it (a report,
+        # an orphan's release, the stale sweep): the metaserver drops its pending prefill.
+        self.request_ended: Hook[[str]] = Hook("request ended")
 
     # ------------------------------------------------------------------ reports
 
@@ -81,8 +83,7 @@ class Lifecycle:
             if record is not None:
                 if kind == pb.EVENT_FINISHED:
                     self._learn_tpot(record, event)
-                if self.on_request_end is not None:
-                    self.on_request_end(event.request_id)
+                self.request_ended.emit(event.request_id)
             elif self.queue is not None:
                 self.queue.cancel(event.request_id)   # it was still waiting for an engine
             if kind == pb.EVENT_FAILED and event.worker_id:
@@ -210,8 +211,8 @@ class Lifecycle:
     async def _end(self, request_id: str) -> bool:
         """End the request's record; False if it had already ended."""
         ended = await self.store.end(request_id) is not None
-        if ended and self.on_request_end is not None:
-            self.on_request_end(request_id)
+        if ended:
+            self.request_ended.emit(request_id)
         if self.queue is not None:
             self.queue.kick()
         return ended

@@ -15,18 +15,19 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from controlplane.commit import Placed, PlacementCommit
 from controlplane.dp_rank import RankChooser, rank_key
 from controlplane.fleet import Fleet
+from controlplane.hooks import Hook
 from controlplane.kvcache.manager import KVCache
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.scheduling.latency import pair_decode
 from controlplane.placement_stats import LATENCY_BUCKETS, LatencyHistogram, PlacementStats
-from controlplane.state import RequestRecord, StateStore
+from controlplane.state import NotifiesLoads, RequestRecord, StateStore
 from controlplane.workers import IDLE, ROLE_TO_PB, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
 
@@ -53,7 +54,7 @@ def _endpoint(worker: WorkerView) -> pb.Endpoint:
 class Placer:
     def __init__(self, store: StateStore, fleet: Fleet, profile: Profile, *, pd_flow: str = "sequential",
                  metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None,
-                 predictor: Predictor | None = None, block_size: int = 16) -> None:
+                 predictor: Predictor | None = None, block_size: int = 16, kv: KVCache | None = None) -> None:
         if pd_flow not in PD_FLOWS:
             raise ValueError(f"unknown pd flow {pd_flow!r}; expected one of {', '.join(PD_FLOWS)}")
         self.store = store
@@ -62,24 +63,24 @@ class Placer:
         self.pd_flow = PD_FLOWS[pd_flow]
         self.metrics_max_age_s = metrics_max_age_s
         self.stats = stats or PlacementStats.new()
-        self.kv: KVCache | None = None     # prefix-cache view; None = placement ignores caches
+        self.kv = kv     # prefix-cache view; None = placement ignores caches
         self.predictor = predictor or Predictor()
         self.block_size = block_size
         self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
         self.ranks = RankChooser(store, profile.shared)   # the DP rank of a data-parallel worker
         # The fleet's least-loaded order follows the ledger: told by the store on every change
         # when the store can (MemoryStore), else by this placer whenever it reads or charges a load.
-        listeners = getattr(store, "load_listeners", None)
-        self._store_notes_loads = listeners is not None
-        if listeners is not None and fleet.note_load not in listeners:
-            listeners.append(fleet.note_load)
+        self._store_notes_loads = isinstance(store, NotifiesLoads)
+        if isinstance(store, NotifiesLoads) and fleet.note_load not in store.load_listeners:
+            store.load_listeners.append(fleet.note_load)
         # The one step that writes: ledger, fleet order, prefix bookkeeping, counters.
         self.commit = PlacementCommit(store, fleet, self.stats, store_notes_loads=self._store_notes_loads)
         # The queue stage's runner, when the policy has one (late binding).
         self.queue = PlacementQueue(profile.queue, self.place) if profile.queue is not None else None
         self.metaserver_url = ""
-        # Hook for the metaserver: a layerwise request was placed.
-        self.on_layerwise: Callable[[pb.PlaceRequest, pb.Placement], None] | None = None
+        # Emitted when a layerwise request's entry leg is placed (its decode engine chosen):
+        # the metaserver waits for that engine's call and may add to the placement (its token).
+        self.layerwise_placed: Hook[[pb.PlaceRequest, pb.Placement]] = Hook("layerwise request placed")
 
     # ------------------------------------------------------------------ placement
 
@@ -192,8 +193,8 @@ class Placer:
         await self.commit(Placed(request_id=req.request_id, model=req.model, prompt_tokens=req.prompt_tokens,
                                  max_tokens=req.max_tokens, session=session, leg=leg, flow=flow, ctx=ctx,
                                  charges=charges, chain=chain, ranks=ranks, record=record), self.kv)
-        if flow == pb.FLOW_LAYERWISE and leg == "entry" and self.on_layerwise is not None:
-            self.on_layerwise(req, out)
+        if flow == pb.FLOW_LAYERWISE and leg == "entry":
+            self.layerwise_placed.emit(req, out)
         return out
 
     async def _prefill_answered(self, req: pb.PlaceRequest, record: RequestRecord) -> RequestRecord:

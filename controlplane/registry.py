@@ -11,10 +11,9 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
-
 from controlplane.admin_state import AdminState
 from controlplane.fleet import Fleet
+from controlplane.hooks import WorkerEvents
 from controlplane.state import StateStore
 from controlplane.workers import Role, WorkerSpec, normalize_url
 
@@ -29,16 +28,17 @@ def worker_id_for(url: str, role: Role) -> str:
 
 class WorkerRegistry:
     def __init__(self, store: StateStore, fleet: Fleet, *, heartbeat_interval_s: float = 2.0,
-                 heartbeat_ttl_s: float = 10.0, admin: AdminState | None = None) -> None:
+                 heartbeat_ttl_s: float = 10.0, admin: AdminState | None = None,
+                 events: WorkerEvents | None = None) -> None:
         self.store = store
         self.fleet = fleet
         # Operators' weights, drains, additions and removals (the fence): see admin_state.py.
         self.admin = admin if admin is not None else AdminState()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        # Called for each new worker so it can be health-checked at once, not next round.
-        self.on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None
-        self.on_removed: Callable[[str], Awaitable[None]] | None = None
+        # Emitted for each worker added (so it is health-checked at once, not next round) or
+        # removed; the spec sync emits on the same hooks for other replicas' changes.
+        self.events = events if events is not None else WorkerEvents()
         self._tasks: set[asyncio.Future] = set()
 
     async def add(self, *, url: str, role: Role, model: str = "", weight: float | None = None,
@@ -72,10 +72,10 @@ class WorkerRegistry:
         self.fleet.beat(worker_id, time.monotonic())
         if existing is None:
             log.info("worker %s added (%s, %s, source=%s)", worker_id, url, role.value, source)
-        if self.on_added is not None:
+        if self.events.added:
             # Re-registration (engine restart, plugin reconnect) keeps the load: it is
             # in the ledger, keyed by id.
-            task = asyncio.ensure_future(self.on_added(spec))
+            task = asyncio.ensure_future(self.events.added.emit(spec))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return spec
@@ -100,8 +100,7 @@ class WorkerRegistry:
         if removed is None:
             return False
         load = await self.store.forget_worker(worker_id)
-        if self.on_removed is not None:
-            await self.on_removed(worker_id)
+        await self.events.removed.emit(worker_id)
         log.info("worker %s removed (%d requests were in flight)", worker_id, load.requests)
         return True
 

@@ -9,25 +9,15 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from controlplane import metrics
-from controlplane.admin_state import AdminState, spec_from_json
+from controlplane import compose, metrics
+from controlplane.admin_state import spec_from_json
 from controlplane.auth import AuthInterceptor, server_credentials, server_ssl_context
 from controlplane.config import ControlPlaneConfig
 from controlplane.discovery import DiscoveryFile
-from controlplane.health import HealthChecker
-from controlplane.kvcache.manager import KVCache
-from controlplane.fleet import Fleet
 from controlplane.grpc_guard import MalformedMessageGuard
-from controlplane.lifecycle import BreakerConfig, Lifecycle
-from controlplane.placement import PlacementStats, Placer
-from controlplane.prediction import Predictor
-from controlplane.registry import WorkerRegistry, worker_id_for
-from controlplane.scheduling import build_profile
-from controlplane.services import AdminService, RegistryService, SchedulerService
+from controlplane.registry import worker_id_for
 from controlplane.session_socket import SessionSocketServer
-from controlplane.state import StateStore, make_store
-from controlplane.state.sync import SpecSync
-from controlplane.workers import WorkerSpec
+from controlplane.state import ClosableStore, ReportsAvailability, SharedStore, StateStore
 from omni_runtime import start_http_site
 from metaserver.server import Metaserver
 from protos import omni_proxy_pb2 as pb
@@ -50,33 +40,25 @@ def _tracing(config: ControlPlaneConfig):
 
 
 class ControlPlane:
+    """One control-plane replica: the components ``controlplane/compose.py`` builds, started
+    and stopped in order, behind a gRPC server, the session socket and an HTTP site."""
+
     def __init__(self, config: ControlPlaneConfig, store: StateStore | None = None) -> None:
         self.config = config
-        self.store = store or make_store(config)   # [state] backend: memory (default) or redis
-        self.fleet = Fleet()
-        # Operators' changes: in the state file with the memory store ([state] file), else in
-        # memory (Redis keeps the specs itself; the removal fence is then per replica).
-        self.admin_state = AdminState.load(config.state.file) if config.state.backend == "memory" else AdminState()
-        self.registry = WorkerRegistry(self.store, self.fleet, heartbeat_interval_s=config.heartbeat_interval_s,
-                                       heartbeat_ttl_s=config.heartbeat_ttl_s, admin=self.admin_state)
-        stats = PlacementStats.new()
-        self.predictor = Predictor()
-        self.placer = Placer(self.store, self.fleet, build_profile(config.policy, config.profiles),
-                             pd_flow=config.pd_flow, stats=stats, predictor=self.predictor,
-                             block_size=config.kv_cache.block_size,
-                             metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
-        self.lifecycle = Lifecycle(self.store, self.fleet, stats, max_request_age_s=config.max_request_age_s,
-                                   session_grace_s=config.session_grace_s,
-                                   predictor=self.predictor, queue=self.placer.queue,
-                                   breaker=BreakerConfig(config.health.eject_after, config.health.eject_base_s,
-                                                         config.health.eject_max_s))
-        self.health = HealthChecker(self.fleet, self.registry, config.health, engine_api_key=config.engine_api_key)
-        self.kv = KVCache(config.kv_cache)
-        self.placer.kv = self.kv
-        self.registry.on_removed = self._worker_removed
-        self.metaserver = Metaserver(self.placer, self.lifecycle, prefill_retries=config.prefill_retries,
-                                     timeout_s=config.layerwise_timeout_s, engine_api_key=config.engine_api_key)
-        self.registry.on_added = self._worker_added
+        self.tracing = _tracing(config) if config.otel_endpoint else None
+        parts = compose.build(config, store, tracing=self.tracing)
+        self.parts = parts
+        self.store = parts.store
+        self.fleet = parts.fleet
+        self.admin_state = parts.admin_state
+        self.registry = parts.registry
+        self.predictor = parts.predictor
+        self.placer = parts.placer
+        self.lifecycle = parts.lifecycle
+        self.health = parts.health
+        self.kv = parts.kv
+        self.metaserver = parts.metaserver
+        self._sync = parts.sync
         self.grpc_port = 0
         self.session_port = 0            # the session socket's; 0 while there is none
         self.session_socket: SessionSocketServer | None = None
@@ -86,20 +68,16 @@ class ControlPlane:
         self._sweeper: asyncio.Task | None = None
         self.discovery: DiscoveryFile | None = None
         self._tasks: list[asyncio.Task] = []
-        self._sync: SpecSync | None = None
         self.kv_snapshots = None      # KVSnapshots with the Redis store (kvcache/persist.py)
-        self.tracing = _tracing(config) if config.otel_endpoint else None
 
     async def start(self) -> None:
-        self.registry.on_added = None  # config workers are checked together by health.start()
-        shared = hasattr(self.store, "maintain")   # a store other replicas share (Redis)
-        if shared:
+        store = self.store
+        if isinstance(store, SharedStore) and self._sync is not None:   # another replica may share it (Redis)
             # Be a live replica before touching the ledger (others sweep replicas that are
             # not), and start from the workers, weights and drain flags the store kept.
-            await self.store.heartbeat()
-            # No hooks yet: the workers read here are health-checked together by
-            # health.start() below (a hook now would check before there is an HTTP session).
-            self._sync = SpecSync(self.store, self.fleet)
+            await store.heartbeat()
+            # The worker watch is off: the workers read here are health-checked together by
+            # health.start() below (a check now would come before there is an HTTP session).
             await self._sync.refresh()
         admin = self.registry.admin
         for spec in self.config.workers:
@@ -121,7 +99,7 @@ class ControlPlane:
                 await self.registry.add(url=s.url, role=s.role, model=s.model, weight=s.weight, worker_id=wid,
                                         labels=dict(s.labels), bootstrap_port=s.bootstrap_port, source="admin",
                                         kv_events=s.kv_events, kv_replay=s.kv_replay, dp_size=s.dp_size)
-        if shared and self.config.kv_cache.snapshot_interval_s > 0:
+        if self._sync is not None and self.config.kv_cache.snapshot_interval_s > 0:
             # KV index snapshots (kvcache/persist.py): warm from the newest before serving
             from controlplane.kvcache.persist import KVSnapshots
             self.kv_snapshots = KVSnapshots(self.kv, self.store, self.config.kv_cache.snapshot_interval_s)
@@ -129,9 +107,7 @@ class ControlPlane:
         await self.health.start()
         for spec in self.fleet.specs():
             await self.kv.watch(spec)
-        self.registry.on_added = self._worker_added
-        if self._sync is not None:
-            self._sync.on_added, self._sync.on_removed = self._worker_added, self._worker_removed
+        self.parts.watch.start()      # from now on a worker that joins is checked and watched at once
         if self.config.discovery.file:
             self.discovery = DiscoveryFile(self.config.discovery.file, self.registry,
                                            interval_s=self.config.discovery.interval_s)
@@ -144,19 +120,10 @@ class ControlPlane:
                                                      MalformedMessageGuard()])
         if tokens.enabled:
             log.info("gRPC API tokens: %s", tokens.describe())
-        kvc = self.config.kv_cache
-        uses_cache = self.placer.profile.uses_prefix_cache
-        info = pb.SessionInfo(
-            pd_flow=self.placer.pd_flow, parallel_protocol=self.config.parallel_protocol,
-            kv_hash=pb.KVHashConfig(enabled=uses_cache, block_size=kvc.block_size, algo=kvc.hash_algo,
-                                    seed=kvc.hash_seed or "", seed_set=kvc.hash_seed is not None,
-                                    lora_key_format=kvc.lora_key_format))
-        scheduler = SchedulerService(self.placer, self.lifecycle, self.registry, info)
-        scheduler.tracing = self.tracing
+        scheduler = self.parts.scheduler
         pb_grpc.add_SchedulerServicer_to_server(scheduler, self._server)
-        pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry, info.kv_hash), self._server)
-        pb_grpc.add_AdminServicer_to_server(AdminService(self.registry, self.placer, health=self.health, info=info),
-                                            self._server)
+        pb_grpc.add_RegistryServicer_to_server(self.parts.registry_service, self._server)
+        pb_grpc.add_AdminServicer_to_server(self.parts.admin_service, self._server)
         creds = server_credentials(self.config.auth)      # [auth] tls_*: TLS or mutual TLS
         self.grpc_port = (self._server.add_secure_port(self.config.listen, creds) if creds is not None
                           else self._server.add_insecure_port(self.config.listen))
@@ -183,13 +150,13 @@ class ControlPlane:
                 raise
         self._sweeper = asyncio.create_task(self._sweep_loop())
         self._tasks.append(asyncio.create_task(self._orphan_loop()))
-        if shared:
-            self._tasks += [asyncio.create_task(self.store.maintain(orphan=True)),
+        if isinstance(store, SharedStore) and self._sync is not None:
+            self._tasks += [asyncio.create_task(store.maintain(orphan=True)),
                             asyncio.create_task(self._sync.run())]
             if self.kv_snapshots is not None:
                 self.kv_snapshots.start()      # stopped by kv_snapshots.close() in stop()
         admin = self.registry.admin
-        if not shared and not admin.persistent:
+        if self._sync is None and not admin.persistent:
             log.warning("operators' changes (omni-ctl drain, undrain, weight, add, remove) are kept in memory "
                         "only and are lost when this control plane restarts: set [state] file "
                         "(--state-file) to keep them")
@@ -222,18 +189,10 @@ class ControlPlane:
         await self.registry.stop()
         if self.placer.queue is not None:
             await self.placer.queue.stop()
-        if hasattr(self.store, "close"):
+        if isinstance(self.store, ClosableStore):
             await self.store.close()
         if self.tracing is not None:     # flush the last spans, off the event loop
             await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
-
-    async def _worker_removed(self, worker_id: str) -> None:
-        self.predictor.forget(worker_id)
-        await self.kv.unwatch(worker_id)
-
-    async def _worker_added(self, spec: WorkerSpec) -> None:
-        await self.health.check(spec)
-        await self.kv.watch(spec)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -263,7 +222,8 @@ class ControlPlane:
 
         async def health(_: web.Request) -> web.Response:
             # Degraded still serves: placement goes on from memory while the store is away.
-            store_ok = getattr(self.store, "available", True) and (self._sync is None or self._sync.connected)
+            store_ok = (not isinstance(self.store, ReportsAvailability) or self.store.available) and \
+                (self._sync is None or self._sync.connected)
             return web.json_response({"status": "ok" if store_ok else "degraded", "state_store": store_ok})
 
         async def prom(_: web.Request) -> web.Response:

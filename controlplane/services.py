@@ -8,13 +8,15 @@ import logging
 import time
 import uuid
 
+import aiohttp
 import grpc
 
 from controlplane import auth, ownership, validate
-from controlplane import registry as _registry
 from controlplane.lifecycle import Lifecycle
 from controlplane.placement import Placer
-from controlplane.registry import WorkerRegistry
+from controlplane.health import HealthChecker
+from controlplane.registry import WorkerRegistry, worker_id_for
+from controlplane.state import SharedStore
 from controlplane.workers import PB_TO_ROLE, ROLE_TO_PB, Health, Role, WorkerSpec, WorkerView, normalize_url
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
@@ -48,8 +50,11 @@ def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int 
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
+    """The data planes' API, and the control plane's side of the metaserver's port
+    (``metaserver.ports.ControlPlanePort``: :meth:`place`, :meth:`report`)."""
+
     def __init__(self, placer: Placer, lifecycle: Lifecycle, registry: WorkerRegistry,
-                 info: pb.SessionInfo | None = None) -> None:
+                 info: pb.SessionInfo | None = None, *, tracing=None) -> None:
         self.placer = placer
         self.lifecycle = lifecycle
         self.registry = registry
@@ -59,7 +64,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._nodes: dict[str, str] = {}
         # Where the session socket is (set by the server once it listens); port 0: none.
         self.endpoint = pb.SessionEndpoint()
-        self.tracing = None     # controlplane.otel.Tracing when otel_endpoint is set
+        self.tracing = tracing     # controlplane.otel.Tracing when otel_endpoint is set
 
     async def Session(self, request_iterator, context):
         """Serve one data plane: placements are answered, reports need no answer.
@@ -230,12 +235,21 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def place(self, req: pb.PlaceRequest) -> pb.Placement:
+        """One placement by the path every data plane's takes (the queue stage for an entry
+        leg, the latency statistics, tracing, a bug contained to it), answered once decided."""
+        answer = await self._place(req, "")
+        return answer if isinstance(answer, pb.Placement) else await answer
+
+    async def report(self, event: pb.LifecycleEvent) -> None:
+        """A lifecycle report, as a data plane's (a failure is logged, never raised)."""
+        await self._report(event)
+
     async def GetSessionEndpoint(self, request, context):
         return self.endpoint
 
     async def Place(self, request, context):
-        answer = await self._place(request, "")
-        return answer if isinstance(answer, pb.Placement) else await answer
+        return await self.place(request)
 
     async def Report(self, request, context):
         await self._report(request)
@@ -359,10 +373,10 @@ class RegistryService(pb_grpc.RegistryServicer):
             spec["labels"].update({f"engine.{k}": str(v).lower() if isinstance(v, bool) else str(v)
                                    for k, v in facts.items()})
         spec["heartbeat_ttl_s"] = spec["heartbeat_ttl_s"] or self.registry.heartbeat_ttl_s
-        wid = spec["worker_id"] or _registry.worker_id_for(normalize_url(spec["url"]), spec["role"])
+        wid = spec["worker_id"] or worker_id_for(normalize_url(spec["url"]), spec["role"])
         admin = self.registry.admin
         store = self.registry.store
-        shared = hasattr(store, "maintain")
+        shared = isinstance(store, SharedStore)
         if shared:   # removals made through any replica (Redis); while it is away, this replica's
             try:
                 admin.removed = await store.fences()
@@ -412,7 +426,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 class AdminService(pb_grpc.AdminServicer):
     """omni-ctl's API. Every change is logged with who made it (peer address, token name)."""
 
-    def __init__(self, registry: WorkerRegistry, placer: Placer, *, health=None,
+    def __init__(self, registry: WorkerRegistry, placer: Placer, *, health: HealthChecker | None = None,
                  info: pb.SessionInfo | None = None, check_timeout_s: float = 3.0) -> None:
         self.registry = registry
         self.placer = placer
@@ -420,7 +434,7 @@ class AdminService(pb_grpc.AdminServicer):
         self.info = info or pb.SessionInfo(pd_flow=placer.pd_flow)
         self.check_timeout_s = check_timeout_s
         # Where operators' changes are kept: a shared store (Redis) keeps the specs itself.
-        self.shared_store = hasattr(placer.store, "maintain")
+        self.shared_store = isinstance(placer.store, SharedStore)
 
     async def _keep(self) -> str:
         """Write the operators' changes to the state file (off the event loop); where they are
@@ -506,7 +520,7 @@ class AdminService(pb_grpc.AdminServicer):
             spec = _spec_from_register(req)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        wid = spec["worker_id"] or _registry.worker_id_for(url, spec["role"])
+        wid = spec["worker_id"] or worker_id_for(url, spec["role"])
         same_id = fleet.get(wid)
         others = [s for s in same_url if s.id != wid]
         conflicts = ([same_id] if same_id is not None else []) + others
@@ -551,7 +565,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def _probe(self, url: str, model: str, role: Role) -> tuple["grpc.StatusCode | None", str]:
         """The first check before anything changes: (None, "") when the engine answers /health
         (and lists ``model``, and runs as ``role`` where it says); else the status to refuse with."""
-        session = getattr(self.health, "_session", None)
+        session = self.health.session if self.health is not None else None
         if session is None:
             return None, ""
         try:
@@ -570,9 +584,10 @@ class AdminService(pb_grpc.AdminServicer):
         return (grpc.StatusCode.FAILED_PRECONDITION, why) if why else (None, "")
 
     async def _model_error(self, spec: WorkerSpec) -> str:
-        """Why /v1/models does not list the worker's model; ""."""
+        """Why /v1/models does not list the worker's model; "" (called once the health
+        checker has its session)."""
         try:
-            async with self.health._session.get(spec.url + "/v1/models") as resp:
+            async with self._http().get(spec.url + "/v1/models") as resp:
                 data = await resp.json(content_type=None) if resp.status == 200 else None
             if data is None:
                 return f"/v1/models returned {resp.status}"
@@ -587,7 +602,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def _first_check(self, spec: WorkerSpec) -> tuple[bool, str]:
         """Health (and model discovery) at once, and whether /v1/models lists the model."""
         health = self.health
-        if health is None or getattr(health, "_session", None) is None:
+        if health is None or health.session is None:
             return False, ""
         try:
             await asyncio.wait_for(health.check(spec), self.check_timeout_s)
@@ -614,7 +629,7 @@ class AdminService(pb_grpc.AdminServicer):
         """SGLang says its PD role (``/get_server_info`` ``disaggregation_mode``); vLLM does not
         expose one, so nothing is checked there."""
         try:
-            async with self.health._session.get(spec.url + "/get_server_info") as resp:
+            async with self._http().get(spec.url + "/get_server_info") as resp:
                 if resp.status != 200:
                     return ""
                 info = await resp.json(content_type=None)
@@ -625,6 +640,12 @@ class AdminService(pb_grpc.AdminServicer):
         if engine_role is not None and engine_role is not spec.role:
             return f"the engine runs as {engine_role.value} (disaggregation_mode={mode}), not {spec.role.value}"
         return ""
+
+    def _http(self) -> aiohttp.ClientSession:
+        session = self.health.session if self.health is not None else None
+        if session is None:
+            raise RuntimeError("the health checker has not started")
+        return session
 
     async def Drain(self, request, context):
         return await self._update(request.worker_id, context, draining=True)
@@ -671,12 +692,9 @@ class AdminService(pb_grpc.AdminServicer):
         kv = self.placer.kv
         if kv is not None:
             counters = kv.counters()
-            subscribers = getattr(kv, "_subscribers", {})
             for spec in sorted(fleet.specs(), key=lambda s: s.id):
-                last = max((max(getattr(sub, "_last", {}).values(), default=-1)
-                            for sub in subscribers.get(spec.id, [])), default=-1)
                 events.append(pb.WorkerEvents(worker_id=spec.id, counters=counters.get(spec.id, {}),
-                                              last_seq=last, exact=kv.tracked_exactly(spec),
+                                              last_seq=kv.last_event_seq(spec.id), exact=kv.tracked_exactly(spec),
                                               untracked_reason=kv.untracked.get(spec.id, "")))
         queue = self.placer.queue
         lat = st.latency

@@ -20,13 +20,12 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import web
 
-from controlplane.lifecycle import Lifecycle
-from controlplane.placement import Placer
 from engine_api.answers import upstream_message
 from engine_api.bodies import prefill_body
 from engine_api.client import EngineClient, EngineClientError
 from metaserver.ids import candidates, engine_request_ids
 from metaserver.pending import PendingPrefill, PendingTable
+from metaserver.ports import ControlPlanePort
 from omni_runtime import cancel_and_wait
 from protos import omni_proxy_pb2 as pb
 
@@ -37,11 +36,14 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 class Metaserver:
-    def __init__(self, placer: Placer, lifecycle: Lifecycle, *, prefill_retries: int = 1, timeout_s: float = 120.0,
+    """Hosted by the control plane, seen through ``control_plane`` (``metaserver/ports.py``);
+    told of layerwise placements (:meth:`register`) and ended requests (:meth:`drop`) by the
+    hooks the composition root subscribes it to."""
+
+    def __init__(self, control_plane: ControlPlanePort, *, prefill_retries: int = 1, timeout_s: float = 120.0,
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0, engine_api_key: str = "") -> None:
-        self.placer = placer
+        self.control_plane = control_plane
         self._headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None
-        self.lifecycle = lifecycle
         self.table = PendingTable()
         self.prefill_retries = prefill_retries
         self.timeout_s = timeout_s
@@ -49,8 +51,6 @@ class Metaserver:
                                     default_headers=self._headers or ())
         self._reaper: asyncio.Task | None = None
         self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0, "forbidden": 0}
-        placer.on_layerwise = self.register
-        lifecycle.on_request_end = self.drop
 
     @staticmethod
     def url_for(host: str, port: int) -> str:
@@ -73,7 +73,7 @@ class Metaserver:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/metaserver", self.handle)
 
-    # ------------------------------------------------------------------ placer hooks
+    # ------------------------------------------------------------------ control-plane hooks
 
     def register(self, req: pb.PlaceRequest, placement: pb.Placement) -> bool:
         """Wait for this layerwise request's decode call; False when its ids are taken.
@@ -167,7 +167,7 @@ class Metaserver:
             body = prefill_body(orjson.loads(entry.body), self._prefill_params(entry))
             tried: list[str] = []
             for _ in range(self.prefill_retries + 1):
-                placement = await self.placer.place(pb.PlaceRequest(
+                placement = await self.control_plane.place(pb.PlaceRequest(
                     request_id=entry.placement_id, model=entry.model, leg=pb.LEG_PREFILL,
                     prompt_tokens=entry.prompt_tokens, max_tokens=entry.max_tokens, exclude_workers=tried,
                     block_hashes=entry.block_hashes))
@@ -178,13 +178,13 @@ class Metaserver:
                 trace = {**entry.trace, "X-data-parallel-rank": str(p.dp_rank)} if p.dp_size > 1 else entry.trace
                 status, message = await self._send_prefill(p.url + entry.path, body, entry.engine_request_id, trace)
                 if status == 200:
-                    await self.lifecycle.report(pb.LifecycleEvent(request_id=entry.placement_id,
-                                                               kind=pb.EVENT_PREFILL_DONE))
+                    await self.control_plane.report(pb.LifecycleEvent(request_id=entry.placement_id,
+                                                                      kind=pb.EVENT_PREFILL_DONE))
                     error = None
                     return
                 error = f"prefill worker {p.worker_id} failed: {message}"
                 log.warning("layerwise %s: %s", entry.engine_request_id, error)
-                await self.lifecycle.report(pb.LifecycleEvent(
+                await self.control_plane.report(pb.LifecycleEvent(
                     request_id=entry.placement_id, kind=pb.EVENT_LEG_FAILED, worker_id=p.worker_id,
                     upstream_status=status, message=message))
                 tried.append(p.worker_id)

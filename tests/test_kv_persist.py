@@ -175,7 +175,7 @@ async def test_the_subscriber_resumes_from_the_saved_sequence():
     assert kv.resume_seqs == {("e", 0): {b"": 41}}
     await kv.watch(e)
     try:
-        assert kv._subscribers["e"][0]._last == {b"": 41}
+        assert kv.event_seqs()["e"][0] == {b"": 41}
     finally:
         await kv.stop()
 

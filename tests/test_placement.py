@@ -182,9 +182,9 @@ async def test_layerwise_entry_picks_decode_first_and_hands_over_to_the_metaserv
     plane = await make(workers=[w("p1", Role.PREFILL), w("p2", Role.PREFILL), w("d", Role.DECODE)], flow="layerwise")
     plane.placer.metaserver_url = "http://cp:1/v1/metaserver"
     seen = []
-    plane.placer.on_layerwise = lambda req, out: seen.append((req.request_id, out.decode.worker_id))
-    ended = []
-    plane.lifecycle.on_request_end = ended.append
+    plane.placer.layerwise_placed.subscribe(lambda req, out: seen.append((req.request_id, out.decode.worker_id)))
+    ended: list[str] = []
+    plane.lifecycle.request_ended.subscribe(ended.append)
     p = await plane.place(entry("r"))
     assert p.flow == pb.FLOW_LAYERWISE and p.decode.worker_id == "d" and not p.prefill.worker_id
     assert p.metaserver_url == "http://cp:1/v1/metaserver" and seen == [("r", "d")]

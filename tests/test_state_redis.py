@@ -657,6 +657,7 @@ async def test_control_plane_places_and_releases_through_redis(sim_both, redis_s
 
 async def _sync_pair(url: str, prefix: str, **kw):
     from controlplane.fleet import Fleet
+    from controlplane.hooks import WorkerEvents
     from controlplane.state.sync import SpecSync
 
     added, removed = [], []
@@ -669,7 +670,10 @@ async def _sync_pair(url: str, prefix: str, **kw):
 
     writer, reader = RedisStore(url, key_prefix=prefix), RedisStore(url, key_prefix=prefix, socket_timeout_s=0.5)
     fleet = Fleet()
-    sync = SpecSync(reader, fleet, on_added=on_added, on_removed=on_removed, **kw)
+    events = WorkerEvents()
+    events.added.subscribe(on_added)
+    events.removed.subscribe(on_removed)
+    sync = SpecSync(reader, fleet, events=events, **kw)
     return writer, reader, fleet, sync, added, removed
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -114,7 +114,7 @@ class KVCache:
                 subs.append(sub)
                 resume = self.resume_seqs.pop((worker.id, rank), None)
                 if resume and source.replay_endpoint:
-                    sub._last.update(resume)   # a loaded snapshot: replay what it missed (persist.py)
+                    sub.resume_from(resume)   # a loaded snapshot: replay what it missed (persist.py)
                 await sub.start()
         except Exception as exc:  # noqa: BLE001 - zmq raises its own types for bad endpoints
             for sub in subs:
@@ -197,6 +197,15 @@ class KVCache:
             self.untracked.pop(engine, None)  # log this reason even if another one came first
             self._untrack(engine, f"KV events carry block_size {got} but [kv_cache] block_size is "
                                   f"{self.config.block_size}: its events are refused until they match")
+
+    def event_seqs(self) -> dict[str, list[Mapping[bytes, int]]]:
+        """Per followed worker, per DP rank: topic -> the last event sequence number seen."""
+        return {wid: [sub.last_seqs for sub in subs] for wid, subs in self._subscribers.items()}
+
+    def last_event_seq(self, worker_id: str) -> int:
+        """The highest event sequence number seen from the worker (any rank); -1 if none."""
+        return max((max(sub.last_seqs.values(), default=-1) for sub in self._subscribers.get(worker_id, ())),
+                   default=-1)
 
     def _on_reset(self, engine: str) -> None:
         # A gap we could not replay: what we believed about this engine may be wrong.

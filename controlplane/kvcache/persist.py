@@ -100,8 +100,8 @@ def index_version(kv: KVCache) -> tuple:
 def _seqs(kv: KVCache) -> dict[str, dict[str, dict[str, int]]]:
     """worker id -> rank -> topic (hex) -> last seq seen."""
     out: dict[str, dict[str, dict[str, int]]] = {}
-    for wid, subs in kv._subscribers.items():
-        ranks = {str(rank): {t.hex(): s for t, s in sub._last.items()} for rank, sub in enumerate(subs) if sub._last}
+    for wid, per_rank in kv.event_seqs().items():
+        ranks = {str(rank): {t.hex(): s for t, s in seqs.items()} for rank, seqs in enumerate(per_rank) if seqs}
         if ranks:
             out[wid] = ranks
     return out

@@ -40,8 +40,9 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import zmq
 import zmq.asyncio
@@ -155,6 +156,16 @@ class KVEventSubscriber:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def last_seqs(self) -> Mapping[bytes, int]:
+        """Topic -> the last sequence number seen (read-only: for stats and snapshots)."""
+        return MappingProxyType(self._last)
+
+    def resume_from(self, seqs: Mapping[bytes, int]) -> None:
+        """Before ``start``: treat ``seqs`` as seen, so the first message replays what came
+        after them (a loaded snapshot of the index, ``kvcache/persist.py``)."""
+        self._last.update(seqs)
 
     def _task_done(self, task: asyncio.Task) -> None:
         """Retrieve and report how the receive loop ended; a cancel (stop) is not a failure."""

@@ -1,9 +1,23 @@
 """Where the control plane keeps its global state: in memory by default, or in Redis."""
 
-from controlplane.state.base import Charge, Ledger, RequestRecord, SpecStore, StateStore, StoreUnavailable
+from controlplane.state.base import (
+    Charge,
+    ClosableStore,
+    Ledger,
+    NotifiesLoads,
+    ReportsAvailability,
+    RequestRecord,
+    SharedStore,
+    SpecStore,
+    StateStore,
+    StoreUnavailable,
+    VersionedSpecs,
+    WatchableSpecs,
+)
 from controlplane.state.memory import MemoryStore
 
-__all__ = ["Charge", "Ledger", "MemoryStore", "RequestRecord", "SpecStore", "StateStore", "StoreUnavailable",
+__all__ = ["Charge", "ClosableStore", "Ledger", "MemoryStore", "NotifiesLoads", "ReportsAvailability", "RequestRecord",
+           "SharedStore", "SpecStore", "StateStore", "StoreUnavailable", "VersionedSpecs", "WatchableSpecs",
            "make_store"]
 
 

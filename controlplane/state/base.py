@@ -9,9 +9,9 @@ make a decision slightly stale but can never lose or double a charge.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from controlplane.workers import Load, WorkerSpec
 
@@ -107,3 +107,62 @@ class Ledger(Protocol):
 
 class StateStore(SpecStore, Ledger, Protocol):
     """A backend: specs and ledger together (one connection, one failure domain)."""
+
+
+# ---------------------------------------------------------------------------- optional capabilities
+# What only some backends offer, declared here so a caller asks ``isinstance(store, SharedStore)``
+# instead of probing for a method by name. The wrappers (ResilientStore, LocalLedgerStore)
+# pass these calls on to the RedisStore they hold, so they have them too.
+
+
+@runtime_checkable
+class SharedStore(Protocol):
+    """A store other control-plane replicas share (Redis): this replica must heartbeat in it
+    before touching the ledger, sweep what dead replicas left (``maintain``), and keep the
+    operators' removal fences there."""
+
+    async def heartbeat(self) -> None: ...
+    async def maintain(self, interval_s: float | None = None, *, orphan: bool = True) -> None: ...
+    async def put_fence(self, worker_id: str, record: dict) -> None: ...
+    async def drop_fence(self, worker_id: str) -> None: ...
+    async def fences(self) -> dict[str, dict]: ...
+
+
+@runtime_checkable
+class VersionedSpecs(Protocol):
+    """Specs read with the version they were at, and the store's epoch (a store that came
+    back empty has a new one: see ``state/sync.py``)."""
+
+    async def specs_versioned(self) -> tuple[int, list[WorkerSpec]]: ...
+    async def spec_epoch(self) -> str: ...
+    async def spec_version(self) -> int: ...
+
+
+@runtime_checkable
+class WatchableSpecs(Protocol):
+    """Announces each spec change (a pub/sub channel), so a replica need not poll."""
+
+    def watch_specs(self) -> AsyncGenerator[Any, None]: ...
+    async def spec_version(self) -> int: ...
+
+
+@runtime_checkable
+class NotifiesLoads(Protocol):
+    """Calls each listener with (worker id, new total load) on every change of the ledger:
+    the fleet's least-loaded order follows it without a read per placement."""
+
+    load_listeners: list[Callable[[str, Load], None]]
+
+
+@runtime_checkable
+class ReportsAvailability(Protocol):
+    """Says whether its backend answers now (False while Redis is away: /health "degraded")."""
+
+    available: bool
+
+
+@runtime_checkable
+class ClosableStore(Protocol):
+    """Holds connections or tasks to close at shutdown."""
+
+    async def close(self) -> None: ...

@@ -11,18 +11,19 @@ persistence, a new pod, a flush) is told apart by the store's epoch
 (``RedisStore.spec_epoch``): the specs were lost, not removed, so this replica writes its
 last view back (``_restore``) rather than empty its fleet.
 
-Wiring (one per replica, after the config workers were added)::
+Wiring (one per replica, built by ``controlplane/compose.py`` with the registry's hooks)::
 
-    sync = SpecSync(store, fleet, on_added=plane._worker_added, on_removed=plane._worker_removed)
+    sync = SpecSync(store, fleet, events=registry.events)
     await sync.refresh()                  # optional: be in step before serving
     task = asyncio.create_task(sync.run())
     ...
     task.cancel()
 
-``on_added`` gets each spec that is new to this replica (health-check it, watch its KV
-events); ``on_removed`` each id another replica removed (forget its predictor model, stop
-its KV subscription). Changes to known specs (drain, weight) only replace the spec.
-A store without ``watch_specs`` (MemoryStore) is simply polled.
+``events.added`` is emitted with each spec that is new to this replica (health-check it,
+watch its KV events); ``events.removed`` with each id another replica removed (forget its
+predictor model, stop its KV subscription), as for the registry's own changes. Changes to
+known specs (drain, weight) only replace the spec. A store that cannot announce changes
+(not :class:`~controlplane.state.base.WatchableSpecs`) is simply polled.
 """
 
 from __future__ import annotations
@@ -30,11 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-
 from controlplane.fleet import Fleet
-from controlplane.state.base import StoreUnavailable
-from controlplane.workers import WorkerSpec
+from controlplane.hooks import WorkerEvents
+from controlplane.state.base import StateStore, StoreUnavailable, VersionedSpecs, WatchableSpecs
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +47,11 @@ def _reraise_cancel() -> None:
 
 
 class SpecSync:
-    def __init__(self, store, fleet: Fleet, *, on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
-                 on_removed: Callable[[str], Awaitable[None]] | None = None, poll_interval_s: float = 5.0,
-                 retry_s: float = 1.0) -> None:
+    def __init__(self, store: StateStore, fleet: Fleet, *, events: WorkerEvents | None = None,
+                 poll_interval_s: float = 5.0, retry_s: float = 1.0) -> None:
         self.store = store
         self.fleet = fleet
-        self.on_added = on_added
-        self.on_removed = on_removed
+        self.events = events if events is not None else WorkerEvents()
         self.poll_interval_s = poll_interval_s
         self.retry_s = retry_s
         self.version = -1           # the store's spec version this fleet reflects; -1: never read
@@ -65,13 +62,13 @@ class SpecSync:
 
     async def refresh(self) -> tuple[list[str], list[str]]:
         """Read every spec and make the fleet match; returns (added or changed ids, removed ids)."""
-        if hasattr(self.store, "spec_epoch"):
-            epoch = await self.store.spec_epoch()
+        store = self.store
+        if isinstance(store, VersionedSpecs):
+            epoch = await store.spec_epoch()
             if self.epoch and epoch != self.epoch:
                 await self._restore()
             self.epoch = epoch   # (only once restored: a restore cut short is tried again)
-        if hasattr(self.store, "specs_versioned"):
-            version, specs = await self.store.specs_versioned()
+            version, specs = await store.specs_versioned()
         else:
             version, specs = 0, await self.store.specs()
         changed, removed = [], []
@@ -86,14 +83,12 @@ class SpecSync:
                     # Its heartbeats (if it sends any) go to the replica it registered with:
                     # start its clock here so this replica does not expire it at once.
                     self.fleet.beat(spec.id, now, local=False)
-                    if self.on_added is not None:
-                        await self._call(self.on_added, spec)
+                    await self.events.added.emit(spec)   # (a failing subscriber is logged there)
         for spec in self.fleet.specs():
             if spec.id not in wanted:
                 self.fleet.remove(spec.id)
                 removed.append(spec.id)
-                if self.on_removed is not None:
-                    await self._call(self.on_removed, spec.id)
+                await self.events.removed.emit(spec.id)
         self.version = version
         self.refreshes += 1
         if changed or removed:
@@ -116,13 +111,6 @@ class SpecSync:
         log.warning("spec sync: the store came back without its data (restarted empty?): "
                     "wrote back the %d workers this replica knew", len(specs))
 
-    @staticmethod
-    async def _call(hook, arg) -> None:
-        try:
-            await hook(arg)
-        except Exception:  # a failing hook (a health check) must not stop the sync
-            log.exception("spec sync hook failed for %s", getattr(arg, "id", arg))
-
     async def run(self) -> None:
         """Follow the store until cancelled."""
         down = False
@@ -144,13 +132,13 @@ class SpecSync:
                 await asyncio.sleep(self.retry_s)
 
     async def _follow(self) -> None:
-        watch = getattr(self.store, "watch_specs", None)
-        if watch is None:
+        store = self.store
+        if not isinstance(store, WatchableSpecs):
             while True:
                 _reraise_cancel()
                 await asyncio.sleep(self.poll_interval_s)
                 await self.refresh()
-        changes = watch()
+        changes = store.watch_specs()
         # A change made between refresh() and the subscription is caught by the version poll.
         pending = asyncio.ensure_future(changes.__anext__())
         try:
@@ -162,7 +150,7 @@ class SpecSync:
                     pending = asyncio.ensure_future(changes.__anext__())
                     if change.version > self.version:
                         await self.refresh()
-                elif await self.store.spec_version() != self.version:
+                elif await store.spec_version() != self.version:
                     await self.refresh()        # a message was lost
         finally:
             pending.cancel()
