@@ -131,6 +131,28 @@ async def test_layerwise_decode_first_then_metaserver_drives_prefill(layerwise: 
     await wait_until(layerwise.all_idle, what="load released")
 
 
+async def _placements_decided(c: Cluster, http) -> int:
+    """omni_placement_seconds_count: placements decided through the scheduler service."""
+    async with http.get(f"http://127.0.0.1:{c.cp.info['http_port']}/metrics") as m:
+        text = await m.text()
+    (line,) = [x for x in text.splitlines() if x.startswith("omni_placement_seconds_count")]
+    return int(float(line.split()[-1]))
+
+
+async def test_layerwise_prefill_is_placed_the_way_every_request_is(layerwise: Cluster, http):
+    """The metaserver places P through the scheduler service, as a data plane would: the
+    placement statistics count both of the request's placements (its entry leg and its
+    prefill leg), not the entry alone (the metaserver used to call the placer itself)."""
+    await layerwise.fresh()
+    before = await _placements_decided(layerwise, http)
+    async with http.post(layerwise.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "count me twice", "max_tokens": 3}) as r:
+        assert r.status == 200, await r.text()
+    assert len(await layerwise.sim_requests("prefill-0")) == 1
+    assert await _placements_decided(layerwise, http) - before == 2
+    await wait_until(layerwise.all_idle, what="load released")
+
+
 async def test_layerwise_prefill_failure_fails_fast(layerwise: Cluster, http):
     await layerwise.fresh()
     await layerwise.sim_post("prefill-0", "/sim/faults", {"status": 500, "message": "no prefill today", "count": 2})
