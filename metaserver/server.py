@@ -27,9 +27,18 @@ from metaserver.ids import candidates, engine_request_ids
 from metaserver.pending import PendingPrefill, PendingTable
 from metaserver.ports import ControlPlanePort
 from omni_runtime import cancel_and_wait
+from omni_runtime.retry import Retry
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+class PrefillFailed(Exception):
+    """A prefill leg's failure, by the engine's status (0: no answer), for the retry policy."""
+
+    def __init__(self, upstream_status: int) -> None:
+        super().__init__(upstream_status)
+        self.upstream_status = upstream_status
+
 
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 CHAT_PATH = "/v1/chat/completions"
@@ -46,6 +55,9 @@ class Metaserver:
         self._headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None
         self.table = PendingTable()
         self.prefill_retries = prefill_retries
+        # The prefill leg's retries, on other prefill workers: the policy of every retried
+        # thing (omni_runtime.retry: full jitter, never after a 4xx).
+        self.retry = Retry(attempts=prefill_retries)
         self.timeout_s = timeout_s
         self._client = EngineClient(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
                                     default_headers=self._headers or ())
@@ -166,7 +178,7 @@ class Metaserver:
                 return
             body = prefill_body(orjson.loads(entry.body), self._prefill_params(entry))
             tried: list[str] = []
-            for _ in range(self.prefill_retries + 1):
+            while True:
                 placement = await self.control_plane.place(pb.PlaceRequest(
                     request_id=entry.placement_id, model=entry.model, leg=pb.LEG_PREFILL,
                     prompt_tokens=entry.prompt_tokens, max_tokens=entry.max_tokens, exclude_workers=tried,
@@ -188,6 +200,11 @@ class Metaserver:
                     request_id=entry.placement_id, kind=pb.EVENT_LEG_FAILED, worker_id=p.worker_id,
                     upstream_status=status, message=message))
                 tried.append(p.worker_id)
+                # Another prefill worker, after a pause, unless the request itself was at fault (4xx).
+                pause = self.retry.next_delay(PrefillFailed(status), len(tried))
+                if pause is None:
+                    return
+                await self.retry.sleep(pause)
         except asyncio.CancelledError:
             error = "cancelled"
             raise
@@ -205,7 +222,7 @@ class Metaserver:
             finally:
                 resp.release()      # pooled when read whole; dropped otherwise
             return resp.status, ("" if resp.status == 200 else f"{resp.status} {upstream_message(data)}")
-        except (EngineClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, EngineClientError, OSError) as exc:
             return 0, f"{type(exc).__name__} {exc}".strip()
 
     async def _reap(self) -> None:

@@ -1,0 +1,140 @@
+"""The metaserver behind its port (metaserver/ports.py): driven here by a stand-in control
+plane, with prefill engines on loopback, it places each prefill leg through the port,
+reports how the leg went, and retries on another prefill worker by the shared retry policy
+(omni_runtime.retry): after an engine's 5xx, never after a 4xx (the request's own fault)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from metaserver.ports import ControlPlanePort
+from metaserver.server import Metaserver
+from omni_runtime import start_http_site
+from protos import omni_proxy_pb2 as pb
+
+
+class Engines:
+    """Prefill engines on loopback, each answering with its own status."""
+
+    def __init__(self) -> None:
+        self.statuses: dict[str, int] = {}
+        self.got: dict[str, list[dict]] = {}
+        self.urls: dict[str, str] = {}
+        self._runners: list[web.AppRunner] = []
+
+    async def add(self, worker_id: str, status: int) -> None:
+        self.statuses[worker_id] = status
+        self.got[worker_id] = []
+
+        async def completions(request: web.Request) -> web.Response:
+            self.got[worker_id].append(orjson.loads(await request.read()))
+            status = self.statuses[worker_id]
+            return web.json_response({"error": {"message": f"{worker_id} says {status}"}} if status != 200 else {},
+                                     status=status)
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner, port = await start_http_site(app, "127.0.0.1", 0)
+        self._runners.append(runner)
+        self.urls[worker_id] = f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+
+
+class StandInControlPlane:
+    """What the metaserver sees of the control plane: placements in worker order, minus the
+    excluded; every request and report kept."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+        self.placed: list[pb.PlaceRequest] = []
+        self.reports: list[tuple[int, str, int]] = []
+
+    async def place(self, req: pb.PlaceRequest) -> pb.Placement:
+        self.placed.append(req)
+        free = [w for w in self.engines.urls if w not in req.exclude_workers]
+        if not free:
+            return pb.Placement(request_id=req.request_id, error=pb.NO_HEALTHY_WORKER,
+                                error_message="no available prefill worker")
+        wid = free[0]
+        return pb.Placement(request_id=req.request_id, flow=pb.FLOW_LAYERWISE,
+                            prefill=pb.Endpoint(worker_id=wid, url=self.engines.urls[wid], role=pb.ROLE_PREFILL))
+
+    async def report(self, event: pb.LifecycleEvent) -> None:
+        self.reports.append((event.kind, event.worker_id, event.upstream_status))
+
+
+@pytest.fixture
+async def setup():
+    engines = Engines()
+    plane = StandInControlPlane(engines)
+    port: ControlPlanePort = plane      # (what the type checker holds the stand-in to)
+    meta = Metaserver(port, prefill_retries=2)
+    meta.retry = dataclasses.replace(meta.retry, base_s=0.0)    # no pause between attempts here
+    app = web.Application()
+    meta.add_routes(app)
+    await meta.start()
+    runner, http_port = await start_http_site(app, "127.0.0.1", 0)
+    yield engines, plane, meta, f"http://127.0.0.1:{http_port}/v1/metaserver"
+    await runner.cleanup()
+    await meta.stop()
+    await engines.close()
+
+
+async def _layerwise_request(meta: Metaserver, url: str, rid: str) -> str:
+    """Register a placed layerwise request as the placer's hook would; the decode engine's
+    metaserver URL (with its token)."""
+    req = pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=3, max_tokens=4,
+                          path="/v1/completions", engine_request_id=rid, num_prompts=1,
+                          body=orjson.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}))
+    placement = pb.Placement(request_id=rid, flow=pb.FLOW_LAYERWISE, metaserver_url=url,
+                             decode=pb.Endpoint(worker_id="d", url="http://127.0.0.1:9", role=pb.ROLE_DECODE))
+    assert meta.register(req, placement)
+    return placement.metaserver_url
+
+
+async def _decode_calls(url: str, rid: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json={"request_id": f"cmpl-{rid}-0", "remote_host": "127.0.0.1"}) as r:
+            return r.status, await r.json()
+
+
+async def test_a_failed_prefill_is_placed_again_through_the_port_and_sent_elsewhere(setup):
+    engines, plane, meta, url = setup
+    await engines.add("p1", 500)
+    await engines.add("p2", 200)
+    status, answer = await _decode_calls(await _layerwise_request(meta, url, "r1"), "r1")
+    assert (status, answer) == (200, {"status": "ok"})
+    assert [list(r.exclude_workers) for r in plane.placed] == [[], ["p1"]]
+    assert all(r.leg == pb.LEG_PREFILL and r.request_id == "r1" for r in plane.placed)
+    assert plane.reports == [(pb.EVENT_LEG_FAILED, "p1", 500), (pb.EVENT_PREFILL_DONE, "", 0)]
+    (sent,) = engines.got["p2"]
+    assert sent["prompt"] == "hello" and sent["max_tokens"] == 1 and sent["kv_transfer_params"]["remote_host"] == \
+        "127.0.0.1"
+
+
+async def test_a_prefill_4xx_is_not_tried_on_another_prefill_worker(setup):
+    engines, plane, meta, url = setup
+    await engines.add("p1", 400)
+    await engines.add("p2", 200)
+    status, answer = await _decode_calls(await _layerwise_request(meta, url, "r2"), "r2")
+    assert status == 502 and "p1 says 400" in answer["error"]["message"]
+    assert len(plane.placed) == 1 and engines.got["p2"] == []
+    assert plane.reports == [(pb.EVENT_LEG_FAILED, "p1", 400)]
+
+
+async def test_prefill_retries_stop_at_the_configured_count(setup):
+    engines, plane, meta, url = setup
+    for wid in ("p1", "p2", "p3", "p4"):
+        await engines.add(wid, 503)
+    status, _ = await _decode_calls(await _layerwise_request(meta, url, "r3"), "r3")
+    assert status == 502
+    assert [r[1] for r in plane.reports] == ["p1", "p2", "p3"]     # the first, then prefill_retries=2 more
+    assert engines.got["p4"] == []
