@@ -33,7 +33,7 @@ from dataplane.tokenizer import Tokenizer
 from dataplane import tokenize_api
 from dataplane.requests import (CHAT, COMPLETIONS, PASSTHROUGH, ClientRequest, parse_passthrough, parse_request,
                                 slo_header)
-from dataplane.retry import leg_retry, prefill_retry
+from dataplane.retry import counted, leg_retry, prefill_retry
 from dataplane.server import App, ClientLimits
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream, UpstreamConfig, UpstreamError
@@ -140,10 +140,10 @@ class DataPlane:
 
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
-        self._retry = leg_retry(config.retries)
-        self._prefill_retry = prefill_retry(config.prefill_retries)
         self.tracing = _tracing(config) if config.otel_endpoint else None
         self.metrics = DataPlaneMetrics()
+        self._retry = leg_retry(config.retries, counted(self.metrics))
+        self._prefill_retry = prefill_retry(config.prefill_retries, counted(self.metrics, prefill=True))
         self.upstream = Upstream(config.upstream)
         self.api_keys = client_auth.ApiKeys(config.api_keys) if config.api_keys else None
         self.prefix = PrefixHasher()

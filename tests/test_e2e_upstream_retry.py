@@ -9,6 +9,7 @@ the failing engine's Retry-After keeps it out of rotation.
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Cluster, start_cluster, wait_until
 
@@ -37,10 +38,19 @@ async def _failures(c: Cluster) -> dict[str, int]:
     return {wid: w.failures_total for wid, w in (await c.workers()).items()}
 
 
+async def _upstream_errors(c: Cluster, http, worker: str, status: str) -> float:
+    """The data plane's omni_dp_upstream_errors for ``worker`` and ``status``."""
+    async with http.get(c.url + "/metrics") as r:
+        text = await r.text()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "omni_dp_upstream_errors_total" and s.labels == {"worker": worker, "status": status})
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_5xx_before_the_first_byte_is_retried_on_another_worker(agg: Cluster, http, stream):
     await agg.fresh()
     before = await _failures(agg)
+    counted = await _upstream_errors(agg, http, "a", "500")
     try:
         await agg.sim_post("a", "/sim/faults", {"status": 500, "message": "engine fell over", "count": 2})
         for _ in range(4):
@@ -49,6 +59,8 @@ async def test_engine_5xx_before_the_first_byte_is_retried_on_another_worker(agg
                 await r.read()
         after = await _failures(agg)
         assert after["a"] - before["a"] == 2 and after["b"] == before["b"]
+        # the retry policy's on_retry hook counted each on the data plane
+        assert await _upstream_errors(agg, http, "a", "500") - counted == 2
     finally:
         await agg.sim_post("a", "/sim/faults", {"clear": True})
     await wait_until(agg.all_idle, what="load released")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dataplane.messages import Request, StreamResponse
 from dataplane.metrics import DataPlaneMetrics
 from dataplane.placement_client import PlacementClient
 from dataplane.requests import ClientRequest
-from dataplane.retry import leg_retry, prefill_retry
 from dataplane.tracking import RequestTracker
 from dataplane.upstream import Upstream
 from omni_runtime.retry import Retry
@@ -22,8 +21,8 @@ class FlowContext:
     placements: PlacementClient
     tracker: RequestTracker
     metrics: DataPlaneMetrics
-    retry: Retry = field(default_factory=lambda: leg_retry(2))                  # aggregated legs and D legs
-    prefill_retry: Retry = field(default_factory=lambda: prefill_retry(1))      # P legs (sequential)
+    retry: Retry            # aggregated legs and D legs (dataplane.retry.leg_retry)
+    prefill_retry: Retry    # P legs (sequential; dataplane.retry.prefill_retry)
     # Why the flow closed a leg itself (e.g. parallel P failed): shown to the client.
     abort_reason: str = ""
     # Recompute support (PD flows): watch for D giving the request back; the client's

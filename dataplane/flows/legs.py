@@ -8,7 +8,6 @@ is none), and after the policy's jittered pause the leg is opened there.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 
 from dataplane.flows.context import FlowContext
@@ -16,8 +15,6 @@ from dataplane.retry import retry_after_s
 from dataplane.upstream import UpstreamError, dp_rank
 from engine_api.client import EngineResponse
 from protos import omni_proxy_pb2 as pb
-
-log = logging.getLogger(__name__)
 
 Replace = Callable[[list[str], UpstreamError], Awaitable[pb.Endpoint]]
 
@@ -38,9 +35,7 @@ async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: st
             pause = ctx.retry.next_delay(exc, len(tried))
             if pause is None:
                 raise
-            log.warning("worker %s failed before the first byte (%s %s); trying another worker",
-                        failed, exc.upstream_status, exc.message, extra={"worker": failed})
+            # (the policy's on_retry hook logged it and counted it for the worker)
             ctx.tracker.leg_failed(failed, exc.message, exc.upstream_status or 0, retry_after_s(exc))
-            ctx.metrics.upstream_errors.labels(failed, str(exc.upstream_status)).inc()
             endpoint = await replace(tried, exc)
             await ctx.retry.sleep(pause)

@@ -10,7 +10,6 @@ every P; yes for an answer without ``kv_transfer_params``, a P without a produce
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import orjson
@@ -27,8 +26,6 @@ from dataplane.tracking import LEG_DECODE, LEG_PREFILL
 from dataplane.upstream import UpstreamError, dp_rank, read_body
 from engine_api.bodies import PULL_PREFILL_KV_PARAMS, prefill_body
 from protos import omni_proxy_pb2 as pb
-
-log = logging.getLogger(__name__)
 
 
 async def _prefill(ctx: FlowContext, prefill: pb.Endpoint, body: bytes) -> dict[str, Any]:
@@ -62,10 +59,8 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamRes
             pause = ctx.prefill_retry.next_delay(exc, len(tried))
             if pause is None:
                 raise
-            log.warning("prefill on %s failed (%s); trying another prefill worker", prefill.worker_id, exc.message,
-                        extra={"worker": prefill.worker_id})
+            # (the policy's on_retry hook logged it and counted it for the worker)
             ctx.tracker.leg_failed(prefill.worker_id, exc.message, exc.upstream_status or 0, retry_after_s(exc))
-            ctx.metrics.upstream_errors.labels(prefill.worker_id, str(exc.upstream_status)).inc()
             try:
                 prefill = (await place(ctx.placements, req, pb.LEG_PREFILL, exclude=tried)).prefill
             except APIError:
