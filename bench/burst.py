@@ -157,7 +157,7 @@ async def send_chat(session: aiohttp.ClientSession, url: str, body: dict, idx: i
                         out.tokens += 1
                         first = first or now
                         last = now
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:300]
         return out
     out.e2e = time.perf_counter() - t0
@@ -229,7 +229,8 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
         if args.profile and speedup == max(args.speedup_list) and repeat == 0:
             args.profile.mkdir(parents=True, exist_ok=True)
             spies = [subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(max(2, int(offsets[-1]) + 2)),
-                                       "-r", "200", "-f", "raw", "-o", str(args.profile / f"{name}-{variant}-x{speedup:g}.txt"),
+                                       "-r", "200", "-f", "raw",
+                                       "-o", str(args.profile / f"{name}-{variant}-x{speedup:g}.txt"),
                                        "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for name, pid in (("dataplane", dp.proc.pid), ("controlplane", cp.proc.pid))]
         load0 = os.getloadavg()[0]
@@ -547,11 +548,12 @@ def write_markdown(path: Path, report: dict) -> None:
 
 def _spread(ax, xs: list[float], stats: list[dict | None], **kw) -> None:
     """Medians over repeats as a line, min..max as error bars; cells without a value skipped."""
-    pts = [(x, s) for x, s in zip(xs, stats) if s]
+    pts = [(x, s) for x, s in zip(xs, stats, strict=False) if s]
     if pts:
         med = [s["median"] for _, s in pts]
-        ax.errorbar([x for x, _ in pts], med, yerr=[[max(0, m - s["min"]) for m, (_, s) in zip(med, pts)],
-                                                    [max(0, s["max"] - m) for m, (_, s) in zip(med, pts)]],
+        lo = [max(0, m - s["min"]) for m, (_, s) in zip(med, pts, strict=False)]
+        hi = [max(0, s["max"] - m) for m, (_, s) in zip(med, pts, strict=False)]
+        ax.errorbar([x for x, _ in pts], med, yerr=[lo, hi],
                     fmt="-o", capsize=3, **kw)
 
 
@@ -596,7 +598,7 @@ def write_plot(path: Path, report: dict) -> None:
     ax.set_xlabel("speedup of the burst window")
     ax.set_ylabel("longest event-loop stall (ms)")
     ax2 = ax.twinx()
-    ticks = [(x, r["ticks_over_5ms"]) for x, r in zip(xs, summary) if r["ticks_over_5ms"]]
+    ticks = [(x, r["ticks_over_5ms"]) for x, r in zip(xs, summary, strict=False) if r["ticks_over_5ms"]]
     if ticks:
         ax2.bar([t[0] for t in ticks], [t[1]["median"] for t in ticks], width=[t[0] * 0.25 for t in ticks],
                 alpha=0.25, color="C0", label="ticks > 5 ms (median)")

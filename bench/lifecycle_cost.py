@@ -147,7 +147,8 @@ def main() -> None:
         print(orjson.dumps({"python": sys.version.split()[0], "requests": args.requests,
                             "us_per_request": {k: round(v, 2) for k, v in results.items()}}).decode())
         return
-    print(f"per-request bookkeeping, best of {args.repeats} x {args.requests} requests (python {sys.version.split()[0]})")
+    print(f"per-request bookkeeping, best of {args.repeats} x {args.requests} requests "
+          f"(python {sys.version.split()[0]})")
     for name, us in results.items():
         print(f"  {name:<52} {us:7.2f} us")
 

@@ -190,7 +190,7 @@ def probe(url: str) -> str | None:
     for stream in (False, True):
         body = json.dumps({"model": "sim-model", "prompt": "probe", "max_tokens": 4, "stream": stream}).encode()
         req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        for attempt in range(40):
+        for _attempt in range(40):
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
                     r.read()
@@ -513,7 +513,8 @@ def markdown(results: dict, summary: dict, command: str) -> str:
                 split.append(f"{name}: data plane {_fmt(s, 'dataplane_cpu_us', 0)}, control plane "
                              f"{_fmt(s, 'controlplane_cpu_us', 0)} us/req"
                              + (f", longest event-loop stall <= {s['loop_stall_le_ms']['max']:.0f} ms "
-                                f"({s['loop_ticks_over_5ms']['max']:.0f} of ~{100 * (results['args']['seconds'] + results['args']['warm']):.0f} "
+                                f"({s['loop_ticks_over_5ms']['max']:.0f} of "
+                                f"~{100 * (results['args']['seconds'] + results['args']['warm']):.0f} "
                                 "10-ms ticks over 5 ms)" if "loop_stall_le_ms" in s else ""))
         lines.append("")
         if split:
@@ -538,8 +539,10 @@ def plot(summary: dict, path: Path) -> None:
         for i, name in enumerate(names):
             xs = [j + i * width for j in range(len(keys))]
             med = [summary[k][name][metric]["median"] if name in summary[k] else 0 for k in keys]
-            lo = [m - summary[k][name][metric]["min"] if name in summary[k] else 0 for k, m in zip(keys, med)]
-            hi = [summary[k][name][metric]["max"] - m if name in summary[k] else 0 for k, m in zip(keys, med)]
+            lo = [m - summary[k][name][metric]["min"] if name in summary[k] else 0
+                  for k, m in zip(keys, med, strict=False)]
+            hi = [summary[k][name][metric]["max"] - m if name in summary[k] else 0
+                  for k, m in zip(keys, med, strict=False)]
             ax.bar(xs, med, width, yerr=[lo, hi], label=name, capsize=2)
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(keys))], keys)
         ax.set_title(title)

@@ -399,7 +399,7 @@ def write(result: dict, out: Path, command: str, baseline: dict | None) -> None:
         log("matplotlib missing: no plot (pip install matplotlib)")
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, mode in zip(axes, ("exact", "approx")):
+    for ax, mode in zip(axes, ("exact", "approx"), strict=False):
         for policy in result["policies"]:
             rows = [r for r in result["placement"] if r["policy"] == policy and r["mode"] == mode]
             if rows:

@@ -1,7 +1,8 @@
 """Scale-out: placements/s and p99 placement latency with 1-3 data planes against 1-2
 control-plane replicas, in-memory store vs Redis store (issue 10).
 
-    python bench/scaleout.py [--rounds 5] [--seconds 1] [--concurrency 8] [--stores memory redis ...] [--out docs/benchmarks]
+    python bench/scaleout.py [--rounds 5] [--seconds 1] [--concurrency 8] [--stores memory redis ...] \
+        [--out docs/benchmarks]
 
 What runs, all real processes on 127.0.0.1, every one of them ending with the benchmark
 (``omni_proxy.launcher``: lifeline + process groups):
@@ -354,10 +355,12 @@ def markdown(result: dict, summary: dict) -> str:
         worst = max(ratios, key=lambda k: ratios[k]["median"])
         met = all(r["median"] <= GOAL_RATIO for r in ratios.values())
         tput = [s["throughput_vs_memory"]["median"] for k, s in summary.items() if k in ratios]
+        above = ("" if not met or all(r['max'] <= GOAL_RATIO for r in ratios.values())
+                 else " (single rounds above it: see the spreads; this machine is shared)")
         lines.append(f"* `{store}`: p99 vs memory {min(r['median'] for r in ratios.values()):.2f}x to "
                      f"{ratios[worst]['median']:.2f}x (worst: {worst}, spread {_f(ratios[worst], '{:.2f}')}); the "
                      f"1.5x goal is {'met in every cell by the median over rounds' if met else 'NOT met'}"
-                     f"{'' if not met or all(r['max'] <= GOAL_RATIO for r in ratios.values()) else ' (single rounds above it: see the spreads; this machine is shared)'}"
+                     f"{above}"
                      f". Placements/s "
                      f"{min(tput):.2f}x to {max(tput):.2f}x of memory.")
     lines.append("* Two replicas on Redis are compared with one memory control plane (the memory store is not "
@@ -385,8 +388,8 @@ def plot(summary: dict, path: Path) -> None:
             points.sort()
             xs = [p[0] for p in points]
             med = [p[1][metric]["median"] for p in points]
-            err = [[m - p[1][metric]["min"] for m, p in zip(med, points)],
-                   [p[1][metric]["max"] - m for m, p in zip(med, points)]]
+            err = [[m - p[1][metric]["min"] for m, p in zip(med, points, strict=False)],
+                   [p[1][metric]["max"] - m for m, p in zip(med, points, strict=False)]]
             ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
         ax.set_xlabel("data planes")
         ax.set_xticks(sorted({p[0] for pts in series.values() for p in pts}))

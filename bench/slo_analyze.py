@@ -51,7 +51,7 @@ def analyze(run: dict, rows: list[dict], preds: dict, scale: float, close_s: flo
             tokens[e] += row["input_length"]
     fresh = [i for i in range(len(rows)) if i not in preds]
     same = close = 0
-    for a, b in zip(fresh, fresh[1:]):
+    for a, b in zip(fresh, fresh[1:], strict=False):
         gap = (rows[b]["timestamp"] - rows[a]["timestamp"]) / 1000 / scale
         ea, eb = engine_of(assign, a), engine_of(assign, b)
         if gap <= close_s and ea is not None and eb is not None:
@@ -62,7 +62,8 @@ def analyze(run: dict, rows: list[dict], preds: dict, scale: float, close_s: flo
     return {"followup_same": statistics.mean(follow) if follow else None,
             "fresh_pileup": same / close if close else None, "fresh_pairs": close,
             "tokens_k": [round(t / 1000) for t in tokens],
-            "tokens_cv": _cv([t for t, pe in zip(tokens, run["per_engine"]) if pe["role"] in ("both", "prefill")]),
+            "tokens_cv": _cv([t for t, pe in zip(tokens, run["per_engine"], strict=False)
+                              if pe["role"] in ("both", "prefill")]),
             "waiting_max": [pe["waiting_max"] for pe in run["per_engine"]],
             "waiting_mean": [pe["waiting_mean"] for pe in run["per_engine"]]}
 
@@ -105,7 +106,7 @@ def main() -> int:
     print(f"{'mode':4} {'rate':>4} {'target':26} {'SLO%':>5} {'hit%':>5} {'follow%':>7} "
           f"{'pileup%':>7} tokens(k) per engine [cv]  queue max per engine")
     for (mode, rate, target), rs in sorted(groups.items()):
-        def m(key):
+        def m(key, rs=rs):
             vals = [r[key] for r in rs if r[key] is not None]
             return statistics.mean(vals) if vals else float("nan")
         print(f"{mode:4} {rate:>4} {target:26} {m('slo') * 100:5.1f} {m('hit') * 100:5.1f} "

@@ -250,7 +250,7 @@ async def send_router(session, url: str, body: dict, idx: int) -> Outcome:
     try:
         await _stream(session, url + "/v1/completions", body, {"X-Request-Id": f"slo{idx}x"},
                       time.perf_counter(), out)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
@@ -278,7 +278,7 @@ async def send_direct(session, engines: list[Engine], assign: dict, body: dict, 
         kv = orjson.loads(data).get("kv_transfer_params")
         await _stream(session, engines[assign["decode"]].url + "/v1/completions",
                       {**body, "kv_transfer_params": kv}, headers, t0, out)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
@@ -322,13 +322,13 @@ class EngineWatcher:
             await asyncio.sleep(self.interval)   # periodic sampling (not a wait for a condition)
             try:
                 await self.poll()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
 
     def assignment(self) -> dict[int, dict[str, int]]:
         """label -> {role: engine index}; the last leg received wins (a retry)."""
         out: dict[int, dict[str, int]] = {}
-        for (i, _rid, _t), (t, label, role) in sorted(self.seen.items(), key=lambda kv: kv[1][0]):
+        for (i, _rid, _sent), (_t, label, role) in sorted(self.seen.items(), key=lambda kv: kv[1][0]):
             out.setdefault(label, {})[role] = i
         return out
 
@@ -441,7 +441,7 @@ def fair_share(per_engine: list[dict], speeds: list[float]) -> float | None:
     """The smallest share any engine got of its fair share among its equals (same role and
     speed, at least two of them): 1.0 is an even split, 0.0 an engine that got nothing."""
     groups: dict[tuple[str, float], list[int]] = {}
-    for pe, speed in zip(per_engine, speeds):
+    for pe, speed in zip(per_engine, speeds, strict=False):
         groups.setdefault((pe["role"], speed), []).append(pe["requests"])
     shares = [min(v) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1 and sum(v)]
     return round(min(shares), 3) if shares else None
@@ -687,7 +687,7 @@ def write_plots(out_dir: Path, stem: str, report: dict, cdf_rate: float) -> list
     if not modes:
         return []
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
+    for ax, mode in zip(axes[0], modes, strict=False):
         rows = [r for r in report["summary"] if r["mode"] == mode]
         targets = sorted({r["target"] for r in rows})
         for ti, target in enumerate(targets):
@@ -715,7 +715,7 @@ def write_plots(out_dir: Path, stem: str, report: dict, cdf_rate: float) -> list
     files.append(str(p))
 
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
+    for ax, mode in zip(axes[0], modes, strict=False):
         runs = [r for r in report["runs"] if not r.get("skipped") and r["mode"] == mode
                 and r["rate"] == cdf_rate]
         targets = sorted({r["target"] for r in runs})
@@ -966,7 +966,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
         "elapsed_s": round(time.time() - started, 1),
         "code": code,
         "config": {"trace_name": trace.name, "workload": args.workload, "seed": args.seed,
-                   "engine_speeds": args.engine_speeds, "slowdown": args.slowdown, "start": args.start, "requests": len(rows), "window_model_s": window_s,
+                   "engine_speeds": args.engine_speeds, "slowdown": args.slowdown, "start": args.start,
+                   "requests": len(rows), "window_model_s": window_s,
                    "rates": rates, "base_rate": args.base_rate, "repeats": args.repeats, "modes": modes,
                    "targets": [t.name for t in targets], "slo_ttft_ms": args.slo_ttft_ms,
                    "slo_tpot_ms": args.slo_tpot_ms, "max_output": args.max_output,

@@ -186,7 +186,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, path: str, body:
 async def bounded_request(session, url, path, body, tally: Tally, deadline: float) -> None:
     try:
         await asyncio.wait_for(one_request(session, url, path, body, tally), deadline)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         tally.hung += 1
         if len(tally.lost_samples) < 20:
             tally.lost_samples.append(f"hung: no answer within {deadline}s ({path}, stream={body.get('stream')})")
@@ -346,7 +346,7 @@ class Soak:
             async with session.post(self.procs[engine].url + "/sim/faults", json=spec,
                                     timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             pass   # the engine may be down right now: the fault is then moot
 
     async def fault_loop(self, session: aiohttp.ClientSession, stop_at: float) -> None:

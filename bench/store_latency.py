@@ -287,7 +287,8 @@ async def main(args: argparse.Namespace) -> dict:
                     await c.place_cycle(measure=True)
                 c.rates.append(await c.throughput(args.count))
                 log(f"round {r + 1}/{args.rounds} {c.name}: store calls p50 "
-                    f"{pct(c.samples['placement_calls'], 0.5):.1f} us, place p99 {pct(c.samples['place'], 0.99):.1f} us, "
+                    f"{pct(c.samples['placement_calls'], 0.5):.1f} us, "
+                    f"place p99 {pct(c.samples['place'], 0.99):.1f} us, "
                     f"{c.rates[-1]:,.0f} cycles/s")
         results = {c.name: summary(c) for c in configs}
         for c in configs[1:]:
@@ -364,7 +365,8 @@ async def main(args: argparse.Namespace) -> dict:
                 "concurrency": CONCURRENCY, "goal_ratio": GOAL_RATIO, "place_p99_ratio_tcp": round(ratio, 2),
                 "rpc_place_p99_ratio_tcp": round(rpc_ratio, 2),
                 "rpc_place_p99_ratio_tcp_mirror": round(rpc_mirror_ratio, 2),
-                "rpc_place_p99_ratio_tcp_mirror_write_behind": round(rpc_wb_ratio, 2), "mirror_max_age_s": MIRROR_AGE_S, "results": results, "rpc": rpc, "reading": reading}
+                "rpc_place_p99_ratio_tcp_mirror_write_behind": round(rpc_wb_ratio, 2),
+                "mirror_max_age_s": MIRROR_AGE_S, "results": results, "rpc": rpc, "reading": reading}
     finally:
         for s in servers:
             s.close()

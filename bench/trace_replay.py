@@ -87,10 +87,10 @@ def run_policy(policy: str, rows: list[dict], args) -> dict:
                 h1, q1 = await sim_counters(s, [x.url for x in sims])
                 async with s.get(f"http://127.0.0.1:{cp.info['http_port']}/metrics") as r:
                     text = await r.text()
-            pred = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                       if l.startswith("omni_kv_predicted_hit_blocks_total"))
-            query = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                        if l.startswith("omni_kv_query_blocks_total"))
+            pred = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                       if ln.startswith("omni_kv_predicted_hit_blocks_total"))
+            query = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                        if ln.startswith("omni_kv_query_blocks_total"))
             out["engine_hit_rate"] = round((h1 - h0) / max(q1 - q0, 1), 3)
             out["predicted_hit_rate"] = round(pred / query, 3) if query else None
             return out

@@ -66,7 +66,7 @@ class AdminState:
     removed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: str) -> "AdminState":
+    def load(cls, path: str) -> AdminState:
         """The file's state; a missing file is an empty state (first start). A file that
         cannot be read or parsed is an error naming ``state.file``: starting without it would
         silently undo the operators' changes."""

@@ -120,7 +120,7 @@ class AuthConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
 
-    def resolved(self, environ: dict[str, str] | None = None) -> "Tokens":
+    def resolved(self, environ: dict[str, str] | None = None) -> Tokens:
         """Config, tokens file and environment merged (ValueError on a bad file or variable)."""
         env = os.environ if environ is None else environ
         scopes = {"admin": dict(self.admin_tokens), "registry": dict(self.registry_tokens),

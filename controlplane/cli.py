@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-listen", help="data-plane session socket: host:port, auto (the gRPC host, "
                    "any free port) or off (sessions on gRPC only)")
     p.add_argument("--http-host", help="host for /metrics, /health and the metaserver")
-    p.add_argument("--http-port", type=flags.port, help="port for /metrics and /health (default 9090; 0 = any free port)")
+    p.add_argument("--http-port", type=flags.port,
+                   help="port for /metrics and /health (default 9090; 0 = any free port)")
     p.add_argument("--policy", help="predicted_latency (default) | cache_aware | apc_first | least_load | "
                    "power_of_two | round_robin | random | a custom profile")
     p.add_argument("--pd-flow", choices=["sequential", "parallel", "layerwise"], help="how P/D pairs run")
@@ -52,7 +53,8 @@ def config_from_args(args: argparse.Namespace):
     from controlplane.workers import Role
 
     cfg = ControlPlaneConfig.from_file(args.config) if args.config else ControlPlaneConfig()
-    for attr, key in (("listen", "listen"), ("session_listen", "session_listen"), ("http_host", "http_host"), ("http_port", "http_port"),
+    for attr, key in (("listen", "listen"), ("session_listen", "session_listen"), ("http_host", "http_host"),
+                      ("http_port", "http_port"),
                       ("policy", "policy"), ("pd_flow", "pd_flow"),
                       ("parallel_protocol", "parallel_protocol"), ("metaserver_host", "metaserver_host"),
                       ("health_interval", "health.interval_s"), ("metrics_interval", "health.metrics_interval_s"),
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         check_config(cfg)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"omni-proxy controlplane: {exc}")
+        raise SystemExit(f"omni-proxy controlplane: {exc}") from None
 
     async def main() -> None:
         from controlplane.server import ControlPlane

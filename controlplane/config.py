@@ -2,7 +2,8 @@
 
 Example (TOML)::
 
-    policy = "predicted_latency"   # the default; or cache_aware | apc_first | least_load | power_of_two | round_robin | random | <custom>
+    policy = "predicted_latency"   # the default; or cache_aware | apc_first | least_load | power_of_two
+                                   #   | round_robin | random | <custom>
     pd_flow = "sequential"         # sequential | parallel | layerwise
     parallel_protocol = "sglang"   # parallel flow: "sglang" or "mooncake" (vLLM bootstrap)
     metaserver_host = "10.0.0.2"   # layerwise: the address D engines call (never a wildcard)
@@ -295,7 +296,7 @@ class WorkerSpec:
     where: str = field(default="", repr=False, compare=False)  # how errors name it: workers[2], --worker URL
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "worker") -> "WorkerSpec":
+    def from_dict(cls, data: dict[str, Any], where: str = "worker") -> WorkerSpec:
         """One ``[[workers]]`` table; ``where`` names it in errors (``workers[2]``, ``--worker URL``)."""
         data = _table(data, where)
         unknown = [k for k in data if k not in WORKER_KEYS]
@@ -326,7 +327,7 @@ class WorkerSpec:
                    kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size, where=where)
 
     @classmethod
-    def parse_flag(cls, text: str, role: Role | None = None, flag: str = "--worker") -> "WorkerSpec":
+    def parse_flag(cls, text: str, role: Role | None = None, flag: str = "--worker") -> WorkerSpec:
         """``URL[,key=value...]`` as given on the command line."""
         parts = [p.strip() for p in text.split(",") if p.strip()]
         if not parts:
@@ -433,7 +434,7 @@ class ControlPlaneConfig:
     explicit: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ControlPlaneConfig":
+    def from_file(cls, path: str | Path) -> ControlPlaneConfig:
         """Load a TOML or YAML file; syntax errors name the file and the line."""
         path = Path(path)
         text = path.read_text()
@@ -459,7 +460,7 @@ class ControlPlaneConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ControlPlaneConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ControlPlaneConfig:
         data = dict(data)
         cfg = cls()
         health = _table(data.pop("health", None), "health")

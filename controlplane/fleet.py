@@ -34,7 +34,7 @@ class Group:
 
     __slots__ = ("ids", "_fleet", "_members", "_heap", "_cum", "_uniform")
 
-    def __init__(self, fleet: "Fleet", ids: tuple[str, ...]) -> None:
+    def __init__(self, fleet: Fleet, ids: tuple[str, ...]) -> None:
         self.ids = ids
         self._fleet = fleet
         self._members: frozenset[str] | None = None

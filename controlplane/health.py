@@ -137,7 +137,7 @@ class HealthChecker:
                     error = f"/health returned {resp.status}"
             if not error and (not spec.model or not self.fleet.state(spec.id).max_model_len):
                 await self._read_models(spec)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self._apply(spec, error)
 
@@ -164,7 +164,7 @@ class HealthChecker:
         and hashed as theirs), once per healthy spell."""
         try:
             model, limit, loras = await self._discover_model(spec)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError):
             if not spec.model:
                 raise
             model, limit, loras = spec.model, -1, ()   # the model is configured: health is /health's to say
@@ -203,7 +203,7 @@ class HealthChecker:
                 if resp.status != 200:
                     return
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return
         # A vLLM metrics page with histograms is large: parse it off the event loop, where
         # placements are answered.

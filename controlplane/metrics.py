@@ -132,7 +132,7 @@ class _Scheduling:
             yield CounterMetricFamily("omni_queue_wait_seconds", "Time requests spent held in the queue",
                                       value=self.queue.wait_s_total)
         lat = self.stats.latency
-        buckets = [(str(b), n) for b, n in zip(LATENCY_BUCKETS, itertools.accumulate(lat.counts))]
+        buckets = [(str(b), n) for b, n in zip(LATENCY_BUCKETS, itertools.accumulate(lat.counts), strict=False)]
         buckets.append(("+Inf", lat.total))
         h = HistogramMetricFamily("omni_placement_seconds", "Time to decide and reserve one placement "
                                   "(queue waits excluded)", buckets=buckets, sum_value=lat.sum_s)

@@ -47,7 +47,7 @@ class Tracing:
             "omni.request_id": req.request_id, "gen_ai.request.model": req.model,
             "omni.leg": pb.Leg.Name(req.leg).removeprefix("LEG_").lower(), "omni.prompt_tokens": req.prompt_tokens})
 
-    def answered(self, span: Span, answer: "pb.Placement | asyncio.Future") -> None:
+    def answered(self, span: Span, answer: pb.Placement | asyncio.Future) -> None:
         """End ``span`` with the placement; a held request's span ends when the queue answers."""
         if isinstance(answer, pb.Placement):
             _end(span, answer)

@@ -84,7 +84,7 @@ class Placer:
 
     # ------------------------------------------------------------------ placement
 
-    async def submit(self, req: pb.PlaceRequest, session: str = "") -> "pb.Placement | asyncio.Future[pb.Placement]":
+    async def submit(self, req: pb.PlaceRequest, session: str = "") -> pb.Placement | asyncio.Future[pb.Placement]:
         """A data plane's placement: answered now, or (queue stage) a future answered when
         an engine can take the request."""
         queue = self.queue

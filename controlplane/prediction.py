@@ -136,7 +136,7 @@ class EngineModel:
     pull_error: ErrorTrack = field(default_factory=ErrorTrack)
 
     @classmethod
-    def new(cls, d: PredictionDefaults) -> "EngineModel":
+    def new(cls, d: PredictionDefaults) -> EngineModel:
         return cls(ttft=OnlineLine(d.ttft_base_s, d.prefill_s_per_token, 8192.0, d.half_life),
                    tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life),
                    pull=OnlineLine(d.tpot_base_s, d.kv_pull_s_per_token, 8192.0, d.half_life))

@@ -64,7 +64,7 @@ class PlacementQueue:
 
     # ------------------------------------------------------------------ entering and leaving
 
-    def enqueue(self, req: pb.PlaceRequest, session: str) -> "asyncio.Future[pb.Placement] | pb.Placement":
+    def enqueue(self, req: pb.PlaceRequest, session: str) -> asyncio.Future[pb.Placement] | pb.Placement:
         if len(self._waiting) >= self.stage.max_size or req.request_id in self._waiting:
             self.counters["rejected_full"] += 1
             return self.refusal(req, "the placement queue is full")
@@ -110,7 +110,7 @@ class PlacementQueue:
             else:
                 try:
                     await asyncio.wait_for(self._wake.wait(), _TICK_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             self._wake.clear()
             try:

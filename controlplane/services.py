@@ -198,7 +198,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         placement.seq = req.seq
         out.put_nowait(pb.ControlPlaneMessage(placement=placement))
 
-    async def _place(self, req: pb.PlaceRequest, session: str) -> "pb.Placement | asyncio.Future":
+    async def _place(self, req: pb.PlaceRequest, session: str) -> pb.Placement | asyncio.Future:
         started = time.perf_counter()
         span = self.tracing.start(req) if self.tracing is not None else None
         try:
@@ -562,7 +562,7 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.WorkerResponse(worker=await self._info(added.id), checked=checked, check_error=error,
                                  persistence=kept)
 
-    async def _probe(self, url: str, model: str, role: Role) -> tuple["grpc.StatusCode | None", str]:
+    async def _probe(self, url: str, model: str, role: Role) -> tuple[grpc.StatusCode | None, str]:
         """The first check before anything changes: (None, "") when the engine answers /health
         (and lists ``model``, and runs as ``role`` where it says); else the status to refuse with."""
         session = self.health.session if self.health is not None else None
@@ -574,7 +574,7 @@ class AdminService(pb_grpc.AdminServicer):
                     await resp.read()
                     if resp.status != 200:
                         return grpc.StatusCode.UNAVAILABLE, f"/health returned {resp.status}"
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             return grpc.StatusCode.UNAVAILABLE, f"no answer from /health within {self.check_timeout_s:g} s"
         except Exception as exc:  # noqa: BLE001 - aiohttp client errors, OSError
             return grpc.StatusCode.UNAVAILABLE, f"/health: {type(exc).__name__}: {exc}"
@@ -606,7 +606,7 @@ class AdminService(pb_grpc.AdminServicer):
             return False, ""
         try:
             await asyncio.wait_for(health.check(spec), self.check_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False, ""
         except Exception as exc:  # noqa: BLE001 - the add itself has succeeded
             return True, f"{type(exc).__name__}: {exc}"

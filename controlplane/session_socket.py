@@ -99,7 +99,7 @@ class SessionSocketServer:
             first = pb.DataPlaneMessage.FromString(raw)
         except StopAsyncIteration:
             return None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._refuse(writer, peer, f"no session opening within {OPEN_TIMEOUT_S:g}s")
         except FrameError as exc:
             return self._refuse(writer, peer, f"session opening refused before authentication: {exc}")

@@ -12,18 +12,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from collections.abc import Mapping
 
 from protos import omni_proxy_pb2 as pb
 
 
-class Role(str, enum.Enum):
+class Role(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(member) from 'Role.X' to its value
     BOTH = "both"        # aggregated: prefill and decode on one engine
     PREFILL = "prefill"
     DECODE = "decode"
 
     @classmethod
-    def parse(cls, value: str) -> "Role":
+    def parse(cls, value: str) -> Role:
         try:
             return cls(value.strip().lower())
         except ValueError:
@@ -37,7 +37,7 @@ ROLE_TO_PB: Mapping[Role, int] = MappingProxyType(
 PB_TO_ROLE: Mapping[int, Role] = MappingProxyType({v: k for k, v in ROLE_TO_PB.items()})
 
 
-class Health(str, enum.Enum):
+class Health(str, enum.Enum):  # noqa: UP042 - as Role: str(member) stays 'Health.X'
     UNKNOWN = "unknown"    # never checked: gets no placements until the first check passes
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"

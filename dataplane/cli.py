@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without any control plane before placing locally (round robin over the "
                         "last known workers)")
     p.add_argument("--node-id", help="name of this node in the control plane's logs")
-    p.add_argument("--max-body-bytes", type=flags.count(1, 2**40), default=32 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--max-body-bytes", type=flags.count(1, 2**40), default=32 * 1024 * 1024,
+                   help="larger bodies get 413")
     p.add_argument("--placement-timeout", type=flags.seconds, default=5.0, help="seconds to wait for a placement")
     p.add_argument("--prefill-retries", type=flags.count(0, 16), default=1,
                    help="sequential PD: other prefill workers to try when one fails")

@@ -32,7 +32,7 @@ async def read_client_body(http: Request, *, max_bytes: int, timeout_s: float) -
         raise APIError(415, "unsupported Content-Encoding; send the body as identity, gzip or deflate")
     try:
         raw = await _read_within(http, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g}s") from None
     except BodyTooLarge:
         raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes") from None

@@ -1,8 +1,9 @@
 """Data-plane Prometheus metrics, on a registry owned by the app (no process globals).
 
 Everything here is updated once per request, never per streamed chunk. Request metrics are
-labelled by model (twice: ``model`` and vLLM's ``model_name``) and flow only (never by request); a request that was never placed has
-no model label of its own (its model may be anything a client typed), and is counted
+labelled by model (twice: ``model`` and vLLM's ``model_name``) and flow only (never by
+request); a request that was never placed has no model label of its own (its model may be anything a client
+typed), and is counted
 only in ``omni_dp_requests_total`` by status class.
 
 The per-request series are plain Python numbers (``Hist``, ``Count``), read by a collector
@@ -84,7 +85,7 @@ class _Family:
         edges = [floatToGoString(b) for b in self.buckets] + ["+Inf"]
         for values, h in self.series.items():
             total, cumulative = 0, []
-            for edge, n in zip(edges, h.counts):
+            for edge, n in zip(edges, h.counts, strict=False):
                 total += n
                 cumulative.append((edge, total))
             fam.add_metric(list(values), cumulative, h.sum)
@@ -106,7 +107,7 @@ class Series:
     __slots__ = ("ttft", "tpot", "e2e", "placement", "queue", "prefill", "decode",
                  "prompt_tokens", "cached_tokens", "generated_tokens", "flows")
 
-    def __init__(self, m: "DataPlaneMetrics", model: str, flow: str) -> None:
+    def __init__(self, m: DataPlaneMetrics, model: str, flow: str) -> None:
         lv = (model, model, flow)      # model_name: vLLM's label, the same value
         self.ttft = m.ttft.labels(*lv)
         self.tpot = m.tpot.labels(*lv)

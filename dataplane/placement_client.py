@@ -3,8 +3,9 @@
 The stream is the control plane's session socket (``dataplane.session_socket``: the same
 messages, length-prefixed on plain TCP, far less CPU per message) when it has one, and
 the gRPC ``Session`` call otherwise. Placements ride the stream as request/answer pairs
-matched by ``seq``; lifecycle reports ride it one way. A data plane may know several control-plane replicas: it holds one
-session at a time, starting with the replica its node id hashes to (so a fleet of data
+matched by ``seq``; lifecycle reports ride it one way. A data plane may know several
+control-plane replicas: it holds one session at a time, starting with the replica its node id
+hashes to (so a fleet of data
 planes spreads over them) and moving to the next when that one stops answering.
 
 If the stream breaks, waiting placements are asked again on the next session. Requests
@@ -78,7 +79,7 @@ def _wake(fut: asyncio.Future | None) -> None:
 
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
-        fut.set_exception(asyncio.TimeoutError())
+        fut.set_exception(TimeoutError())
 
 
 def parse_targets(targets: str | list[str]) -> list[str]:
@@ -165,7 +166,7 @@ class PlacementClient:
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def close(self) -> None:
@@ -224,7 +225,7 @@ class PlacementClient:
                 raise
             except ControlPlaneUnavailable:
                 continue              # the session broke while we waited: ask the next one
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
                 raise ControlPlaneUnavailable(f"no placement from {self.target} within {self.timeout_s}s") from None
             finally:
@@ -272,7 +273,7 @@ class PlacementClient:
             channel = self._channel(target)
             try:
                 await asyncio.wait_for(channel.channel_ready(), timeout=self.connect_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 index = (index + 1) % len(self.targets)
                 failed_in_a_row += 1
                 if failed_in_a_row >= len(self.targets):   # every replica tried: breathe
@@ -301,7 +302,7 @@ class PlacementClient:
         try:
             return await connect_socket(host, endpoint.port, ssl_context=self._ssl_context if endpoint.tls else None,
                                         timeout_s=self.connect_timeout_s)
-        except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
             self._socket_retry_at[target] = time.monotonic() + SOCKET_RETRY_S
             log.warning("control plane %s: session socket port %d unreachable (%s); sessions use the gRPC "
                         "stream, trying the socket again in %.0fs", target, endpoint.port,

@@ -117,6 +117,11 @@ def open_file_limit() -> int:
 Middleware = Callable[[Request, Handler], Awaitable[Response | StreamResponse]]
 
 
+def _chained(mw: Middleware, inner: Handler) -> Handler:
+    """``inner`` behind the middleware ``mw`` (a function of its own, so each link keeps its own pair)."""
+    return lambda request: mw(request, inner)
+
+
 class App:
     """Routes, middlewares around every handler, startup and cleanup hooks.
 
@@ -148,7 +153,7 @@ class App:
 
     def _wrap(self, handler: Handler) -> Handler:
         for mw in reversed(self.middlewares):
-            handler = (lambda mw, inner: lambda request: mw(request, inner))(mw, handler)
+            handler = _chained(mw, handler)
         return handler
 
     def _freeze(self) -> None:

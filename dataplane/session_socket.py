@@ -23,7 +23,7 @@ class SessionRefused(Exception):
     """The control plane refused the session (a bad token, a malformed opening)."""
 
 
-async def connect(host: str, port: int, *, ssl_context: ssl.SSLContext | None, timeout_s: float) -> "SocketCall":
+async def connect(host: str, port: int, *, ssl_context: ssl.SSLContext | None, timeout_s: float) -> SocketCall:
     """Open the socket (OSError, ssl.SSLError or asyncio.TimeoutError when it cannot be)."""
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(host, port, ssl=ssl_context, server_hostname=host if ssl_context else None,

@@ -6,7 +6,6 @@ aiohttp's ClientSession was a fifth of the data plane's CPU per request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from dataclasses import dataclass
@@ -113,7 +112,7 @@ class Upstream:
             headers.append(("X-data-parallel-rank", str(dp_rank)))
         try:
             resp = await self._client.post(url, body, headers, total_timeout_s=total_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("worker %s (%s) timed out", worker_id, url, extra={"worker": worker_id})
             raise _timed_out(worker_id, url) from None
         except (EngineConnectError, OSError) as exc:
@@ -133,7 +132,7 @@ class Upstream:
             return resp
         try:
             data = await resp.read()
-        except (EngineClientError, asyncio.TimeoutError):
+        except (TimeoutError, EngineClientError):
             data = b""
         finally:
             resp.release()
@@ -154,7 +153,7 @@ async def read_body(worker_id: str, resp: EngineResponse) -> bytes:
     """
     try:
         data = await resp.read()
-    except asyncio.TimeoutError:
+    except TimeoutError:
         resp.close()
         log.warning("worker %s timed out answering", worker_id, extra={"worker": worker_id})
         raise _timed_out(worker_id, resp.url) from None

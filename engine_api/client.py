@@ -406,14 +406,14 @@ class _Connection(asyncio.Protocol):
         if self.paused:
             silent = 0.0
         if silent >= timeout:
-            self._fail(asyncio.TimeoutError(f"{self._resp.url} sent nothing for {timeout:g} s"))
+            self._fail(TimeoutError(f"{self._resp.url} sent nothing for {timeout:g} s"))
         else:
             self._read_timer = self.loop.call_later(timeout - silent, self._on_read_timer)
 
     def _on_total_timer(self) -> None:
         self._total_timer = None
         if self._resp is not None and not self.complete:
-            self._fail(asyncio.TimeoutError(f"{self._resp.url} did not answer in time"))
+            self._fail(TimeoutError(f"{self._resp.url} did not answer in time"))
 
     def _cancel_timers(self) -> None:
         if self._read_timer is not None:

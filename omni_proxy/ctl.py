@@ -270,7 +270,7 @@ def _show(table, console=None, whole: tuple[str, ...] = ()) -> None:
     for r in range(table.row_count):
         row = [col[r] if r < len(col) else "" for col in cells]
         print(f"{names[0]}: {row[0]}" if names[0] else row[0])
-        for name, value in zip(names[1:], row[1:]):
+        for name, value in zip(names[1:], row[1:], strict=False):
             if value not in ("", "-"):
                 print(f"  {name}: {value}")
 
@@ -287,7 +287,8 @@ def print_workers(resp, as_json: bool) -> None:
         return
     table = _table(f"workers (policy {resp.policy})",
                    ["id", "role", "model", "health", "weight", "drain", "load req/tok", "prefill pending",
-                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "source", "engine", "url"],
+                    "engine run/wait", "KV use", "hit pred/engine", "placed/failed", "last error", "source", "engine",
+                    "url"],
                    whole={"id": max((len(w.id) for w in resp.workers), default=2),
                           "url": max((len(w.url) for w in resp.workers), default=3)})
     for w in resp.workers:

@@ -330,7 +330,7 @@ class ProcessGroup:
             if self._tmp is not None:
                 self._tmp.cleanup()
 
-    def __enter__(self) -> "ProcessGroup":
+    def __enter__(self) -> ProcessGroup:
         return self
 
     def __exit__(self, *exc) -> None:

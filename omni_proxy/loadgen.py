@@ -85,7 +85,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, *, headers:
                     tokens = int((orjson.loads(data).get("usage") or {}).get("completion_tokens") or 0)
             error = "" if resp.status == 200 else f"HTTP {resp.status}"
             return Result(resp.status, ttft, time.perf_counter() - start, events, tokens, error)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return Result(0, ttft, time.perf_counter() - start, events, 0, error=f"{type(exc).__name__}: {exc}")
 
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         if args.engine_api_key_file:      # one key for both planes, read from the file
             cfg.engine_api_key = dp_cli.engine_api_key(args)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"omni-proxy up: {exc}")
+        raise SystemExit(f"omni-proxy up: {exc}") from None
     if args.listen is None and "listen" not in cfg.explicit:
         cfg.listen = "127.0.0.1:0"  # private to this process unless the flag or the file says otherwise
 

@@ -26,7 +26,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 
-from protos.options import MAX_MESSAGE_BYTES, MAX_OPENING_FRAME_BYTES
+from protos.options import MAX_MESSAGE_BYTES
 
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 _LENGTH = struct.Struct(">I")

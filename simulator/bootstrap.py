@@ -131,7 +131,7 @@ class BootstrapRooms:
             self.pulls_waiting += 1
             try:
                 await asyncio.wait_for(arrival.event.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 self.pulls_waiting -= 1
@@ -169,7 +169,7 @@ class RoomHold:
         try:
             await asyncio.wait_for(self.offer.taken.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._rooms.counters.timeouts += 1
             return False
         finally:
@@ -210,7 +210,7 @@ async def fetch_room(session: aiohttp.ClientSession, src: BootstrapSource, timeo
             text = (await resp.text())[:300]
             raise KvTransferError(f"KV fetch for bootstrap room {src.room!r} from {src.url} got HTTP "
                                f"{resp.status}: {text}")
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise KvTransferError(f"KV fetch for bootstrap room {src.room!r} from {src.url} timed out") from exc
     except (aiohttp.ClientError, KeyError, ValueError, TypeError) as exc:
         raise KvTransferError(f"KV fetch for bootstrap room {src.room!r} from {src.url} failed: {exc!r}") from exc

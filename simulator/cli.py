@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-transfer-ms-per-token", type=flags.number(0, 1e6), default=0.005,
                    help="decode-side time to pull one prompt token's KV (default 0.005)")
     s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=flags.count(1, 1 << 20), default=64, help="running batch size cap (default 64)")
+    s.add_argument("--max-num-seqs", type=flags.count(1, 1 << 20), default=64,
+                   help="running batch size cap (default 64)")
     s.add_argument("--max-num-batched-tokens", type=flags.count(1, 1 << 30), default=8192,
                    help="per-step token budget; longer prompts prefill in chunks (default 8192)")
     s.add_argument("--dp-size", type=flags.count(1, 1024), default=1,

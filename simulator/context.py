@@ -76,7 +76,7 @@ class SimContext:
     rank_publishers: list = field(default_factory=list)
     _next_rank: list[int] = field(default_factory=lambda: [0], repr=False)
 
-    def for_rank(self, rank: int) -> "SimContext":
+    def for_rank(self, rank: int) -> SimContext:
         """This context as DP rank ``rank`` sees it (the same shared state, that rank's engine)."""
         return self if rank == 0 or not self.ranks else dataclasses.replace(self, engine=self.ranks[rank])
 
@@ -125,7 +125,7 @@ class SimContext:
         return self.cfg.bootstrap_port or self.port
 
     @classmethod
-    def create(cls, cfg: SimConfig) -> "SimContext":
+    def create(cls, cfg: SimConfig) -> SimContext:
         metrics = SimMetrics(cfg)
         engine = Engine(cfg, observer=metrics)
         metrics.watch(engine)   # (DP ranks > 0: request metrics count, engine gauges are rank 0's)

@@ -44,7 +44,7 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 _MAX_CATCH_UP_S = 0.02
 
 
-def _lora_kw(req: "SimRequest") -> dict[str, str]:
+def _lora_kw(req: SimRequest) -> dict[str, str]:
     return {"lora_name": req.lora[0], "lora_path": req.lora[1]} if req.lora else {}
 
 
@@ -67,7 +67,7 @@ class SimRequest:
     lora: tuple[str, str] | None = None
     # Set on a prefill node that keeps the KV for a decode node; called with the blocks
     # handed over when the request finishes normally (release them with release_held).
-    hold_kv: Callable[["SimRequest", "HeldKv"], None] | None = None
+    hold_kv: Callable[[SimRequest, HeldKv], None] | None = None
     output: list[int] = field(default_factory=list)
     status: str = NEW
     prefill_remaining: int = 0

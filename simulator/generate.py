@@ -261,7 +261,7 @@ async def _receive_pushed_kv(ctx: SimContext, url: str, parsed: ParsedRequest, r
             if wait.num_tokens is None:
                 try:
                     await asyncio.wait_for(wait.arrived.wait(), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise KvTransferError(f"metaserver {url} answered ok but no KV was pushed for "
                                           f"{request_id!r}") from None
             assert wait.num_tokens is not None

@@ -287,7 +287,7 @@ async def pull_kv(session: aiohttp.ClientSession, target: PullTarget, request_id
                 return int(data["num_tokens"])
             log.warning("KV pull for %s from %s got HTTP %d; recomputing the prompt locally",
                         request_id, target.url, resp.status)
-    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError, TypeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, KeyError, ValueError, TypeError) as exc:
         log.warning("KV pull for %s from %s failed (%r); recomputing the prompt locally",
                     request_id, target.url, exc)
     return None

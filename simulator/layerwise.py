@@ -125,7 +125,7 @@ async def call_metaserver(session: aiohttp.ClientSession, url: str, payload: dic
                     raise KvTransferError(f"metaserver {url} did not answer {{\"status\": \"ok\"}}: "
                                        f"{raw[:300].decode(errors='replace')}")
                 return
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise KvTransferError(f"metaserver {url} did not answer within {timeout:g}s") from exc
         except aiohttp.ClientConnectionError as exc:
             last = exc
@@ -143,5 +143,5 @@ async def push_kv(session: aiohttp.ClientSession, target: PushTarget, num_tokens
                 text = (await resp.text())[:300]
                 raise KvTransferError(f"KV push of {target.request_id!r} to {target.url} got HTTP "
                                    f"{resp.status}: {text}")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise KvTransferError(f"KV push of {target.request_id!r} to {target.url} failed: {exc!r}") from exc

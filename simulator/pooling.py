@@ -85,7 +85,7 @@ async def rerank(request: web.Request) -> web.Response:
     if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
         return _error(400, "'documents' must be a list of strings", "documents", headers)
     q = _vector(query)
-    scored = sorted(((sum(a * b for a, b in zip(q, _vector(d))) / EMBEDDING_DIM, i, d)
+    scored = sorted(((sum(a * b for a, b in zip(q, _vector(d), strict=False)) / EMBEDDING_DIM, i, d)
                      for i, d in enumerate(documents)), reverse=True)
     top_n = body.get("top_n") or len(documents)
     tokens = _tokens(query) + sum(_tokens(d) for d in documents)

@@ -16,6 +16,9 @@ from omni_proxy.launcher import Child, ProcessGroup
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
+# The redis-server fixtures (redis_server, redis_persistent), usable by name in every test module.
+pytest_plugins = ["tests.redis_fixtures"]
+
 
 async def wait_until(cond: Callable[[], Awaitable[bool] | bool], *, timeout: float = 15.0, what: str = "condition",
                      interval: float = 0.05) -> None:

@@ -1,9 +1,9 @@
 """A real redis-server for tests, on a unix socket in a temporary directory (no port races).
 
 ``scripts/install_services.sh`` (sourced by ``scripts/test.sh``) installs redis-server
-from the OS packages when it is missing. Import the fixtures you use into the test module::
-
-    from tests.redis_fixtures import redis_server, RedisServer  # noqa: F401
+from the OS packages when it is missing. tests/conftest.py registers this module as a plugin
+(``pytest_plugins``), so a test asks for the ``redis_server``/``redis_persistent`` fixtures by
+name, without importing them (an imported fixture shadowed by the parameter is a lint finding).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class RedisServer:
             args += ["--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm", "700"]
         return args
 
-    def start(self, timeout: float = 15.0) -> "RedisServer":
+    def start(self, timeout: float = 15.0) -> RedisServer:
         if not os.path.exists(REDIS_SERVER):
             pytest.fail("redis-server is not installed: run scripts/install_services.sh (scripts/test.sh does)")
         for _attempt in range(5):

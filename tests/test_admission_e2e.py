@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from tests.conftest import start_cluster, wait_until

@@ -89,7 +89,7 @@ async def test_stalled_engine_holds_no_growing_state(cluster, http):
                 async with http.post(cluster.url + "/v1/completions", timeout=__import__("aiohttp").ClientTimeout(
                         total=1.5), json={"model": "sim-model", "prompt": "x", "max_tokens": 4, "stream": True}) as r:
                     await r.read()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
         await asyncio.gather(*(one() for _ in range(200)))

@@ -37,7 +37,8 @@ def test_cache_aware_follows_the_cache_until_load_is_out_of_balance():
     cold = w("cold", reqs=2)
     cands = [Candidate(w("warm", reqs=5), score=1.0, scores={"prefix_cache": 1.0}), Candidate(cold, score=0.0)]
     assert picker.pick(ctx({"warm": 10}), cands).worker.id == "warm"      # 5-2 <= 4: cache wins
-    cands = [Candidate(w("warm", reqs=10), score=1.0, scores={"prefix_cache": 1.0}), Candidate(cold, score=0.0)]   # 10-2 > 4 and 10 > 3
+    # 10-2 > 4 and 10 > 3
+    cands = [Candidate(w("warm", reqs=10), score=1.0, scores={"prefix_cache": 1.0}), Candidate(cold, score=0.0)]
     assert picker.pick(ctx({"warm": 10}), cands).worker.id == "cold"
 
 
@@ -99,7 +100,8 @@ def test_cache_aware_sends_unmatched_prompts_to_the_smallest_cache():
     a, b = w("a"), w("b")
     c = ctx({}, chain=10)
     c.cached_blocks = {"a": 500, "b": 20}
-    cands = [Candidate(a, score=0.0, scores={"prefix_cache": 0.0}), Candidate(b, score=0.0, scores={"prefix_cache": 0.0})]
+    cands = [Candidate(a, score=0.0, scores={"prefix_cache": 0.0}),
+             Candidate(b, score=0.0, scores={"prefix_cache": 0.0})]
     assert all(picker.pick(c, cands).worker.id == "b" for _ in range(20))
     cands[0].scores["prefix_cache"], cands[0].score = 0.4, 0.4    # a real match beats an empty cache
     assert picker.pick(c, cands).worker.id == "a"

@@ -22,7 +22,6 @@ from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from protos.framing import encode, read_frames
 from tests.conftest import wait_until
-from tests.redis_fixtures import redis_server  # noqa: F401
 
 NOISE = ("Traceback", "CancelledError", "hook failed", "AssertionError")
 

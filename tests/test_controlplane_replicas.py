@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 
 from controlplane.config import ControlPlaneConfig, StateConfig, WorkerSpec as WorkerConfig
 from controlplane.server import ControlPlane
@@ -16,7 +15,6 @@ from controlplane.workers import Role
 from dataplane.placement_client import PlacementClient
 from protos import omni_proxy_pb2 as pb
 from tests.conftest import wait_until
-from tests.redis_fixtures import redis_persistent, redis_server  # noqa: F401 (fixtures)
 
 
 def _config(sim, redis, prefix: str) -> ControlPlaneConfig:

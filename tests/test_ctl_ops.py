@@ -18,7 +18,7 @@ import pytest
 
 from omni_proxy.launcher import Child, ProcessGroup
 from tests.conftest import wait_until
-from tests.redis_fixtures import redis_replicas, redis_server  # noqa: F401
+from tests.redis_fixtures import redis_replicas
 
 MODEL = "sim-model"
 

@@ -326,7 +326,7 @@ async def test_at_the_connection_cap_the_longest_idle_is_shed_then_new_ones_get_
         assert await _ping(*new) == 200
         assert await asyncio.wait_for(old[0].read(), 5) == b""     # the longest idle went
         assert await _ping(*kept) == 200                            # the other idle one stayed
-        for r, w in (kept, new):                 # now every connection is busy
+        for _r, w in (kept, new):                 # now every connection is busy
             w.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
         deadline = asyncio.get_running_loop().time() + 5
         while site.idle:                         # (until their heads reached the server)

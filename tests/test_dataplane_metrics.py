@@ -137,7 +137,9 @@ def test_value_on_a_bucket_edge_counts_in_that_bucket():
     metrics = DataPlaneMetrics()
     metrics.ttft.labels("m", "m", "f").observe(0.5)
     s = _samples(metrics)
-    key = lambda le: ("omni_dp_time_to_first_token_seconds_bucket", (("flow", "f"), ("le", le), ("model", "m"), ("model_name", "m")))  # noqa: E731
+    def key(le):
+        return ("omni_dp_time_to_first_token_seconds_bucket",
+                (("flow", "f"), ("le", le), ("model", "m"), ("model_name", "m")))
     assert s[key("0.25")] == 0 and s[key("0.5")] == 1
 
 
@@ -182,7 +184,8 @@ def test_access_line_fields():
     _run(t, flow="sequential", pd=True)
     line = orjson.loads(obs.access_line(t, "/v1/completions", 200))
     assert line["request_id"] == t.req.request_id and line["client_request_id"] == "cli-1"
-    assert (line["model"], line["flow"], line["prefill_worker"], line["decode_worker"]) == ("m", "sequential", "p0", "d0")
+    assert ((line["model"], line["flow"], line["prefill_worker"], line["decode_worker"])
+            == ("m", "sequential", "p0", "d0"))
     assert (line["status"], line["outcome"], line["completion_tokens"], line["retries"]) == (200, "finished", 10, 0)
     assert line["traceparent"] == TP and line["queued_ms"] == 2.5 and "error" not in line
     stages = line["stages_ms"]
@@ -353,7 +356,7 @@ def test_spans_for_a_request_and_its_legs():
     assert len(legs) == 3 and all(s.parent.span_id == root.context.span_id for s in legs)
     assert [s.attributes["omni.worker"] for s in legs] == ["p0", "p1", "d0"]
     assert legs[0].status.status_code == StatusCode.ERROR
-    for headers, leg in zip((p_headers, p2_headers, d_headers), legs):
+    for headers, leg in zip((p_headers, p2_headers, d_headers), legs, strict=False):
         assert headers["traceparent"].split("-")[2] == format(leg.context.span_id, "016x")
         assert headers["tracestate"] == "rojo=1"
     assert root.attributes["omni.flow"] == "sequential" and root.attributes["omni.prefill_worker"] == "p1"

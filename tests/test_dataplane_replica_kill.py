@@ -193,7 +193,7 @@ async def _finish(resp: aiohttp.ClientResponse, head: bytes) -> tuple[bool, str]
     try:
         body = head + await resp.content.read()
         return True, body.decode()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return False, f"{type(exc).__name__}: {exc}"
     finally:
         resp.release()

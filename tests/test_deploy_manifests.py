@@ -648,7 +648,8 @@ def test_grafana_dashboard_queries_name_exported_metrics() -> None:
         assert names, f"{title}: no metric in {expr}"
         unknown = sorted(names - exported)
         assert not unknown, f"{title}: {expr} names metrics no process exports: {unknown}"
-    assert promql_metrics('sum by (le) (rate(omni_placement_seconds_bucket{job="x"}[5m]))') == {"omni_placement_seconds_bucket"}
+    assert (promql_metrics('sum by (le) (rate(omni_placement_seconds_bucket{job="x"}[5m]))')
+            == {"omni_placement_seconds_bucket"})
     assert "omni_dp_requests_total" in exported and "omni_worker_healthy" in exported
     assert "omni_worker_healthy_total" not in exported and "omni_dp_made_up_total" not in exported
 
@@ -836,7 +837,8 @@ def test_vllm_plugin_image(tmp_path: Path) -> None:
     assert "engine_plugins/vllm_plugin/agent.py" in names
     assert "omni_runtime/retry.py" in names          # the agent's backoff
     # every engine of the manifests runs this image, at the package version
-    engines = [w for w in workloads(all_docs()) if w["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
+    engines = [w for w in workloads(all_docs())
+               if w["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
     assert engines
     for w in engines:
         assert image_ref(container(w)["image"]) == (ENGINE_IMAGE, VERSION), container(w)["image"]
@@ -959,7 +961,7 @@ def localised_conf(tmp: Path, upstream_ports: list[int], listen_port: int) -> Pa
     text = NGINX_CONF.read_text()
     servers = re.findall(r"server\s+dataplane-\d+:8000", text)
     assert len(servers) == len(upstream_ports)
-    for server, port in zip(servers, upstream_ports):
+    for server, port in zip(servers, upstream_ports, strict=False):
         text = text.replace(server, f"server 127.0.0.1:{port}", 1)
     text, n = re.subn(r"listen\s+8080;", f"listen 127.0.0.1:{listen_port};", text)
     assert n == 1
@@ -999,7 +1001,8 @@ async def test_nginx_streams_balances_and_fails_over(tmp_path: Path) -> None:
 
     def make_app(index: int) -> web.Application:
         async def stream(request: web.Request) -> web.StreamResponse:
-            peer = "%s:%d" % request.transport.get_extra_info("peername")[:2]
+            host, port = request.transport.get_extra_info("peername")[:2]
+            peer = f"{host}:{port}"
             seen.append((index, peer, tuple(request.version), request.headers.get("X-Request-Id"),
                          request.headers.get("Connection", "")))
             body = await request.json()
@@ -1173,7 +1176,8 @@ async def test_compose_demo_runs_as_processes(tmp_path: Path) -> None:
         argv = healthcheck(name) if "healthcheck" in services[name] else None
         while True:
             if procs[name].poll() is not None:
-                pytest.fail(f"{name} exited with {procs[name].returncode}:\n{(logs / f'{name}.log').read_text()[-3000:]}")
+                log = (logs / f"{name}.log").read_text()[-3000:]
+                pytest.fail(f"{name} exited with {procs[name].returncode}:\n{log}")
             if argv is None:
                 return
             check = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

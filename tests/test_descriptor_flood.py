@@ -23,9 +23,9 @@ from tests.test_bad_config import assert_one_line_error, run_cli
 NOFILE = 256
 IDLE = 400
 # Lower the descriptor limit, then run the data plane as ProcessGroup.start would.
-WRAPPER = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({n}, {n})); "
+WRAPPER = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE})); "
            "sys.argv = ['omni_proxy.launcher', *sys.argv[1:]]; "
-           "runpy.run_module('omni_proxy.launcher', run_name='__main__')").format(n=NOFILE)
+           "runpy.run_module('omni_proxy.launcher', run_name='__main__')")
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from controlplane.state import MemoryStore
 from controlplane.workers import Health, HealthState, Role, WorkerSpec
 from dataplane.flows.parallel import new_room
 from protos import omni_proxy_pb2 as pb
-from tests.redis_fixtures import redis_server  # noqa: F401 - fixture
 
 
 def spec(wid, role=Role.BOTH, **kw):

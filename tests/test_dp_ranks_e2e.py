@@ -144,7 +144,7 @@ async def test_exact_mode_follows_each_ranks_events(exact: Cluster, http):
             assert r.status == 200
         async with http.get(metrics_url) as r:
             text = await r.text()
-        line = next((l for l in text.splitlines() if l.startswith('omni_kv_index_blocks{source="events"}')), "")
+        line = next((ln for ln in text.splitlines() if ln.startswith('omni_kv_index_blocks{source="events"}')), "")
         return bool(line) and float(line.rsplit(" ", 1)[1]) >= 4
     await wait_until(indexed, what="rank 1's events in the index", interval=0.2)
     prompt = list(range(5000 + 100 * len(prompts), 5064 + 100 * len(prompts)))   # the last one sent

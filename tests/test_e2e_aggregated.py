@@ -224,7 +224,8 @@ async def test_models_health_and_metrics(idle: Cluster, http):
     assert "omni_dp_requests_total" in text and 'route="/v1/completions"' in text
     assert "omni_dp_placement_seconds_bucket" in text
     # vLLM's model_name label beside ours, on every per-model series
-    assert f'omni_dp_e2e_request_latency_seconds_count{{flow="aggregated",model="{MODEL}",model_name="{MODEL}"}}' in text
+    assert (f'omni_dp_e2e_request_latency_seconds_count{{flow="aggregated",model="{MODEL}",model_name="{MODEL}"}}'
+            in text)
     async with http.get(f"http://127.0.0.1:{idle.cp.info['http_port']}/metrics") as r:
         text = await r.text()
     assert "omni_worker_inflight_requests" in text and "omni_placements_total" in text
@@ -236,7 +237,7 @@ async def test_drain_undrain_and_no_healthy_worker_is_503(idle: Cluster, http):
         admin = pb_grpc.AdminStub(ch)
         await admin.Drain(pb.WorkerRef(worker_id="agg-a"))
         await idle.clear_sim_requests()
-        for i in range(4):
+        for _i in range(4):
             async with http.post(idle.url + "/v1/completions",
                                  json={"model": MODEL, "prompt": "d", "max_tokens": 1}) as r:
                 assert r.status == 200
@@ -259,7 +260,8 @@ async def test_weight_zero_parks_a_worker(idle: Cluster, http):
         await admin.SetWeight(pb.SetWeightRequest(worker_id="agg-b", weight=0))
         await idle.clear_sim_requests()
         for _ in range(4):
-            async with http.post(idle.url + "/v1/completions", json={"model": MODEL, "prompt": "w", "max_tokens": 1}) as r:
+            async with http.post(idle.url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": "w", "max_tokens": 1}) as r:
                 assert r.status == 200
         assert len(await idle.sim_requests("agg-b")) == 0
         await admin.SetWeight(pb.SetWeightRequest(worker_id="agg-b", weight=1))

@@ -53,6 +53,6 @@ async def test_control_plane_exports_predicted_hits(cluster: Cluster, http):
             assert r.status == 200
     async with http.get(f"http://127.0.0.1:{cluster.cp.info['http_port']}/metrics") as r:
         text = await r.text()
-    lines = [l for l in text.splitlines() if l.startswith("omni_kv_predicted_hit_blocks_total")]
-    assert lines and sum(float(l.rsplit(" ", 1)[1]) for l in lines) > 0
+    lines = [ln for ln in text.splitlines() if ln.startswith("omni_kv_predicted_hit_blocks_total")]
+    assert lines and sum(float(ln.rsplit(" ", 1)[1]) for ln in lines) > 0
     assert 'omni_kv_index_blocks{source="routed"}' in text

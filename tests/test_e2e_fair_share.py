@@ -71,7 +71,7 @@ async def subscribed(fleet: FleetUnderTest, http: aiohttp.ClientSession) -> None
     async def all_received() -> bool:
         nonlocal n
         n += 1
-        for name, sim in fleet.sims.items():
+        for _name, sim in fleet.sims.items():
             # Aggregated and prefill engines compute these; a decode engine computes a prompt
             # sent to it directly like any engine. Distinct per engine and per try.
             prompt = [50_000 + n * 100 + i for i in range(32)]

@@ -86,7 +86,7 @@ def check_stages(line: dict, *, prefill_answered: bool) -> list[float]:
     assert None not in values, stages
     assert values == sorted(values), f"stages out of order: {stages}"
     # The stages partition the request: their durations add up to the end-to-end time.
-    durations = [values[0]] + [b - a for a, b in zip(values, values[1:])]
+    durations = [values[0]] + [b - a for a, b in zip(values, values[1:], strict=False)]
     assert all(d >= 0 for d in durations)
     assert sum(durations) == pytest.approx(line["e2e_ms"], abs=0.01)
     return values
@@ -262,7 +262,8 @@ async def test_engine_5xx_is_logged_with_the_request_id(agg: Cluster, http):
 
 async def test_engines_get_no_trace_context_the_client_did_not_send(agg: Cluster, http):
     await stream(http, agg.url, "lc-none", max_tokens=2)
-    await stream(http, agg.url, "lc-invalid", max_tokens=2, headers={"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"})
+    await stream(http, agg.url, "lc-invalid", max_tokens=2,
+                 headers={"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"})
     entries = await agg.sim_requests("agg")
     for cid in ("lc-none", "lc-invalid"):
         assert trace_of(engine_entry(entries, cid)) == ("", "")

@@ -55,7 +55,7 @@ async def test_all_prefill_workers_failing_gives_the_engines_error_and_decode_is
 
 async def test_prefill_over_its_timeout_is_retried_elsewhere_and_stays_in_rotation(pd: Cluster, http):
     await pd.sim_post("p-a", "/sim/faults", {"delay_s": 5, "count": -1})
-    for i in range(2):   # round robin: one of the two starts on p-a
+    for _i in range(2):   # round robin: one of the two starts on p-a
         async with http.post(pd.url + "/v1/completions",
                              json={"model": MODEL, "prompt": "slow", "max_tokens": 2}) as r:
             assert r.status == 200, await r.text()

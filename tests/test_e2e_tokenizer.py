@@ -45,7 +45,7 @@ async def test_long_and_short_prompts_of_a_burst_reach_the_engines_as_their_ids(
     await wait_until(cluster.all_idle, what="idle")
     await cluster.clear_sim_requests()
     tok = Tokenizer.from_dir(tok_dir)
-    texts = [f"Request {i} of a burst. " + ("long context paragraph %d. " % i) * (400 if i % 2 else 1)
+    texts = [f"Request {i} of a burst. " + f"long context paragraph {i}. " * (400 if i % 2 else 1)
              for i in range(6)]
     assert {len(t) >= tok.async_threshold_chars for t in texts} == {True, False}
 

@@ -85,7 +85,8 @@ def test_engine_api_key_file_errors_name_the_flag(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("\n")
     for argv, message in (
-            (["--engine-api-key", "k", "--engine-api-key-file", str(empty)], "--engine-api-key and --engine-api-key-file"),
+            (["--engine-api-key", "k", "--engine-api-key-file", str(empty)],
+             "--engine-api-key and --engine-api-key-file"),
             (["--engine-api-key-file", str(tmp_path / "missing")], f"--engine-api-key-file {tmp_path / 'missing'}: "),
             (["--engine-api-key-file", str(empty)], "is empty")):
         with pytest.raises(SystemExit) as exc:

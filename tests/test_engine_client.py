@@ -21,8 +21,8 @@ import pytest
 import uvloop
 
 from engine_api import client as client_mod
-from engine_api.client import (EngineClient, EngineConnectError, EngineDisconnected, EngineProtocolError,
-                               EngineResponse)
+from engine_api.client import (EngineClient, EngineClientError, EngineConnectError, EngineDisconnected,
+                               EngineProtocolError, EngineResponse)
 from tests.conftest import wait_until
 from tests.ports import refused_port
 
@@ -372,7 +372,7 @@ class ThreadEngine:
         self._accepter.start()
 
     def _accept(self) -> None:
-        for n, script in enumerate(self.scripts):
+        for _n, script in enumerate(self.scripts):
             try:
                 sock, _ = self._listener.accept()
             except OSError:
@@ -630,7 +630,7 @@ def test_close_closes_pooled_connections(run):
         await (await client.post(url + "/", b"")).read()
         client.close()
         await asyncio.wait_for(server.closed.wait(), 5)
-        with pytest.raises(Exception):
+        with pytest.raises(EngineClientError, match="closed"):
             await client.post(url + "/", b"")
 
     run(case)

@@ -65,7 +65,7 @@ def pages(draw) -> str:
 
 
 def same(a: tuple, b: tuple) -> bool:
-    return a[:2] == b[:2] and all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for x, y in zip(a[2:], b[2:]))
+    return a[:2] == b[:2] and all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for x, y in zip(a[2:], b[2:], strict=False))
 
 
 @settings(max_examples=300, deadline=None)

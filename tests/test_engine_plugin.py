@@ -40,7 +40,7 @@ class StandInEngine:
         self.runner: web.AppRunner | None = None
         self.port = 0
 
-    async def start(self) -> "StandInEngine":
+    async def start(self) -> StandInEngine:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -114,7 +114,8 @@ async def test_register_heartbeat_deregister(engine):
         assert w.HasField("engine")
         assert (w.engine.block_size, w.engine.hash_algo, w.engine.hash_seed_set) == (16, "sha256", False)
         assert (w.engine.kv_capacity_tokens, w.engine.max_batched_tokens) == (16000, 2048)
-        assert (w.engine.kv_connector, w.engine.kv_role, w.engine.prefix_caching) == ("NixlConnector", "kv_producer", True)
+        assert ((w.engine.kv_connector, w.engine.kv_role, w.engine.prefix_caching)
+                == ("NixlConnector", "kv_producer", True))
 
         async def load_reported():
             eng = plane.registry.fleet.engine("eng-1")

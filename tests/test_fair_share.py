@@ -104,7 +104,7 @@ def replay(policy: str, engines: int, chains: list[tuple[int, list[int]]], windo
                                    prompt_tokens=len(chain) * BLOCK, max_tokens=64, chain=chain,
                                    chain_blocks=len(chain), block_size=BLOCK, predictor=predictor,
                                    match_blocks=kv.match(chain, views), now=1.0)
-            ctx.tree_sizes = lambda: kv.cached_blocks([s.id for s in leg.specs])
+            ctx.tree_sizes = lambda leg=leg: kv.cached_blocks([s.id for s in leg.specs])
             wid = profile.place(ctx, views).worker.id
             got[leg.name][wid] += 1
             uncached = ctx.uncached_tokens(wid) if leg.name == "entry" else 0

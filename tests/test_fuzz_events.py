@@ -232,7 +232,8 @@ def test_metaserver_refuses_unknown_and_malformed(cluster):
                      b'{"request_id":"\\ud800"}', b'{"request_id":"cmpl-\\u0000-0"}', b"\xff\xfe"):
             resp = s.post(url, data=body, timeout=10)
             TALLY.add("metaserver", resp.status_code)
-            assert 400 <= resp.status_code < 500 and resp.json()["error"]["message"], (resp.status_code, resp.text[:200])
+            assert 400 <= resp.status_code < 500 and resp.json()["error"]["message"], \
+                (resp.status_code, resp.text[:200])
         for method in ("GET", "PUT", "DELETE"):
             resp = s.request(method, url, timeout=10)
             TALLY.add("metaserver", resp.status_code)

@@ -320,7 +320,8 @@ def test_admin_values_on_a_real_worker(cluster, channel):
 
 garbage = st.one_of(
     st.binary(min_size=1, max_size=512),
-    st.sampled_from([b"\xff", b"\x08", b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05ab", b"\x12\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+    st.sampled_from([b"\xff", b"\x08", b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05ab",
+                     b"\x12\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
                      b"\x07", b"\x0b", b"\x0c", b"\x80" * 11, b"\x0a\x02\xc3\x28"]),   # truncated, bad tags, bad UTF-8
 )
 

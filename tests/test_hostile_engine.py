@@ -96,7 +96,7 @@ class HostileEngine:
                 if await asyncio.wait_for(reader.read(1), 3.0) == b"":
                     self.aborted += 1
                     return False
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             writer.write(_answer(OK_BODY))
         elif plan == "work_then_close":        # reads the request, works 1 s, closes: no answer
@@ -118,7 +118,7 @@ class HostileEngine:
             await writer.drain()
             try:
                 await asyncio.wait_for(reader.read(1), 20.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             return False
         elif plan == "huge_head":

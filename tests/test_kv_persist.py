@@ -21,7 +21,6 @@ from controlplane.workers import Role
 from protos import omni_proxy_pb2 as pb
 from tests.conftest import cancel_until_done, wait_until
 from tests.ports import reserved_port
-from tests.redis_fixtures import redis_server  # noqa: F401 (fixture)
 
 BS = 16
 

@@ -251,7 +251,7 @@ async def test_engine_block_size_mismatch_is_refused_loudly(tmp_path):
                 text = await r.text()
         assert _metric(text, "omni_kv_index_blocks", source="events") > 0      # sim16's events are used
         log = cp.log_path.read_text()
-        errors = [l for l in log.splitlines() if " ERROR " in l and "block_size" in l]
+        errors = [ln for ln in log.splitlines() if " ERROR " in ln and "block_size" in ln]
         assert len(errors) == 1, log
         assert re.search(r"sim32\b.*block_size 32\b.*block_size is 16\b", errors[0]), errors[0]
         assert "sim16" not in errors[0] and "Traceback" not in log

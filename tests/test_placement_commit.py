@@ -14,13 +14,13 @@ from controlplane.fleet import Fleet
 from controlplane.placement_stats import PlacementStats
 from controlplane.scheduling import PlacementContext
 from controlplane.state import Charge, MemoryStore, RequestRecord
-from controlplane.workers import Load, Role, WorkerSpec, WorkerView
+from controlplane.workers import IDLE, Load, Role, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
 
 NOW = 1000.0
 
 
-def view(wid: str, role: Role = Role.BOTH, load: Load = Load(), dp_size: int = 1) -> WorkerView:
+def view(wid: str, role: Role = Role.BOTH, load: Load = IDLE, dp_size: int = 1) -> WorkerView:
     return WorkerView(WorkerSpec(id=wid, url=f"http://{wid}", role=role, model="m", dp_size=dp_size), load)
 
 

@@ -20,7 +20,6 @@ import asyncio
 import os
 import struct
 import threading
-import time
 
 import grpc
 import pytest
@@ -58,7 +57,7 @@ class PeakRSS:
             self.peak = max(self.peak, rss_mb(self.pid))
             self._stop.wait(0.01)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 
@@ -107,7 +106,7 @@ async def _announce_and_send(port: int, announced: int, sent: int) -> tuple[int,
             writer.write(chunk)
             await asyncio.wait_for(writer.drain(), 10)
             took += len(chunk)
-    except (ConnectionError, asyncio.TimeoutError):
+    except (TimeoutError, ConnectionError):
         pass
     refused = ""
     try:

@@ -81,7 +81,7 @@ def test_page_engines_register_with_the_page_control_plane():
         env, argv = _command(blocks[name][1])
         assert argv[:2] == ["vllm", "serve"], argv
 
-        def flag(f: str) -> str:
+        def flag(f: str, argv: list[str] = argv) -> str:
             return argv[argv.index(f) + 1]
         facts = pb.EngineFacts(block_size=int(flag("--block-size")), prefix_caching="--enable-prefix-caching" in argv,
                                hash_algo=flag("--prefix-caching-hash-algo"), hash_seed=env.get("PYTHONHASHSEED", ""),
@@ -90,7 +90,8 @@ def test_page_engines_register_with_the_page_control_plane():
         transfer = json.loads(flag("--kv-transfer-config"))
         assert transfer["kv_connector"] == "NixlConnector"
         settings = Settings.from_env(env)
-        assert settings is not None and settings.controlplanes == [op.controlplane] and env["VLLM_PLUGINS"] == "omni_proxy"
+        assert settings is not None and settings.controlplanes == [op.controlplane]
+        assert env["VLLM_PLUGINS"] == "omni_proxy"
         roles[name] = role_for(settings, EngineFacts(host=flag("--host"), port=int(flag("--port")), models=[],
                                                      kv_role=transfer["kv_role"]))
         events = json.loads(flag("--kv-events-config"))

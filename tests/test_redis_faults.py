@@ -14,13 +14,10 @@ plane and the simulator are real processes; requests are real HTTP.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 import uuid
 
 import aiohttp
-import pytest
 
 from controlplane.config import ControlPlaneConfig, StateConfig, WorkerSpec as WorkerConfig
 from controlplane.server import ControlPlane
@@ -49,7 +46,7 @@ class Replicas:
         self.group = ProcessGroup()
         self.dp = None
 
-    async def __aenter__(self) -> "Replicas":
+    async def __aenter__(self) -> Replicas:
         try:
             for _ in range(2):
                 plane = ControlPlane(_config(self.sim, self.redis, self.prefix))

@@ -24,7 +24,7 @@ from controlplane.workers import Role
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
-from tests.redis_fixtures import redis_replicas, redis_server  # noqa: F401
+from tests.redis_fixtures import redis_replicas
 
 ADMIN = "adm-secret-123"
 ENGINE_1 = "eng1-secret-456"

@@ -14,11 +14,11 @@ from controlplane.scheduling.filters import (DrainFilter, ExcludeFilter, Healthy
 from controlplane.scheduling.pickers import (MaxScorePicker, NearBestPicker, PowerOfTwoPicker, RoundRobinPicker,
                                             WeightedRandomPicker)
 from controlplane.scheduling.scorers import LeastLoadScorer, effective_requests
-from controlplane.workers import EngineMetrics, Health, HealthState, Load, Role, WorkerSpec, WorkerView
+from controlplane.workers import NO_METRICS, EngineMetrics, Health, HealthState, Load, Role, WorkerSpec, WorkerView
 
 
 def worker(wid: str, *, role=Role.BOTH, model="m", weight=1.0, health=Health.HEALTHY, reqs=0, toks=0,
-           draining=False, engine: EngineMetrics = EngineMetrics()) -> WorkerView:
+           draining=False, engine: EngineMetrics = NO_METRICS) -> WorkerView:
     spec = WorkerSpec(id=wid, url=f"http://{wid}", role=role, model=model, weight=weight, draining=draining)
     return WorkerView(spec, Load(reqs, toks), HealthState(health=health), engine)
 

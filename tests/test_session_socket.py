@@ -7,7 +7,6 @@ the data plane's placement client, or a raw socket speaking ``protos/framing.py`
 from __future__ import annotations
 
 import asyncio
-import socket
 import struct
 
 import pytest
@@ -53,7 +52,7 @@ class Raw:
         self.frames = read_frames(reader)
 
     @classmethod
-    async def open(cls, cp: ControlPlane) -> "Raw":
+    async def open(cls, cp: ControlPlane) -> Raw:
         return cls(*await asyncio.open_connection("127.0.0.1", cp.session_port))
 
     async def answer(self) -> pb.ControlPlaneMessage | None:

@@ -268,7 +268,8 @@ async def test_loopback_free_port_endpoints_bind_and_report_the_port(endpoint):
 
 @pytest.mark.parametrize("fmt", ["map", "array"])
 async def test_replay_frames(fmt):
-    cfg = SimConfig(kv_events_endpoint="tcp://*:0", kv_events_replay_endpoint="tcp://*:0", kv_events_topic="kv@t", kv_events_format=fmt,
+    cfg = SimConfig(kv_events_endpoint="tcp://*:0", kv_events_replay_endpoint="tcp://*:0", kv_events_topic="kv@t",
+                    kv_events_format=fmt,
                     kv_events_buffer_steps=3)
     pub = KvEventPublisher(cfg)
     pub.start()

@@ -22,7 +22,7 @@ from controlplane.state.redis import RedisStore
 from controlplane.workers import IDLE, Load, Role
 from protos import omni_proxy_pb2 as pb
 from tests.conftest import wait_until
-from tests.redis_fixtures import RedisServer, redis_persistent, redis_server  # noqa: F401 - fixtures
+from tests.redis_fixtures import RedisServer
 
 
 def _prefix() -> str:

@@ -25,7 +25,7 @@ from controlplane.state import Charge, MemoryStore, RequestRecord, StoreUnavaila
 from controlplane.state.redis import RedisStore, decode_spec, encode_spec, safe_url
 from controlplane.workers import IDLE, Load, Role, WorkerSpec
 from tests.conftest import cancel_until_done, wait_until
-from tests.redis_fixtures import RedisServer, redis_persistent, redis_server  # noqa: F401 - fixtures
+from tests.redis_fixtures import RedisServer
 
 _prefixes = itertools.count(1)
 

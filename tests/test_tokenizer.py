@@ -188,7 +188,8 @@ def test_hf_environment_features() -> None:
     out = render("{{ messages | tojson }}|{{ {'a': '<&>é'} | tojson(indent=1) }}", conv)
     assert out == '[{"role": "user", "content": "x"}]|{\n "a": "<&>é"\n}'
     # trim_blocks + lstrip_blocks, loopcontrols, the generation tag.
-    src = "  {% for i in [1, 2, 3, 4] %}\n{% if i == 2 %}{% continue %}{% endif %}{% if i == 4 %}{% break %}{% endif %}" \
+    src = "  {% for i in [1, 2, 3, 4] %}\n{% if i == 2 %}{% continue %}{% endif %}" \
+          "{% if i == 4 %}{% break %}{% endif %}" \
           "{% generation %}{{ i }}{% endgeneration %}\n  {% endfor %}\n{{ 'end' }}\n"
     assert render(src, conv) == "13end"   # as HF: block-tag newlines trimmed, indents stripped, final newline dropped
     # strftime_now and raise_exception.
@@ -272,7 +273,7 @@ def _loop_gap_while_encoding(tok: Tokenizer, text: str) -> tuple[float, float]:
         pool.shutdown()
     t0, t1 = span["t0"], span["t1"]
     inside = [t0, *(t for t in ticks if t0 < t < t1), t1]
-    return t1 - t0, max(b - a for a, b in zip(inside, inside[1:]))
+    return t1 - t0, max(b - a for a, b in zip(inside, inside[1:], strict=False))
 
 
 def test_event_loop_not_blocked_by_executor_encoding(toks: dict[str, Tokenizer]) -> None:

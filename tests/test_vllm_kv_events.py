@@ -56,7 +56,7 @@ def fleet(tmp_path_factory):
     events: dict[str, str] = {}   # name -> ipc:// endpoint: nothing to choose, nothing to lose to a race
     group: ProcessGroup | None = None
     try:
-        for name, cpu in zip(("e0", "e1"), cpu_slots(2)):
+        for name, cpu in zip(("e0", "e1"), cpu_slots(2), strict=False):
             events[name] = f"ipc://{workdir}/kv-{name}.sock"
             engines[name] = start_server(name, python=python, model=model, workdir=workdir, cpu=cpu,
                                          extra_args=(*prefix_cache_args(events[name]),

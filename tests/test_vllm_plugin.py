@@ -1,8 +1,9 @@
 """The vLLM engine plugin in a REAL vLLM (the CPU build): the engine joins by itself.
 
 ``scripts/install_vllm.sh`` registers the plugin in the vLLM venv under vLLM's
-``vllm.general_plugins`` entry point (``omni_proxy``, as installing the omni-proxy or omni-proxy-vllm-plugin wheel does); the
-engine gets this checkout on its PYTHONPATH and the OMNI_* variables, nothing else: no
+``vllm.general_plugins`` entry point (``omni_proxy``, as installing the omni-proxy or
+omni-proxy-vllm-plugin wheel does); the engine gets this checkout on its
+PYTHONPATH and the OMNI_* variables, nothing else: no
 ``--worker`` on the control plane. One engine (tiny random-weight Llama, block size 32, a
 160-block KV pool, prefix caching with sha256 and PYTHONHASHSEED=0, KV events on ipc://)
 behind a control plane whose cache_aware policy uses the prefix cache with the same
@@ -30,7 +31,6 @@ from pathlib import Path
 
 import aiohttp
 import grpc
-import pytest
 
 from omni_proxy.launcher import ProcessGroup
 from protos import omni_proxy_pb2 as pb

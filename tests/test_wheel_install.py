@@ -234,7 +234,8 @@ async def test_plugin_wheel_installs_alone_and_registers_an_engine(dists: Dists)
     listed = subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], cwd=work, env=env,
                             capture_output=True, text=True, timeout=60)
     installed = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
-    router_deps = {d.split(">")[0].split("=")[0].split(";")[0].strip().lower() for d in PYPROJECT["project"]["dependencies"]}
+    router_deps = {d.split(">")[0].split("=")[0].split(";")[0].strip().lower()
+                   for d in PYPROJECT["project"]["dependencies"]}
     pulled = sorted(installed & (router_deps - {"grpcio", "protobuf"}))
     assert not pulled, f"the plugin's wheel pulled the router's dependencies: {pulled}"
     assert {"grpcio", "protobuf", "omni-proxy-vllm-plugin"} <= installed, installed

@@ -19,7 +19,7 @@ structurally wrong raises :class:`MalformedEventError`; the caller counts it and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -66,7 +66,7 @@ class AllBlocksCleared:
     """The engine's prefix cache was reset (``/reset_prefix_cache``)."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,7 @@ def _fields(ev: Any) -> tuple[str | None, dict[str, Any]]:
         tag = ev[0]
         names = (BLOCK_STORED_FIELDS if tag == "BlockStored"
                  else BLOCK_REMOVED_FIELDS if tag == "BlockRemoved" else ())
-        return tag, dict(zip(names, ev[1:]))  # extra trailing values are dropped
+        return tag, dict(zip(names, ev[1:], strict=False))  # extra trailing values are dropped
     raise MalformedEventError(f"event of type {type(ev).__name__}")
 
 

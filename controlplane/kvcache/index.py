@@ -76,7 +76,7 @@ class SlotBlocks:
 
     __slots__ = ("_index", "bit", "hashes", "extra", "live")
 
-    def __init__(self, index: "PrefixIndex", bit: int) -> None:
+    def __init__(self, index: PrefixIndex, bit: int) -> None:
         self._index = index
         self.bit = bit << index._shift
         self.hashes = array("Q")
@@ -702,7 +702,7 @@ class RoutedIndex(PrefixIndex):
         # Runs of marks share one (interned) value: decide once per run what becomes of it.
         last = last2 = None
         act = 0                             # 0: leave it; else 1 | 2 (new to this worker) | 4 (restamped)
-        for h, m in zip(reversed(chain), reversed(values)):
+        for h, m in zip(reversed(chain), reversed(values), strict=False):
             if m is None:
                 holders[h] = fresh
                 new.append(h)

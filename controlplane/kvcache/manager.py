@@ -298,7 +298,7 @@ class KVCache:
             got[10], got[11] = p_added, pending_mask
         return exact_mask, approx_mask, pending_mask
 
-    def group_match(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> "GroupMatch":
+    def group_match(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> GroupMatch:
         """Walk ``chain`` once per index over the whole group ``ids`` (its masks are cached per
         tuple): ``.top`` names up to ``k`` workers holding the deepest matches, ``.depths(some)``
         gives any members' depths from the same walk. O(chain + k), whatever the group size."""

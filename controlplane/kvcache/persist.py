@@ -129,7 +129,7 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
         for lo in range(0, len(keys), chunk):
             if lo:
                 await asyncio.sleep(0)
-            for h, v in zip(keys[lo:lo + chunk], vals[lo:lo + chunk]):
+            for h, v in zip(keys[lo:lo + chunk], vals[lo:lo + chunk], strict=False):
                 t = targets.get(v)
                 if t is None:
                     mask = v >> shift
@@ -354,7 +354,7 @@ class KVSnapshots:
             for r in others:
                 pipe.exists(self._k_alive + r)
             alive = await pipe.execute()
-        gone = [r for r, up in zip(others, alive) if not up]
+        gone = [r for r, up in zip(others, alive, strict=False) if not up]
         if gone:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.zrem(self._k_index, *gone)

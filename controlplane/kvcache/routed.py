@@ -16,8 +16,9 @@ of its last routing, so a block routed again (the next turn of a conversation, a
 prompt) outlives its earlier bucket; a block routed many times within one bucket costs one
 entry. Blocks count for ``ttl_s`` after their last routing, less at most a bucket.
 
-Sparse marks (``stride``, ``[kv_cache] routed_stride``, 16 by default): a routed chain is recorded at every 16th block and at its last block only (:class:`RoutedIndex` says how the walk
-reads them), so remembering a 1,300-block prompt costs some 82 dict probes and writes, not 1,300,
+Sparse marks (``stride``, ``[kv_cache] routed_stride``, 16 by default): a routed chain is recorded
+at every 16th block and at its last block only (:class:`RoutedIndex` says how the walk reads them), so
+remembering a 1,300-block prompt costs some 82 dict probes and writes, not 1,300,
 and memory, expiry and the cap all count marks. The price, bounded: a prompt that shares part of a
 routed chain without extending or ending where it ends is matched at the last multiple of 16
 blocks of the shared part (at most 15 blocks, 240 tokens at 16-token blocks, short; a shared part

@@ -77,7 +77,7 @@ class SampleStage:
     def applies(self, group_size: int) -> bool:
         return group_size > self.max_candidates
 
-    def select(self, ctx: PlacementContext, group: "Group", kv: Any, chain: list[int]) -> list[str]:
+    def select(self, ctx: PlacementContext, group: Group, kv: Any, chain: list[int]) -> list[str]:
         """The ids to consider, in O(sample) (plus one prefix-index walk when the policy uses it)."""
         ids, rng, exclude = group.ids, self.rng, ctx.exclude
         mode = self.mode
@@ -124,7 +124,7 @@ class SampleStage:
         rest = [wid for wid in ids if wid not in exclude and wid not in out]   # nearly all excluded
         return list(out) + self.rng.sample(rest, k - len(out))
 
-    def _weighted_random(self, group: "Group", exclude: frozenset[str]) -> list[str]:
+    def _weighted_random(self, group: Group, exclude: frozenset[str]) -> list[str]:
         ids, rng = group.ids, self.rng
         for _ in range(4 + len(exclude)):
             if group.uniform:
@@ -136,7 +136,7 @@ class SampleStage:
                 return [wid]
         return [wid for wid in ids if wid not in exclude]     # nearly all excluded: let the picker choose
 
-    def _round_robin(self, group: "Group", exclude: frozenset[str]) -> list[str]:
+    def _round_robin(self, group: Group, exclude: frozenset[str]) -> list[str]:
         """Stride scheduling: each worker's pass advances by 1/weight when it is chosen; the
         lowest pass goes next (ties in group order), so weight-w workers get w shares, evenly."""
         state = self._rr.get(id(group))

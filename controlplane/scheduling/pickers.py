@@ -67,7 +67,7 @@ class NearBestPicker:
         keys = [(common - match(c.worker.id, 0) if match(c.worker.id, 0) > common else 0,
                  effective_requests(c.worker, ctx), c.worker.load.prefill_tokens) for c in near]
         least = min(keys)
-        top = [c for c, key in zip(near, keys) if key == least]
+        top = [c for c, key in zip(near, keys, strict=False) if key == least]
         return top[0] if len(top) == 1 else self.rng.choice(top)
 
 
@@ -164,13 +164,13 @@ class CacheAwarePicker:
         lo, hi = min(loads), max(loads)
         if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
             best = min(loads)
-            top = [c for c, load in zip(candidates, loads) if load == best]
+            top = [c for c, load in zip(candidates, loads, strict=False) if load == best]
         elif max([c.scores.get("prefix_cache", 0.0) for c in candidates]) <= self.cache_threshold:
             held = ctx.blocks_held() or {}
             keys = [(load, c.worker.load.prefill_tokens, held.get(c.worker.id, 0))
-                    for c, load in zip(candidates, loads)]
+                    for c, load in zip(candidates, loads, strict=False)]
             least = min(keys)
-            top = [c for c, key in zip(candidates, keys) if key == least]
+            top = [c for c, key in zip(candidates, keys, strict=False) if key == least]
         else:
             best_score = max([c.score for c in candidates])
             top = [c for c in candidates if c.score >= best_score - 1e-12]

@@ -85,7 +85,7 @@ class Profile:
         candidates = [Candidate(w) for w in remaining]
         for scorer, weight in self.scorers:
             name = scorer.name
-            for cand, value in zip(candidates, scorer.score(ctx, remaining)):
+            for cand, value in zip(candidates, scorer.score(ctx, remaining), strict=False):
                 cand.scores[name] = value
                 cand.score += weight * value
         chosen = self.picker.pick(ctx, candidates)

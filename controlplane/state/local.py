@@ -320,7 +320,7 @@ class LocalLedgerStore:
             try:
                 await asyncio.wait_for(wake.wait(), timeout)
                 await asyncio.sleep(self.flush_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _lost(self, exc: BaseException) -> None:

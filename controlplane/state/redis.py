@@ -483,8 +483,9 @@ class RedisStore:
         self.redis = client
         # The ledger's hot calls (loads, reserve, release, end, settle, get) on a lean
         # pipelining connection; redis-py for the rest (see redis_wire). TLS: redis-py only.
-        self.wire = redis_wire.WireClient(url, timeout_s=socket_timeout_s, connect_timeout_s=max(2.0, socket_timeout_s)) \
-            if fast_path and redis_wire.supported(url) else None
+        self.wire = (redis_wire.WireClient(url, timeout_s=socket_timeout_s,
+                                           connect_timeout_s=max(2.0, socket_timeout_s))
+                     if fast_path and redis_wire.supported(url) else None)
         # Load mirror (off at 0): loads() answers from memory when this replica's copy is at
         # most loads_max_age_s old. Its own reserves and releases update the copy from the
         # scripts' replies at once; other replicas' show up within loads_max_age_s.
@@ -555,7 +556,7 @@ class RedisStore:
     def _record(self, flat: list[str] | dict[str, str] | None) -> RequestRecord | None:
         if not flat:
             return None
-        data = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2]))
+        data = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=False))
         kwargs: dict[str, Any] = {}
         for key in _RECORD_FIELDS:
             raw = data.get(key)
@@ -717,7 +718,8 @@ class RedisStore:
 
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
-        return self._ledger_reply(await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
+        return self._ledger_reply(
+            await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
 
     @_unavailable
     async def end(self, request_id: str, *, tombstone_s: float = 0.0) -> RequestRecord | None:
@@ -786,7 +788,7 @@ class RedisStore:
             if len(ids) == 1:
                 return {ids[0]: _load(await self.wire.call("HMGET", prefix + ids[0], *_LOAD_FIELDS))}
             rows = await self.wire.pipeline([("HMGET", prefix + wid, *_LOAD_FIELDS) for wid in ids])
-            return {wid: _load(row) for wid, row in zip(ids, rows)}
+            return {wid: _load(row) for wid, row in zip(ids, rows, strict=False)}
         if len(ids) == 1:
             return {ids[0]: _load(await self.redis.hmget(prefix + ids[0], _LOAD_FIELDS))}
         flat = await self._script(self._loads, _LOADS, [], [prefix + wid for wid in ids])
@@ -840,7 +842,7 @@ class RedisStore:
             alive = await pipe.execute()
         mode, now = ("end", "0") if orphan_at is None else ("orphan", repr(self._to_wall(orphan_at)))
         released: list[str] = []
-        for rep, up in zip(replicas, alive):
+        for rep, up in zip(replicas, alive, strict=False):
             if not up:
                 done = await self._sweep(args=[self.prefix, rep, mode, now])
                 if done:

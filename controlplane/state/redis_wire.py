@@ -125,7 +125,7 @@ class WireClient:
             else:
                 coro = loop.create_connection(_Protocol, self.host, self.port)
             _, proto = await asyncio.wait_for(coro, self.connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"timed out connecting to redis after {self.connect_timeout_s:g}s") from None
         if self.password:
             auth = ("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)

@@ -39,7 +39,7 @@ class Recomputed(Exception):
     """Raised by the relay; ``forwarded``: what this attempt already sent (SSE bytes, or the
     relay's ``StreamText`` of them)."""
 
-    def __init__(self, forwarded: "bytes | StreamText" = b"", response: dict | None = None) -> None:
+    def __init__(self, forwarded: bytes | StreamText = b"", response: dict | None = None) -> None:
         super().__init__("the decode engine asked for a recompute")
         self.forwarded = forwarded
         self.response = response     # non-streaming: the engine's (partial) answer
@@ -91,7 +91,7 @@ class StreamText:
         return "".join(self._parts), self.tokens
 
 
-def generated_from_stream(forwarded: "bytes | StreamText") -> tuple[str, int]:
+def generated_from_stream(forwarded: bytes | StreamText) -> tuple[str, int]:
     """Text and token count the client has already received from an SSE stream."""
     if isinstance(forwarded, StreamText):
         return forwarded.result()
@@ -200,14 +200,14 @@ async def run_recomputing(ctx: FlowContext, placement: pb.Placement, flow: Flow,
             try:
                 nxt = continuation(req, text, tokens, encoder())
             except ValueError as exc:
-                raise UpstreamError(placement.decode.worker_id, f"decode asked for a recompute: {exc}", 200)
+                raise UpstreamError(placement.decode.worker_id, f"decode asked for a recompute: {exc}", 200) from exc
             ctx.prior_text += text
             ctx.prior_tokens += tokens
             if nxt is None:  # nothing left to generate: end the answer here
                 return await _finish(ctx)
             if recomputes > MAX_RECOMPUTES:
                 raise UpstreamError(placement.decode.worker_id,
-                                    f"request recomputed {recomputes} times; giving up", 200)
+                                    f"request recomputed {recomputes} times; giving up", 200) from rc
             ctx.tracker.continue_as(nxt, tokens)
             ctx.req = nxt
             current_request_id.set(nxt.request_id)
@@ -215,7 +215,7 @@ async def run_recomputing(ctx: FlowContext, placement: pb.Placement, flow: Flow,
             placement = await place(ctx.placements, nxt, pb.LEG_ENTRY)
             _, next_flow = flows.get(placement.flow, ("", None))
             if next_flow is None:
-                raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported")
+                raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported") from rc
             flow = next_flow
 
 

@@ -86,7 +86,7 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
         if tail:   # the engine ended without a blank line after its last event
             await out.write(tail)
             before_last, last = last, tail
-    except (EngineClientError, ConnectionResetError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, EngineClientError, ConnectionResetError) as exc:
         if isinstance(exc, ConnectionResetError) or ctx.http.transport is None or ctx.http.transport.is_closing():
             tracker.cancelled()
             ctx.metrics.cancelled.inc()

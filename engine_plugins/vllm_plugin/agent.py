@@ -36,7 +36,6 @@ import secrets
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -104,7 +103,7 @@ class Settings:
     health_timeout_s: float = 2.0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Settings | None":
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings | None:
         """None when OMNI_CONTROLPLANE is unset (the plugin then does nothing). Raises ValueError."""
         env = os.environ if env is None else env
         cps = [a.strip() for a in env.get("OMNI_CONTROLPLANE", "").split(",") if a.strip()]
@@ -267,7 +266,7 @@ class Agent:
         self._metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
 
     # -- lifecycle --------------------------------------------------------------------
-    def start(self) -> "Agent":
+    def start(self) -> Agent:
         self._thread = threading.Thread(target=self._run, name="omni-proxy-register", daemon=True)
         self._thread.start()
         return self

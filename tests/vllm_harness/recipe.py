@@ -117,7 +117,8 @@ def controlplane_toml(*, policy: str | None = "cache_aware", heartbeat_interval_
         if unhealthy_after is not None:
             lines.append(f"unhealthy_after = {unhealthy_after}")
     if kv_cache:
-        lines += ["[kv_cache]", f"block_size = {block_size}", f'hash_algo = "{HASH_ALGO}"', f'hash_seed = "{HASH_SEED}"']
+        lines += ["[kv_cache]", f"block_size = {block_size}", f'hash_algo = "{HASH_ALGO}"',
+                  f'hash_seed = "{HASH_SEED}"']
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +196,8 @@ def blocks(op: Operator = Operator()) -> dict[str, tuple[str, str]]:
     """name -> (code-block language, text) of docs/real-engines.md."""
     out: dict[str, tuple[str, str]] = {}
     out["controlplane.toml"] = ("toml", controlplane_toml())
-    out["controlplane"] = ("bash", _shell({}, "omni-proxy", controlplane_argv("controlplane.toml", listen=op.controlplane)))
+    out["controlplane"] = ("bash", _shell({}, "omni-proxy",
+                                          controlplane_argv("controlplane.toml", listen=op.controlplane)))
     gpu = " ".join(shlex.quote(a) for a in GPU_ARGS)
     for name in op.engines:
         env, argv = engine_command(op, name)
@@ -205,7 +207,8 @@ def blocks(op: Operator = Operator()) -> dict[str, tuple[str, str]]:
                                                                        controlplane=op.controlplane)))
     out["test-only"] = ("text", "\n".join([
         "vllm serve ... " + " ".join(TEST_ONLY_ARGS) + "           # no torch.compile: a CPU engine starts 2-3x faster",
-        "--kv-transfer-config: \"kv_buffer_device\": \"" + TEST_ONLY_KV_BUFFER_DEVICE + "\"   # NIXL buffers in host memory (no GPU)",
+        "--kv-transfer-config: \"kv_buffer_device\": \"" + TEST_ONLY_KV_BUFFER_DEVICE
+        + "\"   # NIXL buffers in host memory (no GPU)",
         "--port 0 (the bound port read back), --host 127.0.0.1, a free NIXL side-channel port per run",
         "VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU  # vLLM's CPU build",
         "test_vllm_plugin.py: --num-gpu-blocks-override 160; no NIXL (one aggregated engine)",

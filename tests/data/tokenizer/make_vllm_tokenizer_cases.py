@@ -159,7 +159,8 @@ def cases() -> list[dict]:
     chat(b, "unsupported_role_raises", messages=[{"role": "critic", "content": "x"}])
     chat(b, "developer_role", messages=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "u"}])
     chat(b, "continue_final_parts", add_generation_prompt=False, continue_final_message=True,
-         messages=[{"role": "user", "content": "Count"}, {"role": "assistant", "content": [{"type": "text", "text": "1, 2,"}]}])
+         messages=[{"role": "user", "content": "Count"},
+                   {"role": "assistant", "content": [{"type": "text", "text": "1, 2,"}]}])
     chat(b, "template_kwargs_override_special", chat_template_kwargs={"bos_token": "[BOS]"},
          messages=[{"role": "user", "content": "x"}])
     return c
@@ -224,7 +225,9 @@ async def run(model_config_json: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-config", type=Path, default=Path(os.environ.get("OMNI_VLLM_MODEL") or Path(os.environ.get("OMNI_PROXY_CACHE") or Path.home() / ".cache" / "omni-proxy") / "vllm-cpu" / "tiny-llama") / "config.json")
+    cache = Path(os.environ.get("OMNI_PROXY_CACHE") or Path.home() / ".cache" / "omni-proxy")
+    model = Path(os.environ.get("OMNI_VLLM_MODEL") or cache / "vllm-cpu" / "tiny-llama")
+    ap.add_argument("--model-config", type=Path, default=model / "config.json")
     a = ap.parse_args()
     doc = asyncio.run(run(a.model_config))
     json.dump(doc, sys.stdout, ensure_ascii=False, indent=1)
