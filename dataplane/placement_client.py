@@ -280,9 +280,9 @@ class PlacementClient:
                     await RECONNECT.sleep(RECONNECT.delay(failed_in_a_row - len(self.targets) + 1))
                 continue
             failed_in_a_row = 0
-            started = time.monotonic()
+            started = RECONNECT.clock()
             await self._session(target, channel)
-            ended_in_a_row = ended_in_a_row + 1 if time.monotonic() - started < RECONNECT.max_s else 1
+            ended_in_a_row = ended_in_a_row + 1 if RECONNECT.clock() - started < RECONNECT.max_s else 1
             if not self._closing:
                 await RECONNECT.sleep(RECONNECT.delay(ended_in_a_row))
 
