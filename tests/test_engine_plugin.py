@@ -185,6 +185,32 @@ async def test_retries_while_down_and_reregisters_after_restart(engine, caplog):
             await plane.stop()
 
 
+async def test_registration_backs_off_by_the_shared_retry_policy(engine):
+    """No control plane answers: the pauses between Register calls are omni_runtime.retry's
+    windows, 0.5 s doubling to 30 s (the draw pinned to the window's top, the waits recorded)."""
+    class TopOfWindow:
+        def uniform(self, low: float, high: float) -> float:
+            return high
+    waits: list[float] = []
+    with refused_port() as nobody:
+        agent = Agent(Settings(controlplanes=[f"127.0.0.1:{nobody}"], worker_id="eng-b", rpc_timeout_s=1.0),
+                      facts_for(engine))
+        agent.REGISTER_RETRY = dataclasses.replace(Agent.REGISTER_RETRY, rng=TopOfWindow())
+
+        def wait(seconds: float) -> bool:   # recorded, not slept; True (stop) after eight
+            waits.append(seconds)
+            return len(waits) >= 8
+        agent._wait = wait
+        agent.start()
+        try:
+            assert agent._thread is not None
+            await asyncio.to_thread(agent._thread.join, 20)
+            assert not agent._thread.is_alive()
+        finally:
+            await stop_agent(agent)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0] and agent.registrations == 0
+
+
 async def test_second_address_used_when_first_is_down(engine):
     plane = await start_cp()
     with refused_port() as nobody:
