@@ -345,8 +345,11 @@ async def run_cell(ports: list[int], stream: bool, conc: int, seconds: float, wa
 
 # ---------------------------------------------------------------- the run
 
+CELLS = [(s, c) for s in (False, True) for c in CONCURRENCY]
+
+
 def cells() -> list[tuple[bool, int]]:
-    return [(s, c) for s in (False, True) for c in CONCURRENCY]
+    return CELLS
 
 
 def cell_key(stream: bool, conc: int) -> str:
@@ -565,10 +568,18 @@ def main() -> int:
                    help="our data plane's access log (default on, as deployed)")
     p.add_argument("--baseline-tree", default="", help="also run data plane + control plane from this "
                    "checkout (target omni-baseline), e.g. a git worktree of an earlier commit")
+    p.add_argument("--cells", nargs="*", default=[], metavar="CELL",
+                   help="only these cells (json-c32 stream-c128 ...; default: all six)")
     p.add_argument("--max-seconds", type=float, default=1500)
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "overhead"))
     p.add_argument("--pause-for-profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.cells:
+        known = {cell_key(s, c): (s, c) for s, c in CELLS}
+        unknown = [c for c in args.cells if c not in known]
+        if unknown:
+            p.error(f"--cells: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+        CELLS[:] = [known[c] for c in known if c in args.cells]
     try:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

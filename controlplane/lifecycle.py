@@ -82,6 +82,8 @@ class Lifecycle:
             record = await store.end(event.request_id)
             if record is not None:
                 if kind == pb.EVENT_FINISHED:
+                    # A non-streamed answer sends no first-token report: its end is its success.
+                    self._note_success(record)
                     self._learn_tpot(record, event)
                 self.request_ended.emit(event.request_id)
             elif self.queue is not None:

@@ -14,7 +14,9 @@ set them, clients do not, unless an operator allows a field (``--allow-client-fi
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from typing import Any
 
 import orjson
@@ -37,6 +39,43 @@ def sanitize_client_id(value: str | None) -> str:
         return ""
     label = _UNSAFE_ID_CHARS.sub("_", value.strip())[:MAX_CLIENT_ID_CHARS]
     return label if label.strip("_") else ""
+
+
+class _RandomIds:
+    """Random ids in ``uuid.uuid4().hex``'s form (32 hex digits, version 4, RFC 4122 variant)
+    at a third of its cost: the random bytes come from ``os.urandom`` 4 KiB at a time
+    instead of one system call and a ``UUID`` object per request. A forked worker
+    (``--workers``) starts with bytes of its own, never its parent's; threads never share
+    an id (a lock, uncontended on the event loop)."""
+
+    __slots__ = ("_buf", "_pos", "_lock")
+    _CHUNK = 4096
+    _CLEAR = ~((0xF000 << 64) | (0xC000 << 48))   # version and variant bits
+    _SET = (0x4000 << 64) | (0x8000 << 48)        # version 4, variant 10xx
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._pos = 0
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self._buf = b""
+        self._pos = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> str:
+        with self._lock:
+            pos = self._pos
+            buf = self._buf
+            if pos >= len(buf):
+                buf = self._buf = os.urandom(self._CHUNK)
+                pos = 0
+            self._pos = pos + 16
+        return "%032x" % (int.from_bytes(buf[pos:pos + 16], "big") & self._CLEAR | self._SET)
+
+
+new_id = _RandomIds()
+os.register_at_fork(after_in_child=new_id.reset)
 
 
 def engine_request_id(client_id: str, placement_id: str) -> str:

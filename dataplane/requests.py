@@ -6,14 +6,13 @@ the original bytes are what goes upstream whenever a leg does not change the bod
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from dataplane.errors import APIError
-from dataplane.hygiene import engine_request_id, sanitize_client_id, strip_pd_fields
+from dataplane.hygiene import engine_request_id, new_id, sanitize_client_id, strip_pd_fields
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -72,6 +71,37 @@ def _check_type(body: dict, key: str, types: tuple[type, ...], label: str) -> No
         raise APIError(400, f"'{key}' must be {label}, not a boolean", param=key)
     if not isinstance(value, types):
         raise APIError(400, f"'{key}' must be {label}, got {type(value).__name__}", param=key)
+
+
+# The fields parse_request checks, in the order their errors are reported.
+_TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("model", (str,), "a string"), ("stream", (bool,), "a boolean"), ("max_tokens", (int,), "an integer"),
+    ("max_completion_tokens", (int,), "an integer"), ("n", (int,), "an integer"),
+    ("temperature", (int, float), "a number"), ("stream_options", (dict,), "an object"),
+    ("kv_transfer_params", (dict,), "an object"))
+_COUNTS = ("max_tokens", "max_completion_tokens", "n")
+# Exact types each field may have when valid (bool is a subclass of int: listed only where allowed).
+_VALID_TYPES = {"model": {str}, "stream": {bool}, "max_tokens": {int}, "max_completion_tokens": {int},
+                "n": {int}, "temperature": {int, float}, "stream_options": {dict}, "kv_transfer_params": {dict}}
+
+
+def _check_types(body: dict) -> None:
+    """400 for a typed field of the wrong type, or a count out of range. One pass over the
+    body's own keys (a few) for the common valid request; on any doubt the fields are
+    checked in their fixed order, so a body with several errors reports the same one."""
+    valid = _VALID_TYPES
+    for key, value in body.items():
+        types = valid.get(key)
+        if types is not None and value is not None and (
+                type(value) not in types or (key in _COUNTS and not 1 <= value <= MAX_COUNT)):
+            break
+    else:
+        return
+    for key, types, label in _TYPED_FIELDS:
+        _check_type(body, key, types, label)
+    for key in _COUNTS:
+        if body.get(key) is not None and not 1 <= body[key] <= MAX_COUNT:
+            raise APIError(400, f"'{key}' must be between 1 and {MAX_COUNT}", param=key)
 
 
 def _estimate_text_tokens(text: str) -> int:
@@ -146,17 +176,7 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
     """Validate once; PD-internal fields the client set are dropped (unless ``allowed_fields``)."""
     body, raw = strip_pd_fields(json_object(raw), raw, allowed_fields)
 
-    _check_type(body, "model", (str,), "a string")
-    _check_type(body, "stream", (bool,), "a boolean")
-    _check_type(body, "max_tokens", (int,), "an integer")
-    _check_type(body, "max_completion_tokens", (int,), "an integer")
-    _check_type(body, "n", (int,), "an integer")
-    _check_type(body, "temperature", (int, float), "a number")
-    _check_type(body, "stream_options", (dict,), "an object")
-    _check_type(body, "kv_transfer_params", (dict,), "an object")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        if body.get(key) is not None and not 1 <= body[key] <= MAX_COUNT:
-            raise APIError(400, f"'{key}' must be between 1 and {MAX_COUNT}", param=key)
+    _check_types(body)
 
     if path == CHAT:
         prompt_tokens = _chat_prompt_tokens(body.get("messages"))
@@ -175,7 +195,7 @@ def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
     elif path != CHAT and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         token_ids = prompt[0]
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
-    placement_id = uuid.uuid4().hex
+    placement_id = new_id()
     client_id = sanitize_client_id(client_request_id)
     return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "",
                          stream=bool(body.get("stream")), max_tokens=int(max_tokens),
@@ -207,7 +227,7 @@ def parse_passthrough(path: str, raw: bytes, client_request_id: str | None, *,
     max_tokens = body.get("max_output_tokens") if path == RESPONSES else 0
     if max_tokens and not 1 <= max_tokens <= MAX_COUNT:
         raise APIError(400, f"'max_output_tokens' must be between 1 and {MAX_COUNT}", param="max_output_tokens")
-    placement_id = uuid.uuid4().hex
+    placement_id = new_id()
     client_id = sanitize_client_id(client_request_id)
     return ClientRequest(path=path, raw=raw, body=body, model=body.get("model") or "", stream=stream,
                          max_tokens=int(max_tokens or 0), prompt_tokens=max(1, len(raw) // 4),

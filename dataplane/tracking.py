@@ -120,12 +120,18 @@ class RequestTracker:
 
     def first_token(self, streamed: bool = True) -> None:
         """The prompt is computed: the control plane stops counting it as prefill work
-        ahead of later requests, and learns the engine's prefill speed from the time."""
+        ahead of later requests, and learns the engine's prefill speed from the time.
+
+        A whole (non-streamed) answer is its own end: the control plane learns nothing from
+        its arrival that the ``finished`` report sent in the same turn does not tell it (the
+        request's charges are dropped, its workers' breakers close), so no event is sent
+        for it: one report per non-streamed request instead of two, in both planes."""
         if not self.first_token_at:
             self.first_token_at = _now()
             if not streamed:
                 self.last_token = self.first_token_at
-            self._event(pb.EVENT_FIRST_TOKEN, ttft_ms=self.ttft_s * 1000, streamed=streamed)
+                return
+            self._event(pb.EVENT_FIRST_TOKEN, ttft_ms=self.ttft_s * 1000, streamed=True)
 
     def prefill_done(self) -> None:
         if not self.prefill_released:
@@ -140,13 +146,16 @@ class RequestTracker:
         return (self.first_token_at - self.started) if self.first_token_at and self.started else 0.0
 
     def finished(self, completion_tokens: int) -> None:
+        """The answer is complete. Its time to first token goes with it only when streamed:
+        a whole answer's first byte is its last, and a ttft that close to the latency made
+        the control plane learn a time per output token of about zero from every one."""
         if not self.ended:
             self.ended = True
             self.done = _now()
             self.outcome = FINISHED
             self.completion_tokens = completion_tokens
             self._event(pb.EVENT_FINISHED, prompt_tokens=self.req.prompt_tokens,
-                        completion_tokens=completion_tokens, ttft_ms=self.ttft_s * 1000,
+                        completion_tokens=completion_tokens, ttft_ms=self.ttft_s * 1000 if self.stream else 0.0,
                         latency_ms=(self.done - self.started) * 1000)
 
     def failed(self, worker_id: str, message: str, upstream_status: int) -> None:

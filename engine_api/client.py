@@ -126,6 +126,19 @@ class EngineResponse:
             self._headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self._raw_headers)
         return self._headers
 
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """One header's first value (any case), without building ``headers``: a leg reads
+        two at most (Content-Type, Content-Encoding), and the multidict of every field
+        cost more than the scan of a few raw ones."""
+        if self._headers is not None:
+            return self._headers.get(name, default)
+        key = name.lower().encode("latin-1")
+        size = len(key)
+        for k, v in self._raw_headers:
+            if len(k) == size and k.lower() == key:
+                return v.decode("latin-1")
+        return default
+
     async def read(self) -> bytes:
         """The whole body; raises if the answer breaks off (the connection is then dropped)."""
         if self._eof:   # the common case: the body came with the head

@@ -14,14 +14,13 @@ kept as text (``StreamText``), parsed once per 64 KiB of stream, not per chunk.
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
-from dataplane.hygiene import engine_request_id
+from dataplane.hygiene import engine_request_id, new_id
 from dataplane.messages import Response, StreamResponse, json_response
 from dataplane.observe import current_request_id
 from dataplane.placing import place
@@ -154,7 +153,7 @@ def continuation(req: ClientRequest, text: str, tokens: int, encode=None) -> Cli
             raise ValueError("recompute needs a single text prompt, or token ids and a tokenizer")
     # A new attempt is a new engine request: a fresh id, so it never meets the old one's
     # leftovers (a metaserver entry, a KV lease) on any engine.
-    placement_id = uuid.uuid4().hex
+    placement_id = new_id()
     return dataclasses.replace(req, raw=orjson.dumps(body), body=body, max_tokens=remaining,
                                placement_id=placement_id,
                                request_id=engine_request_id(req.client_id, placement_id),
