@@ -286,10 +286,21 @@ class Admission:
     async def admit(self, http: Request, req, api_keys=None) -> None:
         """Rate limit, then a slot, for a parsed request. Release with :meth:`release` only
         when this returned."""
+        priority = self.try_admit(http, req, api_keys)
+        if priority is not None:
+            await self.acquire(priority)
+
+    def try_admit(self, http: Request, req, api_keys=None) -> int | None:
+        """``admit`` without an await when it need not wait: the priority's check (400), the
+        rate limit (429), then a free slot taken (None: release it as after ``admit``).
+        Otherwise the priority to wait with in :meth:`acquire`."""
         priority = request_priority(http, req.body)
         if self.limiter is not None:
             self.limiter.check(client_identity(http, api_keys), req.prompt_tokens)
-        await self.acquire(priority)
+        if self.inflight < self.config.max_inflight and not self.queued:
+            self.inflight += 1
+            return None
+        return priority
 
 
 class AdmissionMetrics:

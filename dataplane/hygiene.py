@@ -48,7 +48,7 @@ class _RandomIds:
     (``--workers``) starts with bytes of its own, never its parent's; threads never share
     an id (a lock, uncontended on the event loop)."""
 
-    __slots__ = ("_buf", "_pos", "_lock")
+    __slots__ = ("_buf", "_lock", "_pos")
     _CHUNK = 4096
     _CLEAR = ~((0xF000 << 64) | (0xC000 << 48))   # version and variant bits
     _SET = (0x4000 << 64) | (0x8000 << 48)        # version 4, variant 10xx

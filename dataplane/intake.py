@@ -20,6 +20,14 @@ STEP_BYTES = 256 * 1024        # ~0.5 ms of zlib work: the longest the loop wait
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
+def body_at_hand(http: Request) -> bytes | None:
+    """The body, when ``read_client_body`` would return it as it is without waiting: all of
+    it arrived intact, with no Content-Encoding header to decode. None: await that."""
+    if "Content-Encoding" in http.headers:
+        return None
+    return http.body_at_hand()
+
+
 async def read_client_body(http: Request, *, max_bytes: int, timeout_s: float) -> bytes:
     """The request body, decompressed; 408 when it does not arrive within ``timeout_s``.
 

@@ -107,6 +107,18 @@ class Request:
         self._chunks = [data]
         return data
 
+    def body_at_hand(self) -> bytes | None:
+        """The whole body when it has all arrived intact (the common case: it came with the
+        head), without an await; None when ``read()`` has to wait or raise."""
+        if not self.complete or self._error is not None:
+            return None
+        chunks = self._chunks
+        if len(chunks) == 1:
+            return chunks[0]
+        data = b"".join(chunks)
+        self._chunks = [data]
+        return data
+
     def feed(self, data: bytes) -> None:
         if self._error is not None:
             return                # over the limit: the rest is read and dropped

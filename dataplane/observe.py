@@ -21,6 +21,7 @@ import logging
 import re
 import sys
 import time
+from typing import cast
 
 import orjson
 
@@ -162,11 +163,15 @@ class BatchedStreamHandler(logging.StreamHandler):
             self.release()
         self._flush_soon()
 
+    def close(self) -> None:
+        self.flush_now()
+        super().close()
+
 
 class _AccessRecord:
     """The fields the formatters read of an access record, without a LogRecord's cost."""
 
-    __slots__ = ("msg", "created", "msecs", "request_id")
+    __slots__ = ("created", "msecs", "msg", "request_id")
     name = ACCESS_LOGGER
     levelname = "INFO"
     levelno = logging.INFO
@@ -198,7 +203,7 @@ def direct_access_handler() -> BatchedStreamHandler | None:
     if access_log.handlers or access_log.filters or not access_log.propagate or access_log.disabled:
         return None
     logger = access_log.parent
-    while logger is not _root:
+    while logger is not None and logger is not _root:
         if logger.handlers or not logger.propagate:
             return None
         logger = logger.parent
@@ -214,17 +219,14 @@ def direct_access_handler() -> BatchedStreamHandler | None:
 
 def write_access_line(handler: BatchedStreamHandler, line: str) -> None:
     """``line`` as the access logger would have written it through ``handler``."""
-    record = _AccessRecord(line, time.time(), current_request_id.get())
-    formatter = handler.formatter
+    # The formatters read only these fields of a record (the test compares their bytes).
+    record = cast(logging.LogRecord, _AccessRecord(line, time.time(), current_request_id.get()))
+    formatter = cast(logging.Formatter, handler.formatter)
     if type(formatter) is CachedTimeFormatter and formatter._fmt == LOG_FORMAT:
         text = f"{formatter.formatTime(record)} INFO {ACCESS_LOGGER}: {line}"
     else:
-        text = formatter.format(record)   # JsonFormatter reads only the fields above
+        text = formatter.format(record)   # JsonFormatter
     handler.write_info(text)
-
-    def close(self) -> None:
-        self.flush_now()
-        super().close()
 
 
 def _direct_formatters() -> tuple[type, ...]:

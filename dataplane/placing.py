@@ -13,9 +13,16 @@ _STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST:
 async def place(placements: PlacementClient, req: ClientRequest, leg: int,
                 exclude: list[str] | None = None, trace: dict[str, str] | None = None) -> pb.Placement:
     msg = pb.PlaceRequest(request_id=req.placement_id, model=req.model, leg=leg,
-                          prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
-                          exclude_workers=exclude or (), block_hashes=req.block_hashes,
-                          ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)
+                          prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens)
+    # Fields left at their defaults are not set at all (the same message, at less cost).
+    if exclude:
+        msg.exclude_workers.extend(exclude)
+    if req.block_hashes:
+        msg.block_hashes.extend(req.block_hashes)
+    if req.ttft_slo_ms:
+        msg.ttft_slo_ms = req.ttft_slo_ms
+    if req.tpot_slo_ms:
+        msg.tpot_slo_ms = req.tpot_slo_ms
     if trace:
         # The request's trace context: the control plane's placement span (with otel_endpoint)
         # joins it, and in layerwise the prefill leg it sends itself carries it.

@@ -12,7 +12,12 @@ from typing import Any
 import orjson
 
 from dataplane.errors import APIError
-from dataplane.hygiene import engine_request_id, new_id, sanitize_client_id, strip_pd_fields
+from dataplane.hygiene import (
+    engine_request_id,
+    new_id,
+    sanitize_client_id,
+    strip_pd_fields,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -81,7 +86,7 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("kv_transfer_params", (dict,), "an object"))
 _COUNTS = ("max_tokens", "max_completion_tokens", "n")
 # Exact types each field may have when valid (bool is a subclass of int: listed only where allowed).
-_VALID_TYPES = {"model": {str}, "stream": {bool}, "max_tokens": {int}, "max_completion_tokens": {int},
+_VALID_TYPES: dict[str, set[type]] = {"model": {str}, "stream": {bool}, "max_tokens": {int}, "max_completion_tokens": {int},
                 "n": {int}, "temperature": {int, float}, "stream_options": {dict}, "kv_transfer_params": {dict}}
 
 
@@ -91,9 +96,9 @@ def _check_types(body: dict) -> None:
     checked in their fixed order, so a body with several errors reports the same one."""
     valid = _VALID_TYPES
     for key, value in body.items():
-        types = valid.get(key)
-        if types is not None and value is not None and (
-                type(value) not in types or (key in _COUNTS and not 1 <= value <= MAX_COUNT)):
+        allowed = valid.get(key)
+        if allowed is not None and value is not None and (
+                type(value) not in allowed or (key in _COUNTS and not 1 <= value <= MAX_COUNT)):
             break
     else:
         return

@@ -42,6 +42,42 @@ def test_engine_ids_are_unique_even_for_the_same_client_id():
     assert none.request_id == none.placement_id == none.echo_id
 
 
+def test_request_ids_are_uuid4_hex_unique_and_not_shared_with_a_forked_worker():
+    import os
+    import uuid
+
+    from dataplane.hygiene import new_id
+
+    ids = [new_id() for _ in range(1000)]        # several 4 KiB refills of random bytes
+    assert len(set(ids)) == len(ids)
+    for i in ids:
+        u = uuid.UUID(i)
+        assert u.hex == i and u.version == 4 and u.variant == uuid.RFC_4122
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                 # a --workers child: bytes of its own
+        os.write(write, new_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert child != new_id() and uuid.UUID(child).version == 4
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"model": 3, "stream": "yes", "max_tokens": 0}, "model", "a string"),      # the first in order
+    ({"max_tokens": True, "stream": "yes"}, "stream", "a boolean"),
+    ({"n": 0, "max_tokens": 5.5}, "max_tokens", "an integer"),
+    ({"temperature": True}, "temperature", "not a boolean"),
+    ({"n": 2**31, "max_tokens": 0}, "max_tokens", "between"),
+])
+def test_a_body_with_several_bad_fields_reports_the_same_one(body, param, words):
+    with pytest.raises(APIError) as err:
+        parse_request(COMPLETIONS, orjson.dumps({"prompt": "x", **body}), None)
+    assert err.value.param == param and words in err.value.message
+
+
 def test_body_without_pd_fields_keeps_its_bytes():
     raw = b'{"model": "m",  "prompt": "bootstrap_room kv_transfer_params", "max_tokens": 2}'
     req = parse_request(COMPLETIONS, raw, None)

@@ -83,6 +83,25 @@ def test_stages_are_stamped_in_order_and_events_reach_the_control_plane():
     assert reports.events[0].streamed and reports.events[1].completion_tokens == 10
 
 
+def test_a_non_streamed_request_sends_one_report_without_a_ttft():
+    """A whole answer's first byte is its last: one finished report (no first-token one),
+    and no ttft in it, from which the control plane would learn a TPOT of about zero."""
+    reports = Reports()
+    t = RequestTracker(reports)
+    t.req = _req(stream=False)
+    _run(t)
+    assert [e.kind for e in reports.events] == [pb.EVENT_FINISHED]
+    [done] = reports.events
+    assert done.ttft_ms == 0 and done.latency_ms > 0 and done.completion_tokens == 10
+    assert t.first_token_at and t.last_token == t.first_token_at      # the stages keep their stamps
+    streamed = Reports()
+    t = RequestTracker(streamed)
+    t.req = _req(stream=True)
+    _run(t)
+    assert [e.kind for e in streamed.events] == [pb.EVENT_FIRST_TOKEN, pb.EVENT_FINISHED]
+    assert streamed.events[1].ttft_ms > 0 and streamed.events[1].latency_ms > streamed.events[1].ttft_ms
+
+
 def test_a_retried_prefill_counts_a_retry_and_keeps_the_first_dispatch():
     t = RequestTracker(Reports())
     t.req = _req()
@@ -226,6 +245,50 @@ def test_access_log_goes_to_its_logger_at_info(caplog):
     with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         Observer(DataPlaneMetrics(), access_log_on=False).complete(t, "/v1/completions", 200)
     assert not [r for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_access_lines_written_directly_match_what_logging_writes(fmt, tmp_path):
+    """In the data plane's own logging setup an access line skips logging's machinery: the
+    bytes must be the ones logging would write (same time, same request id). With another
+    handler anywhere on the way (a caplog), logging is used."""
+    code = f"""
+import asyncio, logging, os, sys, time
+from dataplane import observe
+from dataplane.metrics import DataPlaneMetrics
+from dataplane.observe import ACCESS_LOGGER, Observer, configure_logging, current_request_id
+configure_logging("WARNING", {fmt!r})
+logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
+handler = observe.direct_access_handler()
+assert handler is not None, "the data plane's own setup writes directly"
+time.time = lambda: 1_700_000_000.1234
+async def main():
+    current_request_id.set("rid-7")
+    line = '{{"request_id":"rid-7","status":200}}'
+    observe.write_access_line(handler, line)
+    record = logging.getLogger(ACCESS_LOGGER).makeRecord(ACCESS_LOGGER, logging.INFO, "f", 0, line, None, None)
+    record.json_message = True
+    logging.getLogger(ACCESS_LOGGER).handle(record)
+    extra = logging.StreamHandler(open(os.devnull, "w"))
+    logging.getLogger("omni_proxy").addHandler(extra)
+    assert observe.direct_access_handler() is None, "a handler on the way: through logging"
+    logging.getLogger("omni_proxy").removeHandler(extra)
+    logging.getLogger().addHandler(extra)
+    assert observe.direct_access_handler() is None
+    logging.getLogger().removeHandler(extra)
+    assert observe.direct_access_handler() is handler
+    handler.flush_now()
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    direct, logged = out.stderr.splitlines()
+    assert direct == logged
+    if fmt == "json":
+        assert orjson.loads(direct)["request_id"] == "rid-7" and orjson.loads(direct)["access"]["status"] == 200
+    else:
+        assert direct.endswith(" INFO omni_proxy.access: {\"request_id\":\"rid-7\",\"status\":200}")
 
 
 def test_request_id_filter_prefixes_lines_of_the_request_and_its_tasks():

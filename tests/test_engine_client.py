@@ -157,8 +157,11 @@ def test_sized_answer_headers_and_request_bytes(run):
         resp = await client.post(url + "/v1/completions?x=1", b'{"prompt": "hi"}',
                                  [("X-Request-Id", "r-1"), ("Authorization", "Bearer k")])
         assert (resp.status, resp.reason) == (200, "OK")
+        assert (resp.header("Content-Type"), resp.header("x-thing"), resp.header("X-Missing", "d")) == (
+            "application/json", "a", "d")      # read from the raw fields, before the multidict exists
         assert resp.headers["content-type"] == "application/json"
         assert resp.headers["X-THING"] == "a"
+        assert resp.header("X-Thing") == "a" and resp.header("Content-Encoding") is None
         assert await resp.read() == b'{"echo": 16}'
         req = server.requests[0]
         assert req.line == "POST /v1/completions?x=1 HTTP/1.1"

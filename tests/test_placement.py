@@ -318,6 +318,22 @@ async def test_a_success_closes_the_breaker_and_client_errors_never_open_it():
     assert (await plane.place(entry("ok2"))).decode.worker_id == p.decode.worker_id == "a"
 
 
+async def test_a_non_streamed_answers_finished_report_alone_closes_the_breaker():
+    """A whole answer sends no first-token report (the data plane's one report per
+    non-streamed request): its end is the success that closes the breaker."""
+    from controlplane.lifecycle import BreakerConfig
+
+    plane = await make(workers=[w("a")])
+    plane.lifecycle.breaker = BreakerConfig(failures=2, base_s=60)
+    await _fail(plane, "a", 500)
+    assert plane.fleet.state("a").failure_streak == 1
+    await plane.place(entry("whole"))
+    await plane.report("whole", pb.EVENT_FINISHED, completion_tokens=16, latency_ms=40)
+    assert plane.fleet.state("a").failure_streak == 0
+    await _fail(plane, "a", 500)                   # one failure after a success does not eject
+    assert not plane.fleet.state("a").ejected(time.monotonic())
+
+
 async def test_an_engines_retry_after_keeps_it_out_of_rotation_that_long():
     plane = await make(workers=[w("a"), w("b")])
     await plane.report("x", pb.EVENT_LEG_FAILED, worker_id="a", upstream_status=429, message="busy",
