@@ -86,8 +86,9 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("kv_transfer_params", (dict,), "an object"))
 _COUNTS = ("max_tokens", "max_completion_tokens", "n")
 # Exact types each field may have when valid (bool is a subclass of int: listed only where allowed).
-_VALID_TYPES: dict[str, set[type]] = {"model": {str}, "stream": {bool}, "max_tokens": {int}, "max_completion_tokens": {int},
-                "n": {int}, "temperature": {int, float}, "stream_options": {dict}, "kv_transfer_params": {dict}}
+_VALID_TYPES: dict[str, set[type]] = {
+    "model": {str}, "stream": {bool}, "max_tokens": {int}, "max_completion_tokens": {int}, "n": {int},
+    "temperature": {int, float}, "stream_options": {dict}, "kv_transfer_params": {dict}}
 
 
 def _check_types(body: dict) -> None:
