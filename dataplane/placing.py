@@ -28,8 +28,9 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: int,
         # joins it, and in layerwise the prefill leg it sends itself carries it.
         msg.trace_headers.update(trace)
     if leg == pb.LEG_ENTRY and placements.info.pd_flow == pb.FLOW_LAYERWISE:
-        # The control plane sends this deployment's prefill legs itself (metaserver).
-        msg.body, msg.path = req.raw, req.path
+        # The control plane sends this deployment's prefill legs itself (metaserver): the ids
+        # it expects D to report. The request follows over HTTP (flows/layerwise.py), not here.
+        msg.path = req.path
         msg.engine_request_id, msg.num_prompts = req.request_id, req.num_prompts
     try:
         placement = await placements.place(msg)

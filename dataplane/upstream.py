@@ -69,6 +69,7 @@ class Upstream:
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._client: EngineClient | None = None
+        self._control: EngineClient | None = None    # the metaserver's (layerwise), made on first use
 
     async def start(self) -> None:
         # Identity: the relay passes engine bytes on as they are, so they must not be
@@ -83,6 +84,29 @@ class Upstream:
     async def close(self) -> None:
         if self._client is not None:
             self._client.close()
+        if self._control is not None:
+            self._control.close()
+
+    async def hand_over(self, url: str, body: bytes, request_id: str) -> None:
+        """POST a layerwise request to the control plane's metaserver, which sends its prefill
+        leg (``metaserver.server.body_url``). Not an engine: no engine key and no client
+        credentials go with it. An APIError (502) when it is not taken; no worker is to blame."""
+        if self._control is None:
+            self._control = EngineClient(connect_timeout_s=self.config.connect_timeout_s,
+                                         read_timeout_s=self.config.connect_timeout_s,
+                                         default_headers=[("Content-Type", "application/json")])
+        try:
+            resp = await self._control.post(url, body, [("X-Request-Id", request_id)])
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+        except (TimeoutError, EngineClientError, OSError) as exc:
+            raise APIError(502, f"the metaserver did not take the request: {type(exc).__name__} {exc}".strip(),
+                           type_=None) from None
+        if resp.status != 200:
+            raise APIError(502, f"the metaserver did not take the request: {resp.status} {upstream_message(data)}",
+                           type_=None)
 
     def prefill_timeout(self) -> float:
         """Seconds for a whole prefill leg, answer read included."""

@@ -17,7 +17,7 @@ class PendingPrefill:
     placement_id: str               # the control plane's ledger key
     engine_request_id: str          # X-Request-Id the engines see
     path: str
-    body: bytes
+    body: bytes                     # handed over by the data plane (Metaserver.handle_body); b"" until then
     model: str
     prompt_tokens: int
     max_tokens: int
@@ -60,6 +60,9 @@ class PendingTable:
 
     def entries(self) -> list[PendingPrefill]:
         return list(self._by_placement.values())
+
+    def get(self, placement_id: str) -> PendingPrefill | None:
+        return self._by_placement.get(placement_id)
 
     def find(self, child_id: str) -> PendingPrefill | None:
         return self._by_child.get(child_id)

@@ -5,6 +5,11 @@ port, engine id) to ``/v1/metaserver``. Once every prompt of the request has rep
 the metaserver picks a prefill worker, sends it the request with D's parameters, and
 answers D when P is done (``{"status":"ok"}``) or failed (502). D waits on that answer
 before it decodes, so a failed prefill fails fast instead of hanging.
+
+The request itself does not ride the placement session (one large prompt there would hold
+up every placement behind it): the data plane that placed it POSTs it to
+``/v1/metaserver/body/<placement id>`` with the request's token before it sends D the
+request (``engine_api.metaserver.body_url``), and the session carries only ids.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from aiohttp import web
 from engine_api.answers import upstream_message
 from engine_api.bodies import prefill_body
 from engine_api.client import EngineClient, EngineClientError
+from engine_api.metaserver import BODY_ROUTE
 from metaserver.ids import candidates, engine_request_ids
 from metaserver.pending import PendingPrefill, PendingTable
 from metaserver.ports import ControlPlanePort
@@ -38,6 +44,9 @@ class PrefillFailed(Exception):
     def __init__(self, upstream_status: int) -> None:
         super().__init__(upstream_status)
         self.upstream_status = upstream_status
+
+
+MAX_BODY_BYTES = 64 << 20     # a request handed over for its prefill leg (the data plane allows 32 MiB)
 
 
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
@@ -84,6 +93,7 @@ class Metaserver:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/metaserver", self.handle)
+        app.router.add_post("/v1/metaserver" + BODY_ROUTE, self.handle_body)
 
     # ------------------------------------------------------------------ control-plane hooks
 
@@ -97,6 +107,7 @@ class Metaserver:
         """
         entry = PendingPrefill(
             placement_id=req.request_id, engine_request_id=req.engine_request_id or req.request_id,
+            # (a data plane of an earlier release still sends the body on the session)
             path=req.path or "/v1/completions", body=req.body, model=req.model,
             prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
             expected=engine_request_ids(req.engine_request_id or req.request_id, req.path == CHAT_PATH,
@@ -153,8 +164,7 @@ class Metaserver:
         entry.params[child] = data
         if entry.result is None:
             entry.result = asyncio.get_running_loop().create_future()
-        if entry.complete and entry.task is None:
-            entry.task = asyncio.create_task(self._dispatch(entry))
+        self._maybe_dispatch(entry)
         error = await asyncio.shield(entry.result)
         if error is None:
             self.calls["ok"] += 1
@@ -162,7 +172,37 @@ class Metaserver:
         self.calls["failed"] += 1
         return _error(502, error)
 
+    async def handle_body(self, http: web.Request) -> web.Response:
+        """The data plane hands the request over (once, before D has it): what P is sent."""
+        entry = self.table.get(http.match_info["placement_id"])
+        if entry is None:
+            self.calls["unknown"] += 1
+            return _error(404, "no pending request with this placement id")
+        if not hmac.compare_digest(http.query.get("token", ""), entry.token):
+            self.calls["forbidden"] += 1
+            return _error(403, "the token is not this request's")
+        if entry.body:
+            self.calls["duplicate"] += 1
+            return _error(409, "this request has been handed over already")
+        if (http.content_length or 0) > MAX_BODY_BYTES:
+            return _error(413, f"body over {MAX_BODY_BYTES} bytes")
+        body = bytearray()
+        async for chunk in http.content.iter_any():    # (the app's 1 MiB limit is for D's calls)
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                return _error(413, f"body over {MAX_BODY_BYTES} bytes")
+        if not body:
+            return _error(400, "empty body")
+        entry.body = bytes(body)
+        self._maybe_dispatch(entry)
+        return web.json_response({"status": "ok"})
+
     # ------------------------------------------------------------------ prefill
+
+    def _maybe_dispatch(self, entry: PendingPrefill) -> None:
+        """Send P the request once every prompt's decode call and the request itself are in."""
+        if entry.complete and entry.body and entry.result is not None and entry.task is None:
+            entry.task = asyncio.create_task(self._dispatch(entry))
 
     def _prefill_params(self, entry: PendingPrefill) -> dict[str, Any]:
         first = dict(entry.params[entry.expected[0]])
@@ -173,9 +213,6 @@ class Metaserver:
     async def _dispatch(self, entry: PendingPrefill) -> None:
         error = "no prefill attempted"
         try:
-            if not entry.body:
-                error = "the data plane attached no request body (is it in layerwise mode?)"
-                return
             body = prefill_body(orjson.loads(entry.body), self._prefill_params(entry))
             tried: list[str] = []
             while True:

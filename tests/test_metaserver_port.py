@@ -16,6 +16,7 @@ from metaserver.ports import ControlPlanePort
 from metaserver.server import Metaserver
 from omni_runtime import start_http_site
 from protos import omni_proxy_pb2 as pb
+from tests.conftest import wait_until
 
 
 class Engines:
@@ -138,3 +139,63 @@ async def test_prefill_retries_stop_at_the_configured_count(setup):
     assert status == 502
     assert [r[1] for r in plane.reports] == ["p1", "p2", "p3"]     # the first, then prefill_retries=2 more
     assert engines.got["p4"] == []
+
+
+# ---------------------------------------------------------------------------- the hand-over
+
+
+async def test_the_request_is_handed_over_apart_from_the_placement(setup):
+    """No body on the placement session: the metaserver holds D's call until the data plane
+    has handed the request over (with the request's token), then sends P that request."""
+    import asyncio
+
+    from engine_api.metaserver import body_url
+
+    engines, plane, meta, url = setup
+    await engines.add("p1", 200)
+    req = pb.PlaceRequest(request_id="r4", model="m", leg=pb.LEG_ENTRY, prompt_tokens=3, max_tokens=4,
+                          path="/v1/completions", engine_request_id="r4-a", num_prompts=1)
+    placement = pb.Placement(request_id="r4", flow=pb.FLOW_LAYERWISE, metaserver_url=url,
+                             decode=pb.Endpoint(worker_id="d", url="http://127.0.0.1:9", role=pb.ROLE_DECODE))
+    assert meta.register(req, placement)
+    decode_call = asyncio.create_task(_decode_calls(placement.metaserver_url, "r4-a"))
+    target = body_url(placement.metaserver_url, "r4")
+    assert target.startswith(url + "/body/r4?token=")
+    body = orjson.dumps({"model": "m", "prompt": "handed over", "max_tokens": 4})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(body_url(url + "?token=guess", "r4"), data=body) as r:
+            assert r.status == 403
+        async with http.post(body_url(placement.metaserver_url, "nobody"), data=body) as r:
+            assert r.status == 404
+        entry = meta.table.get("r4")
+        await wait_until(lambda: entry is not None and "cmpl-r4-a-0" in entry.params, what="D's call")
+        assert not decode_call.done() and engines.got["p1"] == []   # D waits for the request
+        async with http.post(target, data=body) as r:
+            assert r.status == 200, await r.text()
+        assert await decode_call == (200, {"status": "ok"})
+        async with http.post(target, data=body) as r:
+            assert r.status == 409       # once: it cannot be replaced
+    (sent,) = engines.got["p1"]
+    assert sent["prompt"] == "handed over" and sent["max_tokens"] == 1
+
+
+async def test_the_data_plane_places_a_layerwise_request_with_ids_only():
+    from dataplane.placing import place
+    from dataplane.requests import ClientRequest
+
+    class Placements:
+        info = pb.SessionInfo(pd_flow=pb.FLOW_LAYERWISE)
+        sent: list[pb.PlaceRequest] = []
+
+        async def place(self, msg: pb.PlaceRequest) -> pb.Placement:
+            self.sent.append(msg)
+            return pb.Placement(request_id=msg.request_id, flow=pb.FLOW_LAYERWISE)
+
+    placements = Placements()
+    raw = orjson.dumps({"model": "m", "prompt": "x" * 10_000})
+    req = ClientRequest(path="/v1/completions", raw=raw, body=orjson.loads(raw), model="m", stream=False,
+                        max_tokens=4, prompt_tokens=10_000, request_id="r-1", placement_id="p-1", num_prompts=2)
+    await place(placements, req, pb.LEG_ENTRY)    # type: ignore[arg-type]
+    (msg,) = placements.sent
+    assert msg.body == b"" and msg.ByteSize() < 200
+    assert (msg.request_id, msg.engine_request_id, msg.num_prompts, msg.path) == ("p-1", "r-1", 2, "/v1/completions")
