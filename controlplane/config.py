@@ -74,7 +74,8 @@ LORA_KEY_FORMATS = ("tuple", "name")
 MAX_DP_SIZE = 1024
 WORKER_KEYS = ("url", "role", "model", "weight", "id", "bootstrap_port", "labels", "kv_events", "kv_replay",
                "dp_size")
-PROFILE_KEYS = ("filters", "scorers", "picker", "queue", "candidates")
+SHARED_KEYS = ("branches", "lookahead", "max_entries")
+PROFILE_KEYS = ("filters", "scorers", "picker", "queue", "candidates", "shared")
 
 # key -> check(value, field) returning the value to store. Every key a file or flag can set is
 # here, so nothing reaches the running control plane unchecked (types, ranges, enums).
@@ -379,7 +380,18 @@ def _profiles(value: Any) -> dict[str, dict[str, Any]]:
         for single in ("picker", "queue", "candidates"):
             if single in spec:
                 _plugin(spec[single], f"{where}.{single}")
+        if "shared" in spec:
+            _shared(spec["shared"], f"{where}.shared")
     return dict(profiles)
+
+
+def _shared(item: Any, where: str) -> None:
+    """``shared``: the options of the shared-prefix rule (controlplane.scheduling.shared)."""
+    table = _table(item, where)
+    for key, value in table.items():
+        if key not in SHARED_KEYS:
+            raise ValueError(f"{where}: unknown key {v.show(key)} (allowed: {', '.join(SHARED_KEYS)})")
+        v.int_range(value, f"{where}.{key}", 1, 1 << 30)
 
 
 def _plugin(item: Any, where: str) -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from controlplane.kvcache.manager import KVCache, KVCacheConfig
 from controlplane.prediction import Predictor
 from controlplane.scheduling import PlacementContext, build_profile
+from controlplane.scheduling.shared import RecentShares
 from controlplane.workers import Health, HealthState, Load, Role, WorkerSpec, WorkerView
 
 POLICIES = ("cache_aware", "apc_first", "predicted_latency")
@@ -225,3 +226,45 @@ def test_no_equal_engine_gets_less_than_half_its_fair_share(policy, engines, sys
     chains = conversation_chains(system_blocks, per_engine * engines, turns, turn_blocks, rng)
     got = replay(policy, engines, chains, window=window_per_engine * engines, pd=pd, seed=seed)
     assert not starved(got, engines, len(chains)), (policy, engines, system_blocks, turn_blocks, turns, pd, got)
+
+
+def document_chains(documents: int, doc_blocks: int, questions: int, question_blocks: int,
+                    rng: random.Random) -> list[tuple[int, list[int]]]:
+    """(document, chain) in arrival order: each document asked ``questions`` different
+    questions, the documents' questions interleaved at random."""
+    order = [d for d in range(documents) for _ in range(questions)]
+    rng.shuffle(order)
+    asked: Counter = Counter()
+    out = []
+    for d in order:
+        asked[d] += 1
+        doc = [(d + 1) * (1 << 30) + i for i in range(doc_blocks)]
+        question = [(d + 1) * (1 << 30) + (asked[d] << 20) + i for i in range(question_blocks)]
+        out.append((d, doc + question))
+    return out
+
+
+def test_a_document_asked_a_few_questions_keeps_its_engine():
+    """A prefix several prompts continued is not common when it is a document asked a few
+    questions: predicted_latency keeps its questions on the engine that holds it (counted as
+    held by everyone, the questions went where load said, and each engine computed the
+    document again: the Mooncake trace's window H lost 5 points), while no engine starves."""
+    chains = document_chains(documents=16, doc_blocks=256, questions=5, question_blocks=4, rng=random.Random(3))
+    got = replay("predicted_latency", 4, chains, window=4)
+    assert not starved(got, 4, len(chains)), got
+    follow = got["follow"]
+    assert follow["same"] >= 0.9 * (follow["same"] + follow["moved"]), got
+
+
+def test_recent_shares_names_the_engines_below_half_their_share():
+    shares = RecentShares(per_candidate=4)
+    ids, weights = ["a", "b", "c"], [1.0, 1.0, 2.0]
+    assert shares.starved(False, ids, weights) == frozenset()     # nothing placed yet: no one
+    for wid in ["a", "a", "c", "c", "a", "c"]:
+        shares.record(False, wid, 3)
+    # 6 placements, weights 1:1:2: fair shares 1.5, 1.5, 3; half of them 0.75, 0.75, 1.5.
+    assert shares.starved(False, ids, weights) == {"b"}
+    assert shares.starved(True, ids, weights) == frozenset()      # decode legs are counted apart
+    for _ in range(12):                                            # the window is 4 per candidate: 12
+        shares.record(False, "b", 3)
+    assert shares.starved(False, ids, weights) == {"a", "c"}

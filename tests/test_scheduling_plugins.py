@@ -186,3 +186,13 @@ def test_unknown_plugins_are_clear_errors():
         build_profile("x", {"x": {"scorers": [{"name": "magic"}]}})
     with pytest.raises(ValueError, match="bad options for filter"):
         build_profile("x", {"x": {"filters": [{"name": "overload", "bogus": 1}]}})
+
+
+def test_a_profile_sets_its_shared_prefix_rule():
+    """``shared`` in a profile: how many different continuations make a prefix shared."""
+    from controlplane.scheduling import build_profile
+    profile = build_profile("p", {"p": {"scorers": [{"name": "predicted_latency"}], "shared": {"branches": 5}}})
+    assert profile.shared.branches == 5
+    assert build_profile("predicted_latency").shared.branches == 2
+    with pytest.raises(ValueError, match="bad options for shared"):
+        build_profile("p", {"p": {"shared": {"nope": 1}}})

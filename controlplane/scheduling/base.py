@@ -33,6 +33,11 @@ class PlacementContext:
     # The match depth that tells no candidate apart (controlplane.scheduling.shared): set by
     # the profile before its scorers run, when it follows the prefix cache.
     common_blocks: int = 0
+    # The candidates' minimum match (<= common_blocks), and the candidates below half their
+    # recent fair share (RecentShares): for them alone, predicted_latency counts a shared
+    # prefix deeper than floor_blocks as held.
+    floor_blocks: int = 0
+    starved: frozenset[str] = frozenset()
     tree_sizes: Any = None         # or a function returning them, called only if a plugin needs them
     block_size: int = 16
     # Latency prediction (controlplane.prediction): the per-engine models, the request's
@@ -62,9 +67,11 @@ class PlacementContext:
 
     def recompute_tokens(self, worker_id: str) -> int:
         """Prompt tokens this worker would compute that another candidate holds: its uncached
-        tokens less the common prefix (``common_blocks``), which any engine lacking it computes
-        once and then holds, so computing it costs the fleet nothing it would not spend anyway."""
-        held = max(self.match_blocks.get(worker_id, 0), self.common_blocks)
+        tokens less the candidates' common match, and less a shared prefix (``common_blocks``)
+        if this worker is starved of placements: it computes that once and then holds it, so
+        computing it costs the fleet nothing it would not spend anyway."""
+        common = self.common_blocks if worker_id in self.starved else self.floor_blocks
+        held = max(self.match_blocks.get(worker_id, 0), common)
         return max(self.prompt_tokens - held * self.block_size, 0)
 
 

@@ -120,15 +120,18 @@ class PredictedLatencyScorer:
     cached prefix, and under load the fleet spends itself recomputing prefixes it already
     holds (docs/benchmarks/slo_replay_notes.md).
 
-    A prefix every engine could hold (the candidates' common match, or a shared prefix such
-    as the system prompt every request starts with: ``controlplane.scheduling.shared``) is
-    compared as if every candidate held it, in the TTFT and the recompute term: an engine
-    lacking it computes it once (that one request is slower by the prefix's prefill time)
-    and holds it from then on. Charged every time, it kept every new conversation on the
-    engines that got the first requests: in a replay with a 512-token system prompt on 4
-    idle-ish engines, two of them received nothing (tests/test_fair_share.py). The same
-    holds for a decode engine's KV pull: with an 8k-token system prompt every decode went to
-    the one decode engine of four that held it, its pull of that prefix counted every time.
+    The candidates' common match is compared as if every candidate held it (it prefers no
+    one). A shared prefix beyond it (one that several prompts continued differently, such as
+    the system prompt every request starts with: ``controlplane.scheduling.shared``) is
+    compared as held only for the candidates starved of recent placements
+    (``RecentShares``), in the TTFT and the recompute term: such an engine computes it once
+    (that one request is slower by the prefix's prefill time) and holds it from then on.
+    Charged to them every time, it kept every new conversation on the engines that got the
+    first requests: in a replay with a 512-token system prompt on 4 idle-ish engines, two of
+    them received nothing (tests/test_fair_share.py); the same for a decode engine's KV pull
+    (every decode on the one decode engine of four that held an 8k-token system prompt).
+    Counted as held for everyone, a document asked a few questions lost its engine to load,
+    and each engine computed it again (the Mooncake window H at 2x: SLO 90 -> 85 %).
 
     On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
     costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
@@ -165,20 +168,23 @@ class PredictedLatencyScorer:
             pd_tpot = ctx.predictor.fleet_tpot(1) if ctx.pair is None else 0.0
         costs = []
         computes = ctx.leg != "decode"
-        common, match, bs, prompt = ctx.common_blocks, ctx.match_blocks.get, ctx.block_size, ctx.prompt_tokens
+        match, bs, prompt = ctx.match_blocks.get, ctx.block_size, ctx.prompt_tokens
+        common, floor, starved = ctx.common_blocks, ctx.floor_blocks, ctx.starved
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
             # ctx.uncached_tokens and ctx.recompute_tokens, inline (per candidate per placement):
-            # the common prefix counts as held by everyone in the comparison (class docstring);
-            # predict() keeps the real TTFT.
+            # the candidates' common match counts as held by everyone in the comparison, and a
+            # shared prefix beyond it by the starved candidates (class docstring); predict()
+            # keeps the real TTFT.
+            c = common if common > floor and spec.id in starved else floor
             held = match(spec.id, 0)
             uncached = prompt - held * bs
-            recompute = prompt - (held if held > common else common) * bs
+            recompute = prompt - (held if held > c else c) * bs
             uncached, recompute = (uncached if uncached > 0 else 0), (recompute if recompute > 0 else 0)
             if computes and spec.role is not Role.DECODE:
                 ttft += ctx.predictor.model(spec.id).ttft.b * (mu * recompute - (uncached - recompute))
-            elif decode and common:
+            elif decode and c:
                 # Likewise a decode engine's pull of the common prefix: pulled once, held after.
                 ttft -= ctx.predictor.model(spec.id).pull.b * (uncached - recompute)
             if pd_tpot >= 0 and spec.role is Role.PREFILL:

@@ -15,7 +15,7 @@ from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
 from controlplane.scheduling.pickers import PICKERS
 from controlplane.scheduling.queue import QUEUES, HoldQueue
 from controlplane.scheduling.scorers import SCORERS
-from controlplane.scheduling.shared import SharedPrefixes
+from controlplane.scheduling.shared import RecentShares, SharedPrefixes
 from controlplane.workers import WorkerView
 
 EXCLUDE = ExcludeFilter()
@@ -33,6 +33,8 @@ class Profile:
     # The prefixes different prompts continued differently (learned from the placements):
     # with the candidates' common match, what does not tell them apart (see shared.py).
     shared: SharedPrefixes = field(default_factory=SharedPrefixes)
+    # Who received the recent placements: the candidates starved of them (see RecentShares).
+    shares: RecentShares = field(default_factory=RecentShares)
 
     def __post_init__(self) -> None:
         if self.candidates is not None:
@@ -79,9 +81,15 @@ class Profile:
         if not remaining:
             return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name,
                             chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, sampled=ctx.sampled)
+        decode = ctx.leg == "decode"
         if ctx.chain and ctx.chain_blocks:
             get = ctx.match_blocks.get
-            ctx.common_blocks = self.shared.common_depth(ctx.chain, [get(w.spec.id, 0) for w in remaining])
+            depths = [get(w.spec.id, 0) for w in remaining]
+            ctx.common_blocks = self.shared.common_depth(ctx.chain, depths)
+            ctx.floor_blocks = min(depths)
+            if ctx.common_blocks > ctx.floor_blocks:
+                ctx.starved = self.shares.starved(decode, [w.spec.id for w in remaining],
+                                                  [w.spec.weight for w in remaining])
         candidates = [Candidate(w) for w in remaining]
         for scorer, weight in self.scorers:
             name = scorer.name
@@ -89,6 +97,7 @@ class Profile:
                 cand.scores[name] = value
                 cand.score += weight * value
         chosen = self.picker.pick(ctx, candidates)
+        self.shares.record(decode, chosen.worker.spec.id, len(remaining))
         return Decision(worker=chosen.worker, candidates=candidates, dropped=dropped, policy=self.name,
                         chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, predicted=ctx.predicted,
                         sampled=ctx.sampled, common_blocks=ctx.common_blocks)
@@ -169,6 +178,13 @@ def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) ->
         weight = float(s.get("weight", 1.0)) if isinstance(s, dict) else 1.0
         scorers.append((_make(SCORERS, s, "scorer"), weight))
     queue = spec.get("queue")
+    shared = spec.get("shared") or {}
+    if not isinstance(shared, dict):
+        raise ValueError(f"shared must be a table of SharedPrefixes options, got {shared!r}")
+    try:
+        prefixes = SharedPrefixes(**shared)
+    except TypeError as exc:
+        raise ValueError(f"bad options for shared: {exc}") from None
     # Bounded candidates unless the profile says "all" (see controlplane.scheduling.candidates).
     stage = spec.get("candidates", "sample")
     return Profile(
@@ -178,4 +194,5 @@ def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) ->
         filters=[_make(FILTERS, f, "filter") for f in spec.get("filters", [])],
         queue=_make(QUEUES, queue, "queue") if queue else None,
         candidates=None if stage in ("all", None, "") else _make(CANDIDATE_STAGES, stage, "candidate stage"),
+        shared=prefixes,
     )

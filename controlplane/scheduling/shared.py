@@ -33,6 +33,7 @@ control plane relearns a shared prefix from the next prompts that continue it.
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -112,3 +113,60 @@ def telling_apart(shared: SharedPrefixes, chain: Sequence[int], depths: Sequence
     if max(depths, default=0) <= min_match * len(chain):
         return [0] * len(depths)
     return differentiating(depths, shared.common_depth(chain, depths))
+
+
+@dataclass
+class RecentShares:
+    """Who received the recent placements of each kind of leg, to tell which candidates are
+    starved: below ``fraction`` of their weighted fair share of the last ``per_candidate``
+    placements per candidate.
+
+    A shared prefix is what any engine *could* hold; whether treating it as held pays
+    depends on how often it comes back. A system prompt that every conversation starts
+    with does, a document asked three or seven questions (the Mooncake trace's window H:
+    prefixes of 18-66k tokens continued by 3-7 prompts) does not: treated as common for
+    everyone, its questions went wherever load said and each engine computed the document
+    again (predicted_latency at 2x: SLO 90 -> 85 %, prefix hits 65 -> 54 %, follow-ups on
+    their engine 0.88 -> 0.65). So ``predicted_latency`` treats a shared prefix as held only
+    for the candidates this says are starved: they win the next new conversations, compute
+    the prefix once and hold it; everyone else is judged by what it really holds. The
+    guard costs one prefix's prefill per starved engine, only when an engine starves.
+    Memory and time are O(window), O(candidates) per query.
+    """
+
+    per_candidate: int = 16
+    fraction: float = 0.5
+    max_window: int = 4096
+    _recent: dict = field(default_factory=dict, repr=False)    # kind -> deque of worker ids
+    _counts: dict = field(default_factory=dict, repr=False)    # kind -> Counter
+
+    def record(self, decode: bool, worker_id: str, candidates: int) -> None:
+        """A placement of this kind (decode leg or not) went to ``worker_id``, chosen among
+        ``candidates`` workers."""
+        recent = self._recent.get(decode)
+        if recent is None:
+            recent = self._recent[decode] = deque()
+            self._counts[decode] = Counter()
+        counts = self._counts[decode]
+        recent.append(worker_id)
+        counts[worker_id] += 1
+        limit = min(self.per_candidate * max(candidates, 1), self.max_window)
+        while len(recent) > limit:
+            old = recent.popleft()
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+
+    def starved(self, decode: bool, ids: Sequence[str], weights: Sequence[float]) -> frozenset[str]:
+        """The workers among ``ids`` (with their ``weights``) below ``fraction`` of their
+        fair share of the recent placements of this kind."""
+        recent = self._recent.get(decode)
+        if not recent:
+            return frozenset()
+        total = sum(weights)
+        if total <= 0:
+            return frozenset()
+        counts, share = self._counts[decode], self.fraction * len(recent) / total
+        return frozenset(wid for wid, w in zip(ids, weights) if counts.get(wid, 0) < share * w)
