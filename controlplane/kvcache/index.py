@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -184,6 +184,10 @@ class PrefixIndex:
 
     def workers(self) -> list[WorkerKey]:
         return list(self._slot_of)
+
+    def worker_ids(self) -> KeysView[str]:
+        """The worker ids that hold a slot here (a live view: O(1) ``in``, nothing copied)."""
+        return self._by_worker.keys()
 
     def blocks_by_worker(self, worker_ids: Iterable[str] | None = None) -> dict[str, int]:
         """Blocks held per worker id, summed over its DP ranks (only ``worker_ids``, if given)."""

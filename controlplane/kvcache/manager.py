@@ -181,7 +181,7 @@ class KVCache:
             return  # never populate the index from events we decided not to trust
         self.exact.apply(engine, dp_rank, events)
         pending = self.pending
-        if pending is not None and engine in pending.index._by_worker:
+        if pending is not None and engine in pending.index.worker_ids():
             # What the engine evicted is gone, whatever was placed there before: a pending
             # prefix must not outlive the blocks' own removal (a hole deeper in a pending chain
             # may still be galloped over until it expires: the same estimate as without it).
@@ -265,7 +265,7 @@ class KVCache:
         if got is None or got[0] is not ids or got[2] != exact.generation or got[4] != approx.generation \
                 or got[6] != self._tracking or got[9] != p_gen:
             members = frozenset(ids)
-            held_exactly = exact._by_worker
+            held_exactly = exact.worker_ids()
             exact_mask = exact.mask_of(ids)
             approx_mask = approx.mask_of([i for i in ids if i not in held_exactly])
             # Pending placements count for the workers followed by events (not the untracked).
@@ -285,7 +285,7 @@ class KVCache:
                     approx_mask &= ~approx.mask_of((wid,))   # its events now count, not its routing
             got[3], got[7], got[8] = len(exact.added), exact_mask, approx_mask
         if got[5] != len(approx.added):
-            held_exactly = exact._by_worker
+            held_exactly = exact.worker_ids()
             for slot, wid in approx.added[got[5]:]:
                 if wid in members and wid not in held_exactly:
                     approx_mask |= 1 << slot
