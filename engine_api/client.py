@@ -463,7 +463,8 @@ class EngineClient:
     """Pooled keep-alive HTTP/1.1 POSTs to engines (``pool_size`` 0: no limit per host)."""
 
     def __init__(self, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0, pool_size: int = 0,
-                 keepalive_s: float = 60.0, default_headers: Mapping[str, str] | list[tuple[str, str]] = (),
+                 keepalive_s: float = 60.0,
+                 default_headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
                  tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s

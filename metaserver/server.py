@@ -211,7 +211,7 @@ class Metaserver:
         return first
 
     async def _dispatch(self, entry: PendingPrefill) -> None:
-        error = "no prefill attempted"
+        error: str | None = "no prefill attempted"
         try:
             body = prefill_body(orjson.loads(entry.body), self._prefill_params(entry))
             tried: list[str] = []

@@ -255,9 +255,10 @@ def _show(table, console=None, whole: tuple[str, ...] = ()) -> None:
     from rich.console import Console
 
     console = console or _console()
-    trial = Console(file=io.StringIO(), width=console.width, soft_wrap=False, color_system=None)
+    out = io.StringIO()
+    trial = Console(file=out, width=console.width, soft_wrap=False, color_system=None)
     trial.print(table)
-    lines = trial.file.getvalue().splitlines()
+    lines = out.getvalue().splitlines()
     keep = [i for i, c in enumerate(table.columns) if str(c.header) in whole]
     values = [str(cell) for i in keep for cell in table.columns[i].cells]
     if all(len(line) <= console.width for line in lines) and all(any(v in line for line in lines) for v in values):

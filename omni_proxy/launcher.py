@@ -239,8 +239,11 @@ class ProcessGroup:
     """Owns a set of child servers and a scratch directory; stops them all on close."""
 
     def __init__(self, workdir: str | None = None, *, ready_timeout: float = 90.0) -> None:
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="omni-proxy-")
-        self.workdir = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if not workdir:
+            self._tmp = tempfile.TemporaryDirectory(prefix="omni-proxy-")
+            workdir = self._tmp.name
+        self.workdir = Path(workdir)
         self.ready_timeout = ready_timeout
         self.children: list[Child] = []
 

@@ -48,7 +48,7 @@ def dataplane_config(args: argparse.Namespace, cfg, grpc_port: int):
     engine API key and the OTel endpoint fall back to the control plane's (config file)."""
     args.controlplane = _dataplane_target(cfg, grpc_port)
     args.workers, args.parent_pid = 1, 0
-    given_key = args.engine_api_key is not None or getattr(args, "engine_api_key_file", "")
+    given_key = args.engine_api_key is not None or bool(getattr(args, "engine_api_key_file", ""))
     if not given_key and cfg.engine_api_key:
         args.engine_api_key = cfg.engine_api_key
     if args.otel_endpoint is None:

@@ -12,7 +12,7 @@ import errno
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,12 +94,13 @@ async def start_http_site(
         # run the app's cleanup hooks (client sessions...) so a failed bind leaves nothing behind
         await runner.cleanup()
         raise
-    server = site._server  # aiohttp exposes no public accessor for the bound socket
-    bound = server.sockets[0].getsockname()[1] if server and server.sockets else port
+    # aiohttp exposes no public accessor for the bound socket (its asyncio.Server has them)
+    sockets = getattr(site._server, "sockets", None)
+    bound = sockets[0].getsockname()[1] if sockets else port
     return runner, bound
 
 
-def run_main(main: Callable[[], Awaitable[None]], name: str = "omni-proxy") -> None:
+def run_main(main: Callable[[], Coroutine[Any, Any, None]], name: str = "omni-proxy") -> None:
     """Run an async entry point on the fast loop; Ctrl-C ends it quietly, and a
     :class:`StartupError` ends it with one line ``name: why`` on stderr and exit status 1."""
     install_fast_loop()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import orjson
 
@@ -53,7 +54,7 @@ class JsonFormatter(logging.Formatter):
         return f"{self._prefix}.{int((created - second) * 1000):03d}Z"
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": self._ts(record.created), "level": record.levelname, "logger": record.name}
+        out: dict[str, Any] = {"ts": self._ts(record.created), "level": record.levelname, "logger": record.name}
         if getattr(record, "json_message", False):
             out["message"] = "access"
             out["access"] = orjson.Fragment(record.msg)

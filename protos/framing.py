@@ -130,7 +130,7 @@ def widen(reader: asyncio.StreamReader, limit: int = STREAM_LIMIT) -> None:
     more than that (at 1 MiB, 16 connections streaming junk held 32 MB), and widens it once
     the session is admitted. asyncio offers no public setter for the limit it was made with.
     """
-    reader._limit = limit   # noqa: SLF001 - see above
+    reader._limit = limit   # type: ignore[attr-defined]  # private in asyncio: see above
 
 
 def tune(writer: asyncio.StreamWriter) -> None:

@@ -43,7 +43,7 @@ class RoomOffer:
     room: str
     num_tokens: int
     block_ids: list[int]
-    on_take: Callable[[], None]
+    on_take: Callable[[], object]   # what it returns is not used
     taken: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -90,7 +90,7 @@ class BootstrapRooms:
     def unclaim(self, room: str) -> None:
         self._producers.discard(room)
 
-    def offer(self, room: str, num_tokens: int, block_ids: list[int], on_take: Callable[[], None]) -> RoomOffer:
+    def offer(self, room: str, num_tokens: int, block_ids: list[int], on_take: Callable[[], object]) -> RoomOffer:
         """Make ``room``'s KV available; wakes any decode fetch already waiting for it."""
         old = self._offers.get(room)
         if old is not None:

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from kvhash.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
 from omni_runtime import cancel_and_wait
@@ -44,7 +44,12 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 _MAX_CATCH_UP_S = 0.02
 
 
-def _lora_kw(req: SimRequest) -> dict[str, str]:
+class _LoraKw(TypedDict, total=False):
+    lora_name: str
+    lora_path: str
+
+
+def _lora_kw(req: SimRequest) -> _LoraKw:
     return {"lora_name": req.lora[0], "lora_path": req.lora[1]} if req.lora else {}
 
 

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from simulator.bootstrap import BootstrapSource, RoomHold, fetch_room
 from simulator.context import SIM, SimContext
-from simulator.engine import SimRequest
+from simulator.engine import HeldKv, SimRequest
 from simulator.kv_transfer import KvPlan, plan_kv, producer_params, pull_kv
 from simulator.layerwise import PushTarget, call_metaserver, push_kv
 from simulator.parsing import ParsedRequest, parse_request
@@ -59,6 +60,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
         ctx.port = sockname[1] if sockname else 0
     raw = await request.read()
+    bad_json: orjson.JSONDecodeError | None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -108,7 +110,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     else:
         produce_omitted = False
     room_hold: RoomHold | None = None
-    hold_kv = None
+    hold_kv: Callable[[SimRequest, HeldKv], None] | None = None
     if kv.produce:
         hold_kv = functools.partial(ctx.leases.hold, room=kv.lease_room)
     elif kv.bootstrap_room is not None:

@@ -134,7 +134,7 @@ class KvEventPublisher:
         self.events_published = 0
         self.replays_served = 0
         self._ctx = zmq.asyncio.Context()
-        self._sync = zmq.Context.shadow(self._ctx.underlying)
+        self._sync: zmq.Context = zmq.Context.shadow(self._ctx.underlying)
         self._pub: zmq.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
@@ -170,7 +170,7 @@ class KvEventPublisher:
             self._router = router
             self._task = asyncio.get_running_loop().create_task(self._serve_replay(), name="kv-events-replay")
         log.info("KV events: PUB %s (%s), replay %s, topic %r, format %s", self.endpoint,
-                 "bound" if is_bind_endpoint(self.cfg.kv_events_endpoint) else "connected",
+                 "bound" if is_bind_endpoint(self.cfg.kv_events_endpoint or "") else "connected",
                  self.replay_endpoint, self.cfg.kv_events_topic, self.fmt)
 
     def publish(self, events: list[PoolEvent]) -> None:

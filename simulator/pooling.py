@@ -31,7 +31,8 @@ def _json(body: Any, headers: dict[str, str]) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
-async def _read(request: web.Request) -> tuple[dict | None, web.Response | None, dict[str, str]]:
+async def _read(request: web.Request) -> tuple[dict, web.Response | None, dict[str, str]]:
+    """(body, None, headers), or ({}, the error to answer, headers)."""
     ctx = request.app[SIM]
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
@@ -39,13 +40,13 @@ async def _read(request: web.Request) -> tuple[dict | None, web.Response | None,
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return None, _error(400, f"Invalid JSON body: {exc}", headers=headers), headers
+        return {}, _error(400, f"Invalid JSON body: {exc}", headers=headers), headers
     ctx.log.record(request.path, request_id, body, request.headers)
     if not isinstance(body, dict):
-        return None, _error(400, "request body must be a JSON object", headers=headers), headers
+        return {}, _error(400, "request body must be a JSON object", headers=headers), headers
     model = body.get("model")
     if model is not None and model != ctx.cfg.model:
-        return None, _error(404, f"The model `{model}` does not exist.", "model", headers), headers
+        return {}, _error(404, f"The model `{model}` does not exist.", "model", headers), headers
     return body, None, headers
 
 

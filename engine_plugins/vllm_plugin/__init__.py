@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
+from typing import Any
 
 log = logging.getLogger("vllm.omni_proxy")  # under "vllm": vLLM's log handlers and format
 
@@ -57,7 +58,7 @@ def _register() -> None:
         return
     if settings is None:
         return
-    entry = sys.modules.get(_ENTRY)
+    entry: Any = sys.modules.get(_ENTRY)   # vLLM's module: its attributes are what we patch
     if entry is None or not hasattr(entry, "build_and_serve"):
         legacy = sys.modules.get(_LEGACY)
         if legacy is not None and hasattr(legacy, "init_app_state"):
@@ -88,10 +89,15 @@ def _register() -> None:
 
                 await asyncio.to_thread(agent.stop)
 
-    build_and_serve._omni_proxy = True
+    _mark_patched(build_and_serve)
     entry.build_and_serve = build_and_serve
     _state["patched"] = True
     log.info("omni-proxy plugin: will register with %s once the server is up", ",".join(settings.controlplanes))
+
+
+def _mark_patched(wrapper: Any) -> None:
+    """Tag our wrapper (a function attribute), so loading the plugin twice patches once."""
+    wrapper._omni_proxy = True
 
 
 def _patch_legacy(module, settings) -> None:
@@ -111,7 +117,7 @@ def _patch_legacy(module, settings) -> None:
             log.exception("omni-proxy plugin: could not start registration")
         return result
 
-    init_app_state._omni_proxy = True
+    _mark_patched(init_app_state)
     module.init_app_state = init_app_state
     _state["patched"] = True
     log.info("omni-proxy plugin: will register with %s once the server is up", ",".join(settings.controlplanes))

@@ -38,6 +38,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -103,7 +104,7 @@ class Settings:
     health_timeout_s: float = 2.0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Settings | None:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings | None:
         """None when OMNI_CONTROLPLANE is unset (the plugin then does nothing). Raises ValueError."""
         env = os.environ if env is None else env
         cps = [a.strip() for a in env.get("OMNI_CONTROLPLANE", "").split(",") if a.strip()]
@@ -214,7 +215,7 @@ def read_load(local_url: str, timeout: float = 2.0) -> tuple[int, int]:
             text = r.read().decode(errors="replace")
     except (urllib.error.URLError, OSError, ValueError):
         return -1, -1
-    found = {"vllm:num_requests_running": None, "vllm:num_requests_waiting": None}
+    found: dict[str, float | None] = {"vllm:num_requests_running": None, "vllm:num_requests_waiting": None}
     for name, value in _METRIC.findall(text):
         try:
             found[name] = (found[name] or 0.0) + float(value)
@@ -411,7 +412,7 @@ class Agent:
     def _heartbeat(self) -> None:
         running, waiting = self.read_load(self.facts.local_url)
         with self._lock:
-            if self._stop.is_set() or not self.worker_id:
+            if self._stop.is_set() or not self.worker_id or self._stub is None:
                 return
             try:
                 resp = self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, running=running,
