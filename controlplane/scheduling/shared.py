@@ -169,4 +169,4 @@ class RecentShares:
         if total <= 0:
             return frozenset()
         counts, share = self._counts[decode], self.fraction * len(recent) / total
-        return frozenset(wid for wid, w in zip(ids, weights) if counts.get(wid, 0) < share * w)
+        return frozenset(wid for wid, w in zip(ids, weights, strict=False) if counts.get(wid, 0) < share * w)
