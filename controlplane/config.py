@@ -66,9 +66,10 @@ from controlplane.auth import AuthConfig, parse_tokens
 from controlplane.health import HealthConfig
 from kvhash.hashing import HASH_ALGOS
 from controlplane.kvcache.manager import KVCacheConfig
+from controlplane.scheduling.pd_flow import PD_FLOWS as PD_FLOW_DECIDERS
 from controlplane.workers import Role
 
-PD_FLOWS = ("sequential", "parallel", "layerwise")
+PD_FLOWS = tuple(PD_FLOW_DECIDERS)   # the PD-flow deciders' names (controlplane.scheduling.pd_flow)
 PARALLEL_PROTOCOLS = ("sglang", "mooncake")
 LORA_KEY_FORMATS = ("tuple", "name")
 MAX_DP_SIZE = 1024

@@ -22,11 +22,12 @@ from controlplane.dp_rank import RankChooser, rank_key
 from controlplane.fleet import Fleet
 from controlplane.hooks import Hook
 from controlplane.kvcache.manager import KVCache
+from controlplane.placement_stats import LATENCY_BUCKETS, LatencyHistogram, PlacementStats
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import Decision, PlacementContext, Profile
 from controlplane.scheduling.latency import pair_decode
-from controlplane.placement_stats import LATENCY_BUCKETS, LatencyHistogram, PlacementStats
+from controlplane.scheduling.pd_flow import PD_FLOWS, FlowPlan, build_pd_flow, later_leg
 from controlplane.state import NotifiesLoads, RequestRecord, StateStore
 from controlplane.workers import IDLE, ROLE_TO_PB, Role, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -42,7 +43,6 @@ _ROLE_SETS = {roles: frozenset(roles) for roles in ((Role.BOTH, Role.PREFILL), (
 _NONE: frozenset[str] = frozenset()
 MAX_TOKENS = 1 << 40   # per request: far above any context, far below int64 sums of many requests
 NO_WORKER_RETRY_S = 1.0   # Retry-After for a known model with no worker at the moment
-PD_FLOWS = {"sequential": pb.FLOW_SEQUENTIAL, "parallel": pb.FLOW_PARALLEL, "layerwise": pb.FLOW_LAYERWISE}
 
 
 def _endpoint(worker: WorkerView) -> pb.Endpoint:
@@ -55,12 +55,12 @@ class Placer:
     def __init__(self, store: StateStore, fleet: Fleet, profile: Profile, *, pd_flow: str = "sequential",
                  metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None,
                  predictor: Predictor | None = None, block_size: int = 16, kv: KVCache | None = None) -> None:
-        if pd_flow not in PD_FLOWS:
-            raise ValueError(f"unknown pd flow {pd_flow!r}; expected one of {', '.join(PD_FLOWS)}")
+        # Which flow a request takes: the PD-flow decider ``pd_flow`` names (scheduling.pd_flow).
+        self.flows = build_pd_flow(pd_flow)
         self.store = store
         self.fleet = fleet
         self.profile = profile
-        self.pd_flow = PD_FLOWS[pd_flow]
+        self.pd_flow = self.flows.flow
         self.metrics_max_age_s = metrics_max_age_s
         self.stats = stats or PlacementStats.new()
         self.kv = kv     # prefix-cache view; None = placement ignores caches
@@ -107,24 +107,22 @@ class Placer:
     async def place(self, req: pb.PlaceRequest, session: str = "", may_hold: bool = False, *,
                     dry_run: bool = False) -> pb.Placement | None:
         """Decide and reserve. With ``may_hold``, returns None instead when the queue stage
-        says even the best engine is too busy to start the request soon."""
+        says even the best engine is too busy to start the request soon.
+
+        The decisions, in order: the request is valid; the policy chooses a worker among those
+        the leg's roles allow (the PD-flow decider's, for an entry); the queue stage may hold
+        it; the decider's plan says the flow and whether a decode worker is chosen now too;
+        each data-parallel worker charged gets its rank; then the one commit step writes."""
         count = not dry_run     # an explanation (omni-ctl explain) changes no metric
         leg = _LEG_NAMES.get(req.leg)
-        if leg is None:
-            return self._error(req, pb.INVALID_REQUEST, "leg must be ENTRY, PREFILL or DECODE", count=count)
-        if not (0 <= req.prompt_tokens <= MAX_TOKENS and 0 <= req.max_tokens <= MAX_TOKENS):
-            return self._error(req, pb.INVALID_REQUEST, f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}",
-                               count=count)
-        if (not req.request_id and not dry_run) or len(req.request_id) > 256:
-            return self._error(req, pb.INVALID_REQUEST, "request_id must be 1 to 256 characters", count=count)
-        fleet = self.fleet
+        invalid = self._invalid(req, leg, dry_run)
+        if invalid is not None or leg is None:   # (an unknown leg is invalid: the test narrows its type)
+            return self._error(req, pb.INVALID_REQUEST, invalid or "", count=count)
         record = await self.store.get(req.request_id) if leg != "entry" else None
         if record is not None and leg == "decode" and record.flow == pb.FLOW_SEQUENTIAL and not dry_run:
             record = await self._prefill_answered(req, record)
-        if leg == "entry":
-            roles = (Role.BOTH, Role.PREFILL) if fleet.routable(req.model, Role.DECODE) else (Role.BOTH,)
-        else:
-            roles = _LEG_ROLES[leg]
+        roles = self.flows.entry_roles(bool(self.fleet.routable(req.model, Role.DECODE))) if leg == "entry" \
+            else _LEG_ROLES[leg]
         explain = req.explain or dry_run
         # (a slice copies upb's repeated field faster than list())
         chain = req.block_hashes[:] if self.kv is not None and self.profile.uses_prefix_cache else []
@@ -143,40 +141,22 @@ class Placer:
                 self.profile.queue.should_hold(ctx, chosen):
             return None
 
-        out = pb.Placement(seq=req.seq, request_id=req.request_id)
-        charges: list[tuple[WorkerView, str]] = []
-        flow = record.flow if record is not None and record.flow else self.pd_flow
-        role = chosen.spec.role
-        if role is Role.BOTH:
-            out.flow = flow = pb.FLOW_AGGREGATED
-            out.decode.CopyFrom(self._endpoint(chosen))
-            charges.append((chosen, "aggregated"))
-        elif role is Role.PREFILL and leg == "entry" and flow in (pb.FLOW_PARALLEL, pb.FLOW_LAYERWISE):
-            # Both flows need D now: parallel sends to P and D at once; layerwise sends
-            # to D first and lets the metaserver choose P when D asks for its prefill.
+        plan = self.flows.entry(chosen) if leg == "entry" else \
+            later_leg(chosen.spec.role, record.flow if record is not None and record.flow else self.pd_flow)
+        flow = plan.flow
+        decode = None
+        if plan.with_decode:
+            # Parallel sends to P and D at once; layerwise sends to D first and lets the
+            # metaserver choose P when D asks for its prefill: both need D now.
             d_roles = _LEG_ROLES["decode"]
             d_ctx = self._context(req, "decode", d_roles, chain)
             d_decision = await self._decide(req.model, d_roles, d_ctx, chain)
             if explain:
                 explanation += " | decode: " + self._explain(d_decision, d_ctx, d_roles)
-            if d_decision.worker is None:
+            decode = d_decision.worker
+            if decode is None:
                 return self._refusal(req, "decode", d_ctx, d_roles, d_decision.dropped, explanation, count=count)
-            out.flow = flow
-            out.decode.CopyFrom(self._endpoint(d_decision.worker))
-            charges.append((d_decision.worker, "decode"))
-            if flow == pb.FLOW_PARALLEL:
-                out.prefill.CopyFrom(self._endpoint(chosen))
-                charges.insert(0, (chosen, "prefill"))
-            else:
-                out.metaserver_url = self.metaserver_url
-        elif role is Role.PREFILL:
-            out.flow = flow
-            out.prefill.CopyFrom(self._endpoint(chosen))
-            charges.append((chosen, "prefill"))
-        else:
-            out.flow = flow
-            out.decode.CopyFrom(self._endpoint(chosen))
-            charges.append((chosen, "decode"))
+        out, charges = self._placement(req, plan, chosen, decode)
         ranks: dict[str, int] = {}
         for w, _ in charges:
             if w.spec.dp_size > 1 and w.spec.id not in ranks:
@@ -196,6 +176,34 @@ class Placer:
         if flow == pb.FLOW_LAYERWISE and leg == "entry":
             self.layerwise_placed.emit(req, out)
         return out
+
+    @staticmethod
+    def _invalid(req: pb.PlaceRequest, leg: str | None, dry_run: bool) -> str | None:
+        """Why the request cannot be placed as it stands (None: it can)."""
+        if leg is None:
+            return "leg must be ENTRY, PREFILL or DECODE"
+        if not (0 <= req.prompt_tokens <= MAX_TOKENS and 0 <= req.max_tokens <= MAX_TOKENS):
+            return f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}"
+        if (not req.request_id and not dry_run) or len(req.request_id) > 256:
+            return "request_id must be 1 to 256 characters"
+        return None
+
+    def _placement(self, req: pb.PlaceRequest, plan: FlowPlan, chosen: WorkerView,
+                   decode: WorkerView | None) -> tuple[pb.Placement, list[tuple[WorkerView, str]]]:
+        """The placement message of ``plan`` and its charges, in charge order: the chosen
+        worker's leg (if it has one here), then the decode worker chosen with it."""
+        out = pb.Placement(seq=req.seq, request_id=req.request_id)
+        out.flow = plan.flow
+        charges: list[tuple[WorkerView, str]] = []
+        if plan.chosen_leg:
+            (out.prefill if plan.chosen_leg == "prefill" else out.decode).CopyFrom(self._endpoint(chosen))
+            charges.append((chosen, plan.chosen_leg))
+        if decode is not None:
+            out.decode.CopyFrom(self._endpoint(decode))
+            charges.append((decode, "decode"))
+        if plan.via_metaserver:
+            out.metaserver_url = self.metaserver_url
+        return out, charges
 
     async def _prefill_answered(self, req: pb.PlaceRequest, record: RequestRecord) -> RequestRecord:
         """Sequential PD: the data plane asks for D only once P has answered, so P's prompt is
