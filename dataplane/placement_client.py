@@ -122,6 +122,11 @@ class PlacementClient:
         self.sessions_started = 0
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        # When each pending placement gives up (loop time), swept every _sweep_s: a timeout
+        # fires up to that much late (50 ms of the default 5 s).
+        self._due: dict[int, float] = {}
+        self._sweep_s = min(0.05, timeout_s / 4)
+        self._sweeper: asyncio.TimerHandle | None = None
         self._queue: asyncio.Queue | None = None
         self._connected = asyncio.Event()
         self._down_since = time.monotonic()
@@ -171,6 +176,9 @@ class PlacementClient:
 
     async def close(self) -> None:
         self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._queue is not None:
             self._queue.put_nowait(None)   # ends the stream after what is queued (held reports too)
             _wake(self._hold)
@@ -186,9 +194,14 @@ class PlacementClient:
 
     # ------------------------------------------------------------------ placements and reports
 
-    async def place(self, req: pb.PlaceRequest) -> pb.Placement:
+    async def place(self, req: pb.PlaceRequest | pb.DataPlaneMessage) -> pb.Placement:
         """Ask for a placement: from the control plane, asked again on the next session if
-        the stream breaks meanwhile, or locally when none has answered for a while."""
+        the stream breaks meanwhile, or locally when none has answered for a while.
+
+        ``req`` may come as the ``place`` of a session message already (``placing.place``
+        builds it there): it is then sent as it is, not copied into one."""
+        out = req if isinstance(req, pb.DataPlaneMessage) else pb.DataPlaneMessage(place=req)
+        req = out.place                  # seq is set on the message that is sent
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         while True:
@@ -208,11 +221,13 @@ class PlacementClient:
             fut = loop.create_future()
             self._pending[seq] = fut
             assert self._queue is not None
-            self._queue.put_nowait(pb.DataPlaneMessage(place=req))
+            self._queue.put_nowait(out)
             _wake(self._hold)        # held reports leave with it
-            # A timer on the future itself, not wait_for: no extra task or timeout scope per
-            # placement on the hot path.
-            timer = loop.call_later(max(remaining, 0.001), _expire, fut)
+            # Not wait_for, nor a timer per placement: one sweep over the pending ones fails
+            # those past their deadline (no task, timeout scope or timer handle per request).
+            self._due[seq] = loop.time() + max(remaining, 0.001)
+            if self._sweeper is None:
+                self._sweeper = loop.call_later(self._sweep_s, self._sweep)
             try:
                 placement = await fut
                 if not placement.error:
@@ -229,8 +244,24 @@ class PlacementClient:
                 self.report(pb.LifecycleEvent(request_id=req.request_id, kind=pb.EVENT_CANCELLED))
                 raise ControlPlaneUnavailable(f"no placement from {self.target} within {self.timeout_s}s") from None
             finally:
-                timer.cancel()
+                self._due.pop(seq, None)
                 self._pending.pop(seq, None)
+
+    def _sweep(self) -> None:
+        """Fail the placements whose deadline passed; again in ``_sweep_s`` while any wait."""
+        self._sweeper = None
+        if not self._due:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for seq, due in list(self._due.items()):
+            if due <= now:
+                del self._due[seq]
+                fut = self._pending.get(seq)
+                if fut is not None:
+                    _expire(fut)
+        if self._due and not self._closing:
+            self._sweeper = loop.call_later(self._sweep_s, self._sweep)
 
     def _place_locally(self, req: pb.PlaceRequest) -> pb.Placement:
         if not self._in_fallback:

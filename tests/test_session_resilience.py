@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from controlplane.server import ControlPlane
-from dataplane.placement_client import PlacementClient
+from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from protos import omni_proxy_pb2 as pb
 from tests.conftest import wait_until
 
@@ -37,6 +37,33 @@ async def _load(cp: ControlPlane) -> tuple[int, int]:
 
 def _entry(rid: str) -> pb.PlaceRequest:
     return pb.PlaceRequest(request_id=rid, model="", leg=pb.LEG_ENTRY, prompt_tokens=10, max_tokens=5)
+
+
+async def test_a_placement_never_answered_gives_up_at_its_deadline(cp, monkeypatch):
+    """Deadlines are swept (no timer per placement): one the control plane never answers
+    still fails with ControlPlaneUnavailable at its deadline (a sweep at most later), and
+    leaves nothing pending behind."""
+    client = PlacementClient(f"127.0.0.1:{cp.grpc_port}", "dp-test", timeout_s=0.4)
+    await client.start()
+    try:
+        assert await client.wait_connected(10)
+        assert not (await client.place(_entry("fast"))).error
+        held: list[pb.PlaceRequest] = []
+
+        async def hold(req, session):
+            held.append(req)
+            return asyncio.get_running_loop().create_future()   # never answered
+
+        monkeypatch.setattr(cp.placer, "submit", hold)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ControlPlaneUnavailable, match="within 0.4s"):
+            await client.place(_entry("stuck"))
+        waited = loop.time() - started
+        assert 0.4 <= waited < 0.4 + 0.25 and [r.request_id for r in held] == ["stuck"]
+        assert not client._pending and not client._due
+    finally:
+        await client.close()
 
 
 async def test_quiet_session_survives_frequent_keepalive_pings(cp):

@@ -17,7 +17,9 @@ class CapturingClient:
     def __init__(self) -> None:
         self.sent: list[pb.PlaceRequest] = []
 
-    async def place(self, msg: pb.PlaceRequest) -> pb.Placement:
+    async def place(self, msg: pb.PlaceRequest | pb.DataPlaneMessage) -> pb.Placement:
+        if isinstance(msg, pb.DataPlaneMessage):   # as placing.place sends it: the session message
+            msg = msg.place
         self.sent.append(msg)
         return pb.Placement(request_id=msg.request_id, flow=pb.FLOW_AGGREGATED)
 
