@@ -61,7 +61,6 @@ class Metaserver:
     def __init__(self, control_plane: ControlPlanePort, *, prefill_retries: int = 1, timeout_s: float = 120.0,
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0, engine_api_key: str = "") -> None:
         self.control_plane = control_plane
-        self._headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None
         self.table = PendingTable()
         self.prefill_retries = prefill_retries
         # The prefill leg's retries, on other prefill workers: the policy of every retried
@@ -69,7 +68,8 @@ class Metaserver:
         self.retry = Retry(attempts=prefill_retries)
         self.timeout_s = timeout_s
         self._client = EngineClient(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
-                                    default_headers=self._headers or ())
+                                    default_headers={"Authorization": f"Bearer {engine_api_key}"}
+                                    if engine_api_key else {})
         self._reaper: asyncio.Task | None = None
         self.calls = {"ok": 0, "failed": 0, "unknown": 0, "duplicate": 0, "forbidden": 0}
 
