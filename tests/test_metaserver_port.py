@@ -187,7 +187,9 @@ async def test_the_data_plane_places_a_layerwise_request_with_ids_only():
         info = pb.SessionInfo(pd_flow=pb.FLOW_LAYERWISE)
         sent: list[pb.PlaceRequest] = []
 
-        async def place(self, msg: pb.PlaceRequest) -> pb.Placement:
+        async def place(self, msg: pb.PlaceRequest | pb.DataPlaneMessage) -> pb.Placement:
+            if isinstance(msg, pb.DataPlaneMessage):    # (the session message it rides in)
+                msg = msg.place
             self.sent.append(msg)
             return pb.Placement(request_id=msg.request_id, flow=pb.FLOW_LAYERWISE)
 
