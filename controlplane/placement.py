@@ -127,45 +127,24 @@ class Placer:
         # (a slice copies upb's repeated field faster than list())
         chain = req.block_hashes[:] if self.kv is not None and self.profile.uses_prefix_cache else []
         ctx = self._context(req, leg, roles, chain)
-        if Role.PREFILL in roles and leg == "entry" and self.profile.uses_predictions:
-            await self._pair_context(req.model, ctx, chain)
-        decision = await self._decide(req.model, roles, ctx, chain)
-        explanation = self._explain(decision, ctx, roles) if explain else ""
-        if explain and ctx.pair_decode:
-            explanation += (f" | paired decode: {ctx.pair_decode} (kv pull {ctx.pair[0] * 1000:.0f}ms "
-                            f"tpot={ctx.pair[1] * 1000:.1f}ms)")
+        decision, explanation = await self._choose(req, ctx, roles, chain, explain)
         chosen = decision.worker
         if chosen is None:
             return self._refusal(req, leg, ctx, roles, decision.dropped, explanation, count=count)
         if may_hold and leg == "entry" and self.profile.queue is not None and \
                 self.profile.queue.should_hold(ctx, chosen):
             return None
-
         plan = self.flows.entry(chosen) if leg == "entry" else \
             later_leg(chosen.spec.role, record.flow if record is not None and record.flow else self.pd_flow)
         flow = plan.flow
-        decode = None
+        decode: WorkerView | None = None
         if plan.with_decode:
-            # Parallel sends to P and D at once; layerwise sends to D first and lets the
-            # metaserver choose P when D asks for its prefill: both need D now.
-            d_roles = _LEG_ROLES["decode"]
-            d_ctx = self._context(req, "decode", d_roles, chain)
-            d_decision = await self._decide(req.model, d_roles, d_ctx, chain)
-            if explain:
-                explanation += " | decode: " + self._explain(d_decision, d_ctx, d_roles)
-            decode = d_decision.worker
-            if decode is None:
-                return self._refusal(req, "decode", d_ctx, d_roles, d_decision.dropped, explanation, count=count)
+            paired, explanation = await self._decode_now(req, chain, explanation, explain, count)
+            if isinstance(paired, pb.Placement):
+                return paired          # no decode worker: refused
+            decode = paired
         out, charges = self._placement(req, plan, chosen, decode)
-        ranks: dict[str, int] = {}
-        for w, _ in charges:
-            if w.spec.dp_size > 1 and w.spec.id not in ranks:
-                ranks[w.spec.id], why = await self.ranks.choose(w, chain, self.kv, advance=not dry_run)
-                for ep in (out.prefill, out.decode):
-                    if ep.worker_id == w.spec.id:
-                        ep.dp_rank = ranks[w.spec.id]
-                if explain:
-                    explanation += f" | dp_rank: {w.spec.id} rank {ranks[w.spec.id]} of {w.spec.dp_size} ({why})"
+        ranks, explanation = await self._dp_ranks(out, charges, chain, explanation, explain, advance=not dry_run)
         out.explanation = explanation
         if dry_run:
             return out
@@ -187,6 +166,49 @@ class Placer:
         if (not req.request_id and not dry_run) or len(req.request_id) > 256:
             return "request_id must be 1 to 256 characters"
         return None
+
+    async def _choose(self, req: pb.PlaceRequest, ctx: PlacementContext, roles: tuple[Role, ...], chain: list[int],
+                      explain: bool) -> tuple[Decision, str]:
+        """The policy's choice for this leg (an entry of a PD fleet first predicts the decode
+        engine each prefill worker would be paired with), and its explanation if asked."""
+        if Role.PREFILL in roles and ctx.leg == "entry" and self.profile.uses_predictions:
+            await self._pair_context(req.model, ctx, chain)
+        decision = await self._decide(req.model, roles, ctx, chain)
+        explanation = self._explain(decision, ctx, roles) if explain else ""
+        if explain and ctx.pair_decode and ctx.pair is not None:
+            explanation += (f" | paired decode: {ctx.pair_decode} (kv pull {ctx.pair[0] * 1000:.0f}ms "
+                            f"tpot={ctx.pair[1] * 1000:.1f}ms)")
+        return decision, explanation
+
+    async def _decode_now(self, req: pb.PlaceRequest, chain: list[int], explanation: str, explain: bool,
+                          count: bool) -> tuple[WorkerView | pb.Placement, str]:
+        """The decode worker chosen with the entry (parallel sends to P and D at once; layerwise
+        sends to D first and lets the metaserver choose P when D asks for its prefill), or the
+        refusal when there is none; and the explanation with the decode leg's part."""
+        d_roles = _LEG_ROLES["decode"]
+        d_ctx = self._context(req, "decode", d_roles, chain)
+        d_decision = await self._decide(req.model, d_roles, d_ctx, chain)
+        if explain:
+            explanation += " | decode: " + self._explain(d_decision, d_ctx, d_roles)
+        if d_decision.worker is None:
+            return self._refusal(req, "decode", d_ctx, d_roles, d_decision.dropped, explanation,
+                                 count=count), explanation
+        return d_decision.worker, explanation
+
+    async def _dp_ranks(self, out: pb.Placement, charges: list[tuple[WorkerView, str]], chain: list[int],
+                        explanation: str, explain: bool, *, advance: bool) -> tuple[dict[str, int], str]:
+        """The rank of each data-parallel worker charged (``dp_rank.RankChooser``), set on its
+        endpoints; and the explanation with why."""
+        ranks: dict[str, int] = {}
+        for w, _ in charges:
+            if w.spec.dp_size > 1 and w.spec.id not in ranks:
+                ranks[w.spec.id], why = await self.ranks.choose(w, chain, self.kv, advance=advance)
+                for ep in (out.prefill, out.decode):
+                    if ep.worker_id == w.spec.id:
+                        ep.dp_rank = ranks[w.spec.id]
+                if explain:
+                    explanation += f" | dp_rank: {w.spec.id} rank {ranks[w.spec.id]} of {w.spec.dp_size} ({why})"
+        return ranks, explanation
 
     def _placement(self, req: pb.PlaceRequest, plan: FlowPlan, chosen: WorkerView,
                    decode: WorkerView | None) -> tuple[pb.Placement, list[tuple[WorkerView, str]]]:

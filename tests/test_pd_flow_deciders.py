@@ -16,7 +16,7 @@ from controlplane.scheduling import build_profile
 from controlplane.scheduling.pd_flow import (AGGREGATED, PD_FLOWS, FlowPlan, LayerwiseFlow, ParallelFlow,
                                              SequentialFlow, build_pd_flow, later_leg)
 from controlplane.state import MemoryStore
-from controlplane.workers import Role, WorkerSpec, WorkerView
+from controlplane.workers import Health, HealthState, Role, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
 
 
@@ -103,3 +103,44 @@ def test_a_plan_becomes_endpoints_and_charges_in_charge_order():
 
     out, charges = placer._placement(req, later_leg(Role.DECODE, pb.FLOW_SEQUENTIAL), D, None)
     assert (out.flow, out.decode.worker_id) == (pb.FLOW_SEQUENTIAL, "d") and charges == [(D, "decode")]
+
+
+async def placer_with(flow: str, *specs: WorkerSpec) -> tuple[Placer, MemoryStore]:
+    store, fleet = MemoryStore(), Fleet()
+    for s in specs:
+        await store.put_spec(s)
+        fleet.put(s)
+        fleet.set_state(s.id, HealthState(health=Health.HEALTHY))
+    placer = Placer(store, fleet, build_profile("least_load"), pd_flow=flow)
+    placer.metaserver_url = "http://cp/v1/metaserver"
+    return placer, store
+
+
+def entry(rid: str, **kw) -> pb.PlaceRequest:
+    return pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=64, max_tokens=8, **kw)
+
+
+async def test_a_decode_worker_chosen_with_the_entry_is_explained_charged_or_refused():
+    placer, store = await placer_with("parallel", P.spec, D.spec)
+    out = await placer.place(entry("x"), dry_run=True)
+    assert (out.flow, out.prefill.worker_id, out.decode.worker_id) == (pb.FLOW_PARALLEL, "p", "d")
+    assert " | decode: policy=least_load; *d " in out.explanation
+    assert await store.get("x") is None                       # an explanation reserves nothing
+    await placer.place(entry("r1"))
+    assert [(c.worker_id, c.leg) for c in (await store.get("r1")).charges] == [("p", "prefill"), ("d", "decode")]
+    # D routable but not a candidate for this request: refused for want of a decode worker.
+    refused = await placer.place(entry("r2", exclude_workers=["d"]))
+    assert refused.error == pb.NO_HEALTHY_WORKER
+    assert refused.error_message == "no available decode worker for model 'm' (1 excluded, 1 role)"
+    assert await store.get("r2") is None
+
+
+async def test_layerwise_charges_only_the_decode_worker_and_tells_the_metaserver():
+    placer, store = await placer_with("layerwise", P.spec, D.spec)
+    seen: list[tuple[str, str]] = []
+    placer.layerwise_placed.subscribe(lambda req, out: seen.append((req.request_id, out.decode.worker_id)))
+    out = await placer.place(entry("r1"))
+    assert (out.flow, out.decode.worker_id, out.metaserver_url) == (pb.FLOW_LAYERWISE, "d", "http://cp/v1/metaserver")
+    assert not out.HasField("prefill")
+    assert [(c.worker_id, c.leg) for c in (await store.get("r1")).charges] == [("d", "decode")]
+    assert seen == [("r1", "d")]
