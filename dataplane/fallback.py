@@ -55,7 +55,7 @@ class FallbackPlacer:
                 return w.endpoint
         return None
 
-    def place(self, req: pb.PlaceRequest, pd_flow: int) -> pb.Placement:
+    def place(self, req: pb.PlaceRequest, pd_flow: pb.Flow) -> pb.Placement:
         out = pb.Placement(seq=req.seq, request_id=req.request_id)
         exclude = set(req.exclude_workers)
         if req.leg in (pb.LEG_PREFILL, pb.LEG_DECODE):

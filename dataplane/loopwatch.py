@@ -44,7 +44,9 @@ class LoopWatch:
             self._handle = None
 
     def _tick(self) -> None:
-        now = self._loop.time()
+        loop = self._loop
+        assert loop is not None   # started
+        now = loop.time()
         late = max(0.0, now - self._due)
         self.lag.observe(late)
         second = int(time.monotonic())
@@ -56,7 +58,7 @@ class LoopWatch:
             while self._maxima and self._maxima[0][0] <= second - WINDOW_S:
                 self._maxima.popleft()
         self._due = now + INTERVAL_S
-        self._handle = self._loop.call_at(self._due, self._tick)
+        self._handle = loop.call_at(self._due, self._tick)
 
     def max_recent(self) -> float:
         horizon = int(time.monotonic()) - WINDOW_S

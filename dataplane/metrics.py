@@ -79,17 +79,19 @@ class _Family:
         if self.buckets is None:
             fam = CounterMetricFamily(self.name, self.doc, labels=self.label_names)
             for values, c in self.series.items():
+                assert isinstance(c, Count)   # no buckets: every child is a Count
                 fam.add_metric(list(values), c.value)
             return fam
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.label_names)
+        hist = HistogramMetricFamily(self.name, self.doc, labels=self.label_names)
         edges = [floatToGoString(b) for b in self.buckets] + ["+Inf"]
         for values, h in self.series.items():
+            assert isinstance(h, Hist)
             total, cumulative = 0, []
             for edge, n in zip(edges, h.counts, strict=False):
                 total += n
                 cumulative.append((edge, total))
-            fam.add_metric(list(values), cumulative, h.sum)
-        return fam
+            hist.add_metric(list(values), cumulative, h.sum)
+        return hist
 
 
 class _Families(Collector):

@@ -88,6 +88,8 @@ class CachedTimeFormatter(logging.Formatter):
     access-log line; the text is the same as the default formatter's.
     """
 
+    default_msec_format = "%s,%03d"   # logging.Formatter's (typed there as optional)
+
     def __init__(self, fmt: str = LOG_FORMAT) -> None:
         super().__init__(fmt)
         self._second = -1
@@ -282,7 +284,7 @@ class Observer:
                 write_access_line(handler, line)
             else:
                 # makeRecord + handle: Logger.info would also walk the stack for the caller.
-                record = access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, line, None, None)
+                record = access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, line, (), None)
                 record.json_message = True     # a JSON log embeds it whole (omni_runtime.logs)
                 access_log.handle(record)
         if t.span is not None:
@@ -290,6 +292,7 @@ class Observer:
 
     def _observe(self, t: RequestTracker) -> None:
         req = t.req
+        assert req is not None   # placed: attach set it
         s = self.metrics.series(req.model, t.flow)
         s.flows.inc()
         s.e2e.observe(t.done - t.received)

@@ -16,13 +16,15 @@ background thread (``OTEL_BSP_*`` settings apply), never on the event loop.
 from __future__ import annotations
 
 import time
+from typing import cast
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from dataplane.tracking import RequestTracker
 
@@ -84,12 +86,14 @@ class Tracing:
 
     def end_request(self, t: RequestTracker, code: int) -> None:
         span = t.span
+        assert span is not None, "end_request without start_request"
         t.span = None
-        start_ns = span.start_time
+        start_ns = cast(ReadableSpan, span).start_time or 0   # the SDK's span (this provider's)
         ns = lambda at: start_ns + int((at - t.received) * 1e9)  # noqa: E731
         failed = t.outcome == "failed" or code >= 500
-        for kind in list(t.legs or ()):
-            leg = t.legs.pop(kind)
+        legs = t.legs or {}
+        for kind in list(legs):
+            leg = legs.pop(kind)
             if failed:
                 leg.set_status(Status(StatusCode.ERROR, t.error[:200] or f"HTTP {code}"))
             leg.end(end_time=ns(t.done))
@@ -98,7 +102,7 @@ class Tracing:
             if at:
                 span.add_event(_STAGE_NAMES.get(attr, attr), timestamp=ns(at))
         req = t.req
-        attrs = {"http.response.status_code": code, "omni.outcome": t.outcome or "rejected",
+        attrs: dict[str, AttributeValue] = {"http.response.status_code": code, "omni.outcome": t.outcome or "rejected",
                  "omni.completion_tokens": t.completion_tokens, "omni.retries": t.retries}
         if req is not None:
             attrs.update({"omni.request_id": req.request_id, "gen_ai.request.model": req.model,

@@ -10,7 +10,7 @@ from protos import omni_proxy_pb2 as pb
 _STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST: 400, pb.OVERLOADED: 429}
 
 
-async def place(placements: PlacementClient, req: ClientRequest, leg: int,
+async def place(placements: PlacementClient, req: ClientRequest, leg: pb.Leg,
                 exclude: list[str] | None = None, trace: dict[str, str] | None = None) -> pb.Placement:
     # Built in place inside the session message that carries it (no copy), and fields left
     # at their defaults are not set at all: the same bytes on the wire, at less cost.

@@ -22,10 +22,11 @@ import multiprocessing
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import cast
 
 import orjson
 
-from kvhash.hashing import BlockHashConfig, BlockHasher, UnreproducibleHashError
+from kvhash.hashing import BlockHashConfig, BlockHasher, LoraKeyFormat, UnreproducibleHashError
 from protos import omni_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class PrefixHasher:
                 self._hasher = BlockHasher(BlockHashConfig(
                     block_size=cfg.block_size or 16, algo=cfg.algo or "sha256",
                     python_hash_seed=cfg.seed if cfg.seed_set else None,
-                    lora_key_format=cfg.lora_key_format or "tuple"))
+                    # BlockHashConfig rejects a format it does not know (ValueError below)
+                    lora_key_format=cast(LoraKeyFormat, cfg.lora_key_format or "tuple")))
             except (UnreproducibleHashError, ValueError) as exc:
                 log.warning("prefix-cache hashing disabled: %s", exc)
                 self._hasher = None

@@ -57,9 +57,10 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import cast
 from urllib.parse import unquote
 
 import httptools
@@ -129,7 +130,7 @@ class App:
     (``/v1/models/{model}``: model ids may hold slashes); the handler reads it as
     ``request.path[len(prefix):]``. Exact paths win; templates are tried only after them."""
 
-    def __init__(self, *, limits: ClientLimits, max_body_bytes: int, middlewares: list[Middleware] = ()) -> None:
+    def __init__(self, *, limits: ClientLimits, max_body_bytes: int, middlewares: Sequence[Middleware] = ()) -> None:
         self.limits = limits
         self.max_body_bytes = max_body_bytes
         self.middlewares = list(middlewares)
@@ -156,25 +157,29 @@ class App:
             handler = _chained(mw, handler)
         return handler
 
-    def _freeze(self) -> None:
-        self._chains = {p: {m: self._wrap(h) for m, h in methods.items()} for p, methods in self._handlers.items()}
+    def _freeze(self) -> dict[str, dict[str, Handler]]:
+        chains = self._chains = {p: {m: self._wrap(h) for m, h in methods.items()}
+                                 for p, methods in self._handlers.items()}
 
         async def not_found(request: Request) -> Response:
             return error_response(404, "404: Not Found")
 
         self._not_found = self._wrap(not_found)
+        return chains
 
     def resolve(self, method: str, path: str) -> Handler:
         """The handler, middlewares included; 404 and 405 also pass through the middlewares."""
-        if self._chains is None:
-            self._freeze()
-        methods = self._chains.get(path)
+        chains = self._chains
+        if chains is None:
+            chains = self._freeze()
+        methods = chains.get(path)
         if methods is None:
             for prefix, template in self._prefixes:
                 if path.startswith(prefix) and len(path) > len(prefix):
-                    methods = self._chains[template]
+                    methods = chains[template]
                     break
             else:
+                assert self._not_found is not None   # made with the chains
                 return self._not_found
         handler = methods.get(method)
         if handler is None:
@@ -277,7 +282,9 @@ class HttpConnection(asyncio.Protocol):
         self.app = site.app
         self.limits = site.app.limits
         self.loop = site.loop
-        self.transport: asyncio.Transport | None = None
+        # None until asyncio calls connection_made, its first call on a protocol: typed as
+        # set, since nothing else runs before it.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.remote = ""
         self.lost = False
         self.write_paused = False
@@ -304,8 +311,8 @@ class HttpConnection(asyncio.Protocol):
 
     # ---- asyncio.Protocol
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, base)   # a stream server's
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) and peer else ""
         if not self.site.admit(self):
@@ -462,10 +469,13 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()
 
     def on_body(self, body: bytes) -> None:
-        self._request.feed(body)
+        req = self._request
+        assert req is not None   # httptools calls it between on_headers_complete and on_message_complete
+        req.feed(body)
 
     def on_message_complete(self) -> None:
         req = self._request
+        assert req is not None
         self._request = None
         req.end()
 
@@ -510,6 +520,7 @@ class HttpConnection(asyncio.Protocol):
             close = started.closes or not started.chunked
         else:
             close = not req.keep_alive or resp.closes or not req.complete or self._last_answer()
+            assert isinstance(resp, Response)   # not started, and no StreamResponse (above)
             self._write_response(req, resp, close)
         self._next(req, close)
 

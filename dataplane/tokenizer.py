@@ -101,13 +101,14 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from dataplane.chat_template import (
     ChatTemplateError,
+    ContentFormat,
     TokenizeError,
     UnsupportedContent,
     detect_content_format,
@@ -239,8 +240,9 @@ class Tokenizer:
         extra = self.config.get("extra_special_tokens")
         if isinstance(extra, dict):
             for key, value in extra.items():
-                if _token_content(value) is not None:
-                    self.special_tokens[key] = _token_content(value)
+                content = _token_content(value)
+                if content is not None:
+                    self.special_tokens[key] = content
 
         # Special tokens that tokenizer.json lacks are added, as transformers does on load.
         known = {t.content for t in backend.get_added_tokens_decoder().values()}
@@ -389,7 +391,9 @@ class Tokenizer:
         tool_dicts = normalize_tools(tools)
         source = self._template_for(chat_template, tool_dicts)
         fmt = self.chat_template_content_format
-        conversation = normalize_messages(messages, detect_content_format(source) if fmt == "auto" else fmt,
+        conversation = normalize_messages(messages,
+                                          detect_content_format(source) if fmt == "auto"
+                                          else cast(ContentFormat, fmt),   # checked in __init__
                                           developer_role=supports_developer_role(source))
         variables = {**self.special_tokens, **template_kwargs}
         return render(source, conversation, tools=tool_dicts, documents=documents,

@@ -17,9 +17,15 @@ The tracker also carries the request's stage timestamps (``time.perf_counter()``
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from dataplane.requests import ClientRequest
 from protos import omni_proxy_pb2 as pb
+
+if TYPE_CHECKING:   # OpenTelemetry is an optional dependency, imported only with --otel-endpoint
+    from opentelemetry.trace import Span
+
+    from dataplane.otel import Tracing
 
 _now = time.perf_counter
 
@@ -60,10 +66,10 @@ class RequestTracker:
         self.retries = 0
         self.recomputes = 0
         self.stream = False
-        self.trace = None              # {"traceparent": .., "tracestate": ..} forwarded as is, or None
-        self.tracing = None            # dataplane.otel.Tracing when spans are on
-        self.span = None               # the request's span (tracing on)
-        self.legs = None               # open leg spans (tracing on)
+        self.trace: dict[str, str] | None = None   # {"traceparent": .., "tracestate": ..} forwarded as is
+        self.tracing: Tracing | None = None        # dataplane.otel.Tracing when spans are on
+        self.span: Span | None = None              # the request's span (tracing on)
+        self.legs: dict[str, Span] | None = None   # open leg spans (tracing on)
 
     # ------------------------------------------------------------------ stages
 
@@ -106,7 +112,7 @@ class RequestTracker:
         """Sequential: P answered with the KV parameters D needs."""
         if not self.first_token_at:
             self.prefill_answered = _now()
-        if self.legs:
+        if self.legs and self.tracing is not None:
             self.tracing.end_leg(self, LEG_PREFILL, "")
 
     def stream_ended(self) -> None:
@@ -114,9 +120,15 @@ class RequestTracker:
 
     # ------------------------------------------------------------------ control-plane events
 
-    def _event(self, kind: int, **kw) -> None:
+    def _event(self, kind: pb.EventKind, **kw) -> None:
         if self.placed:
-            self.client.report(pb.LifecycleEvent(request_id=self.req.placement_id, kind=kind, **kw))
+            self.client.report(pb.LifecycleEvent(request_id=self._placed_req().placement_id, kind=kind, **kw))
+
+    def _placed_req(self) -> ClientRequest:
+        """The request placed (set by ``attach``, before any event is reported)."""
+        req = self.req
+        assert req is not None, "no request attached"
+        return req
 
     def first_token(self, streamed: bool = True) -> None:
         """The prompt is computed: the control plane stops counting it as prefill work
@@ -137,7 +149,7 @@ class RequestTracker:
         if not self.prefill_released:
             self.prefill_released = True
             self._event(pb.EVENT_PREFILL_DONE)
-            if self.legs:
+            if self.legs and self.tracing is not None:
                 self.tracing.end_leg(self, LEG_PREFILL, "")
 
     @property
@@ -154,7 +166,7 @@ class RequestTracker:
             self.done = _now()
             self.outcome = FINISHED
             self.completion_tokens = completion_tokens
-            self._event(pb.EVENT_FINISHED, prompt_tokens=self.req.prompt_tokens,
+            self._event(pb.EVENT_FINISHED, prompt_tokens=self._placed_req().prompt_tokens,
                         completion_tokens=completion_tokens, ttft_ms=self.ttft_s * 1000 if self.stream else 0.0,
                         latency_ms=(self.done - self.started) * 1000)
 
@@ -172,7 +184,7 @@ class RequestTracker:
         """One leg failed and is being retried elsewhere: release just that worker."""
         self._event(pb.EVENT_LEG_FAILED, worker_id=worker_id, message=message[:500],
                     upstream_status=upstream_status, retry_after_s=retry_after_s)
-        if self.legs:
+        if self.legs and self.tracing is not None:
             kind = LEG_PREFILL if worker_id == self.prefill_worker else (
                 LEG_WHOLE if LEG_WHOLE in self.legs else LEG_DECODE)
             self.tracing.end_leg(self, kind, message)
@@ -182,7 +194,7 @@ class RequestTracker:
 
         The time to first token stays the client's: it was measured on the first attempt.
         """
-        self._event(pb.EVENT_FINISHED, prompt_tokens=self.req.prompt_tokens,
+        self._event(pb.EVENT_FINISHED, prompt_tokens=self._placed_req().prompt_tokens,
                     completion_tokens=completion_tokens, message="recomputed")
         self.req = req
         self.prefill_released = False

@@ -43,7 +43,7 @@ _RETRY_AFTER = re.compile(r"[ -~]{1,64}")   # printable ASCII, bounded: a second
 class UpstreamError(APIError):
     """A leg failed on the engine's side: 502 to the client, with the engine's words."""
 
-    def __init__(self, worker_id: str, message: str, upstream_status: int, status: int = 502,
+    def __init__(self, worker_id: str, message: str, upstream_status: int | None, status: int = 502,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(status, message, upstream_status=upstream_status, headers=headers)
         self.worker_id = worker_id

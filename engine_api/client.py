@@ -41,6 +41,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -125,6 +126,11 @@ class EngineResponse:
         if self._headers is None:   # built on first use: most legs look at two headers or none
             self._headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self._raw_headers)
         return self._headers
+
+    @overload
+    def header(self, name: str) -> str | None: ...
+    @overload
+    def header(self, name: str, default: str) -> str: ...
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """One header's first value (any case), without building ``headers``: a leg reads

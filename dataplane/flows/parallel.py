@@ -86,8 +86,9 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamRes
                                                      dp_rank=dp_rank(decode)))
     try:
         done, _ = await asyncio.wait({open_p, open_d}, return_when=asyncio.FIRST_COMPLETED)
-        if open_p in done and open_p.exception() is not None:
-            raise open_p.exception()
+        failed = open_p.exception() if open_p in done else None
+        if failed is not None:
+            raise failed
         d_resp = await open_d
     except BaseException:
         for task in (open_p, open_d):

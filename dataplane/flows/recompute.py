@@ -176,7 +176,7 @@ def merge_prior(data: bytes, prior_text: str, prior_tokens: int) -> bytes:
 
 
 async def run_recomputing(ctx: FlowContext, placement: pb.Placement, flow: Flow, *,
-                          flows: Mapping[int, tuple[str, Flow]],
+                          flows: Mapping[pb.Flow, tuple[str, Flow]],
                           rehash: Callable[[ClientRequest], Awaitable[None]],
                           encoder: Callable[[], Callable[[str], list[int]] | None]) -> Response | StreamResponse:
     """Run ``flow``; each time D hands the request back, place the continuation and run its

@@ -46,13 +46,15 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
     events = 0
     first = True
     watch = ctx.watch_recompute
-    sent = StreamText() if watch else None   # what a recompute's continuation needs
+    sent = StreamText() if watch else None   # what a recompute's continuation needs (None: not watching)
     tail = b""                               # watching: an event not yet whole, held back
     last = before_last = b""
+    fresh = out is None
+    if out is None:  # a recompute continuation keeps writing to the same response
+        out = ctx.out = StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
+            "Cache-Control": "no-cache"}))
     try:
-        if out is None:  # a recompute continuation keeps writing to the same response
-            out = ctx.out = StreamResponse(status=200, headers=_headers(resp, ctx, "text/event-stream", {
-                "Cache-Control": "no-cache"}))
+        if fresh:
             await out.prepare(ctx.http)
         async for chunk in resp:
             if first:
@@ -60,7 +62,7 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
                 tracker.first_token()
                 if on_first_chunk is not None:
                     on_first_chunk()
-            if watch:
+            if sent is not None:   # watching for a recompute
                 # Only whole events go out, so a "recomputed" marker split across two reads
                 # is found whole in the next one, before any of its event was sent.
                 if tail:
