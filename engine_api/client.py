@@ -41,7 +41,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from typing import overload
+from typing import cast, overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -211,8 +211,9 @@ class EngineResponse:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > BUFFER_HIGH:
-            self._conn.pause()
+        conn = self._conn
+        if self._buffered > BUFFER_HIGH and conn is not None:   # (set while the answer arrives)
+            conn.pause()
         self._wake()
 
     def _end(self) -> None:
@@ -247,7 +248,9 @@ class _Connection(asyncio.Protocol):
         self.client = client
         self.host = host
         self.loop = client._loop
-        self.transport: asyncio.Transport | None = None
+        # None until asyncio calls connection_made, its first call on a protocol: typed as
+        # set, since nothing else runs before it (``is None`` still tells a failed connect).
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.fd = -1
         self._parser = httptools.HttpResponseParser(self)
         self._resp: EngineResponse | None = None
@@ -269,8 +272,8 @@ class _Connection(asyncio.Protocol):
 
     # ---- asyncio.Protocol
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, base)   # a stream connection's
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -323,18 +326,24 @@ class _Connection(asyncio.Protocol):
     def on_status(self, reason: bytes) -> None:
         self._reason += reason
 
+    # The parser's callbacks run only from data_received and connection_lost, with an answer
+    # awaited (``_resp`` set).
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        headers = self._resp._raw_headers
+        resp = self._resp
+        assert resp is not None
+        headers = resp._raw_headers
         if len(name) + len(value) > MAX_FIELD_BYTES:
-            raise EngineProtocolError(f"malformed answer from {self._resp.url}: "
+            raise EngineProtocolError(f"malformed answer from {resp.url}: "
                                       f"a header field is over {MAX_FIELD_BYTES} bytes")
         if len(headers) >= MAX_HEADERS:
-            raise EngineProtocolError(f"malformed answer from {self._resp.url}: "
+            raise EngineProtocolError(f"malformed answer from {resp.url}: "
                                       f"more than {MAX_HEADERS} header fields")
         headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         resp = self._resp
+        assert resp is not None
         status = self._parser.get_status_code()
         reason, self._reason = self._reason, b""
         if status < 200 or status > 599:
@@ -350,7 +359,9 @@ class _Connection(asyncio.Protocol):
             head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        self._resp._feed(body)
+        resp = self._resp
+        assert resp is not None
+        resp._feed(body)
 
     def on_message_complete(self) -> None:
         if self._interim:
@@ -361,7 +372,9 @@ class _Connection(asyncio.Protocol):
         if self._total_timer is not None:
             self._total_timer.cancel()
             self._total_timer = None
-        self._resp._end()
+        resp = self._resp
+        assert resp is not None
+        resp._end()
 
     # ---- driving a request
 
@@ -482,7 +495,9 @@ class EngineClient:
         self._conns: set[_Connection] = set()
         self._tls = tls   # for https URLs; made on first use (the system's CAs) when not given
         self._sweeper: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop of the first post(), which sets it before any connection, timer or pool
+        # wait is made (every other use follows): typed as set.
+        self._loop: asyncio.AbstractEventLoop = cast(asyncio.AbstractEventLoop, None)
         self._closed = False
 
     async def post(self, url: str, body: bytes,
