@@ -158,3 +158,39 @@ async def test_request_ended_reaches_every_subscriber_whatever_ended_it():
     assert await lifecycle.orphan_session("s1") == 1
     assert await lifecycle.release_orphans(older_than_s=0) == 1
     assert first == last == ["a", "b"] and await store.get("b") is None
+
+
+async def test_the_worker_watch_checks_and_follows_a_new_worker_only_once_started():
+    """Workers known at start-up are checked together by HealthChecker.start and followed
+    after a KV snapshot is loaded; from then on a worker that joins is at once."""
+    from controlplane.compose import WorkerWatch
+    from controlplane.prediction import Predictor
+
+    calls: list[str] = []
+
+    class Health:
+        async def check(self, spec: WorkerSpec) -> None:
+            calls.append("check " + spec.id)
+
+    class KV:
+        async def watch(self, spec: WorkerSpec) -> None:
+            calls.append("watch " + spec.id)
+
+        async def unwatch(self, worker_id: str) -> None:
+            calls.append("unwatch " + worker_id)
+
+    class Forgetting(Predictor):
+        def forget(self, worker_id: str) -> None:
+            calls.append("forget " + worker_id)
+
+    store, fleet = MemoryStore(), Fleet()
+    registry = WorkerRegistry(store, fleet)
+    watch = WorkerWatch(Health(), KV(), Forgetting())   # type: ignore[arg-type]
+    registry.events.added.subscribe(watch.added)
+    registry.events.removed.subscribe(watch.removed)
+    await registry.events.added.emit(_spec("early"))
+    assert calls == []
+    watch.start()
+    await registry.events.added.emit(_spec("late"))
+    await registry.events.removed.emit("late")
+    assert calls == ["check late", "watch late", "forget late", "unwatch late"]

@@ -51,8 +51,9 @@ retried: the operation may or may not have happened, and the caller is told so.
    that does not heartbeat looks dead to the others' sweeps). Orphaning (not releasing)
    the dead replica's requests lets its data planes, failing over to another replica,
    claim them back; ``Lifecycle.release_orphans`` frees the rest after ``session_grace_s``.
-2. Run ``controlplane.state.sync.SpecSync(store, fleet, on_added=..., on_removed=...)``
-   so specs changed on another replica (drain, weight, add, remove) reach this fleet.
+2. Run ``controlplane.state.sync.SpecSync(store, fleet, events=registry.events)`` (built
+   by ``controlplane/compose.py``) so specs changed on another replica (drain, weight, add,
+   remove) reach this fleet and the same worker hooks as this replica's own changes.
 3. Worker heartbeats (``registry.heartbeat``) reach one replica only: expire registered
    workers only on the replica that sees their heartbeats (or share them in Redis),
    otherwise every other replica removes them after ``heartbeat_ttl_s``.
