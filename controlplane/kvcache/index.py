@@ -41,6 +41,7 @@ from array import array
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import cast
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -165,6 +166,11 @@ class PrefixIndex:
 
     # ---- workers -------------------------------------------------------------------------------
 
+    def _taken_keys(self) -> list[WorkerKey]:
+        """The slots' keys, read where only taken slots are looked up (an alive or holder bit,
+        a worker's own slots): freed ones (None) are never reached there."""
+        return cast("list[WorkerKey]", self._key_of)
+
     def _slot(self, key: WorkerKey) -> int:
         slot = self._slot_of.get(key)
         if slot is None:
@@ -217,8 +223,9 @@ class PrefixIndex:
 
     def drop_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Forget a worker (every DP rank when ``dp_rank`` is None) and free its slot(s)."""
-        keys = [(worker_id, self._key_of[s][1]) for s in self._by_worker.get(worker_id, ())
-                if dp_rank is None or self._key_of[s][1] == dp_rank]
+        key_of = self._taken_keys()
+        keys = [(worker_id, key_of[s][1]) for s in self._by_worker.get(worker_id, ())
+                if dp_rank is None or key_of[s][1] == dp_rank]
         for key in keys:
             slot = self._slot_of.pop(key)
             self._clear_slot(slot)
@@ -234,8 +241,9 @@ class PrefixIndex:
 
     def reset_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         """Drop what a worker holds but keep it registered (seq gap / engine restart)."""
+        key_of = self._taken_keys()
         for slot in list(self._by_worker.get(worker_id, ())):
-            if dp_rank is None or self._key_of[slot][1] == dp_rank:
+            if dp_rank is None or key_of[slot][1] == dp_rank:
                 self._clear_slot(slot)
 
     # ---- events --------------------------------------------------------------------------------
@@ -267,7 +275,8 @@ class PrefixIndex:
                 prev = h
         pop = holders.pop
         new: list[int] = []
-        last = last2 = None                 # runs of blocks share one (interned) value: map it once
+        last: int | None = None             # runs of blocks share one (interned) value: map it once
+        last2 = 0
         for h in reversed(hashes):          # deepest first = least recent (see module docstring)
             m = pop(h, None)
             if m is None:
@@ -363,7 +372,7 @@ class PrefixIndex:
         depth = 0
         if shift:
             alive <<= shift             # compare in the values' own position: stamps fall out of the AND
-        prev = 0
+        prev: int | None = 0
         # map() probes in C, lazily: the walk still stops at the first block nobody alive holds.
         for v in map(get, chain):
             if v is prev:               # same holders as the block before: all still alive
@@ -401,7 +410,7 @@ class PrefixIndex:
         out: dict[WorkerKey, int] = {}
         if not alive or not chain:
             return out
-        key_of = self._key_of
+        key_of = self._taken_keys()
         for depth, m in self._walk(chain, alive):
             while m:
                 low = m & -m
@@ -418,7 +427,7 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if not alive or not chain:
             return out
-        key_of = self._key_of
+        key_of = self._taken_keys()
         for depth, m in self._walk(chain, alive):
             while m:
                 low = m & -m
@@ -435,7 +444,7 @@ class PrefixIndex:
         """Per worker id (best DP rank), the depth of each slot in ``alive`` by ``levels``; one
         big-integer AND per level plus one step per matching slot."""
         out: dict[str, int] = {}
-        key_of = self._key_of
+        key_of = self._taken_keys()
         for depth, m in levels:                 # shallowest first: a deeper rank overwrites
             m &= alive
             while m:
@@ -452,7 +461,7 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if k <= 0:
             return out
-        key_of = self._key_of
+        key_of = self._taken_keys()
         width = len(key_of)
         full = (1 << width) - 1
         for depth, m in reversed(levels):
@@ -523,10 +532,11 @@ class PrefixIndex:
 
     def holders_of(self, h: int) -> list[WorkerKey]:
         m = self._holders.get(h, 0) >> self._shift
+        key_of = self._taken_keys()
         out = []
         while m:
             low = m & -m
-            out.append(self._key_of[low.bit_length() - 1])
+            out.append(key_of[low.bit_length() - 1])
             m ^= low
         return out
 
@@ -704,7 +714,8 @@ class RoutedIndex(PrefixIndex):
         new: list[int] = []
         values = list(map(get, chain))      # every probe first, in C (the index is large: misses)
         # Runs of marks share one (interned) value: decide once per run what becomes of it.
-        last = last2 = None
+        last: int | None = None
+        last2 = 0
         act = 0                             # 0: leave it; else 1 | 2 (new to this worker) | 4 (restamped)
         for h, m in zip(reversed(chain), reversed(values), strict=False):
             if m is None:

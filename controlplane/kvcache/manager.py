@@ -100,6 +100,8 @@ class KVCache:
         """
         if not worker.kv_events or worker.id in self._subscribers:
             return
+        if isinstance(worker, WorkerView):
+            worker = worker.spec
         subs: list[KVEventSubscriber] = []
         try:
             dp_size = validate.int_range(worker.dp_size, "dp_size", 1, 1024)
@@ -240,7 +242,8 @@ class KVCache:
         if not chain:
             return {}
         self._expire()
-        exact_ids, approx_ids = [], []
+        exact_ids: list[str] = []
+        approx_ids: list[str] = []
         untracked = self.untracked
         for w in workers:
             spec = w.spec if isinstance(w, WorkerView) else w
@@ -378,8 +381,9 @@ class GroupMatch:
         self._exact_mask, self._approx_mask, self._pending_mask = exact_mask, approx_mask, pending_mask
         top = kv.exact.top(exact, k, rng) if exact else {}
         merged = False
-        for levels, index in ((approx, kv.approx), (pending, kv.pending.index if pending else None)):
+        for levels, index in ((approx, kv.approx), (pending, kv.pending.index if pending and kv.pending else None)):
             if levels:
+                assert index is not None   # pending levels come from the pending index
                 _deeper(top, index.top(levels, k, rng))
                 merged = True
         if merged and len(top) > k:
@@ -394,6 +398,7 @@ class GroupMatch:
         if self._approx:
             _deeper(out, kv.approx.depths_in(self._approx, kv.approx.mask_of(worker_ids) & self._approx_mask))
         if self._pending:
+            assert kv.pending is not None   # pending levels come from the pending index
             pending = kv.pending.index
             _deeper(out, pending.depths_in(self._pending, pending.mask_of(worker_ids) & self._pending_mask))
         return out

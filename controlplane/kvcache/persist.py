@@ -345,9 +345,9 @@ class KVSnapshots:
         ours = await self.redis.zscore(self._k_index, self.replica_id)
         if ours is None:
             return
-        others = [(r.decode() if isinstance(r, bytes) else r, score)
+        scored = [(r.decode() if isinstance(r, bytes) else r, score)
                   for r, score in await self.redis.zrange(self._k_index, 0, -1, withscores=True)]
-        others = [r for r, score in others if r != self.replica_id and score < ours]
+        others = [r for r, score in scored if r != self.replica_id and score < ours]
         if not others:
             return
         async with self.redis.pipeline(transaction=False) as pipe:

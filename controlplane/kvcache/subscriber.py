@@ -40,7 +40,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -299,13 +299,15 @@ class KVEventSubscriber:
                                    stop - 1, n)
             await hole_found()
 
-    async def _fetch_replay(self, start: int, stop: int) -> AsyncIterator[tuple[int | None, bytes]]:
+    async def _fetch_replay(self, start: int, stop: int) -> AsyncGenerator[tuple[int | None, bytes], None]:
         """Yield (seq, payload) replies in [start, stop) as they arrive, then (None, b"") when the end
         marker arrives in time; on a timeout it just stops (no end marker yielded)."""
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.connect(self.source.replay_endpoint)
+            endpoint = self.source.replay_endpoint
+            assert endpoint, "replay asked of an engine without a replay endpoint"
+            self._dealer.connect(endpoint)
         dealer = self._dealer
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         deadline = time.monotonic() + self.replay_timeout_s

@@ -290,6 +290,7 @@ class LocalLedgerStore:
     async def _sync_loop(self) -> None:
         next_refresh = 0.0
         wake = self._wake
+        assert wake is not None   # made with this task (_ensure_syncing)
         while True:
             _reraise_cancel()
             try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 from redis.asyncio.connection import SSLConnection, parse_url
@@ -40,12 +40,14 @@ class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader(encoding="utf-8")
         self.waiters: deque = deque()   # futures, or [future, n, replies] for a pipeline
-        self.transport: asyncio.Transport | None = None
+        # None until asyncio calls connection_made, its first call on a protocol; the client
+        # gets the protocol only once it is connected: typed as set.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.closed = False
         self.lost: Exception | None = None
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         reader, waiters = self.reader, self.waiters

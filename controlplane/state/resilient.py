@@ -32,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 from controlplane.state.base import Charge, RequestRecord, StateStore, StoreUnavailable
 from controlplane.state.memory import MemoryStore
@@ -45,8 +46,15 @@ MAX_PENDING = 1_000_000   # kept shared operations; beyond it the oldest are dro
 TOMBSTONE_S = 300.0
 
 
+class PingableStore(StateStore, Protocol):
+    """The shared store a ResilientStore wraps: it can be pinged (to know it is back) and closed."""
+
+    async def ping(self) -> bool: ...
+    async def close(self) -> None: ...
+
+
 class ResilientStore:
-    def __init__(self, shared: StateStore, local: MemoryStore | None = None, *,
+    def __init__(self, shared: PingableStore, local: MemoryStore | None = None, *,
                  probe_interval_s: float = 0.5) -> None:
         self.shared = shared
         self.local = local or MemoryStore()
