@@ -253,8 +253,8 @@ class Fleet:
         if self._ordered:
             entry = (work / spec.weight if spec.weight > 0 else float("inf"), worker_id)
             for group in self._ordered:
-                heap = group._heap
-                if heap is not None and worker_id in group._members:
+                heap, members = group._heap, group._members   # (members are set with the heap)
+                if heap is not None and members is not None and worker_id in members:
                     heapq.heappush(heap, entry)
                     if len(heap) > 3 * len(group.ids) + 64:   # stale entries: rebuilt on next use
                         group._heap = None

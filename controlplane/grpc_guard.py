@@ -107,12 +107,13 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, guard: MalformedMessag
     if handler.unary_stream is not None:
         inner = handler.unary_stream
         if inspect.isasyncgenfunction(inner):
-            async def unary_stream(raw, context):
+            async def unary_stream_gen(raw, context):
                 async for item in inner(await one(raw, context), context):
                     yield item
-        else:
-            async def unary_stream(raw, context):
-                return await inner(await one(raw, context), context)
+            return grpc.unary_stream_rpc_method_handler(unary_stream_gen, response_serializer=out)
+
+        async def unary_stream(raw, context):
+            return await inner(await one(raw, context), context)
         return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=out)
 
     if handler.stream_unary is not None:
@@ -123,12 +124,13 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, guard: MalformedMessag
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=out)
 
-    inner = handler.stream_stream
-    if inspect.isasyncgenfunction(inner):   # gRPC tells how to run a behaviour by its function type
-        async def stream_stream(raws, context):
-            async for item in inner(_Requests(raws, decode, context, guard, method, limit), context):
+    streams = handler.stream_stream
+    if inspect.isasyncgenfunction(streams):   # gRPC tells how to run a behaviour by its function type
+        async def stream_stream_gen(raws, context):
+            async for item in streams(_Requests(raws, decode, context, guard, method, limit), context):
                 yield item
-    else:
-        async def stream_stream(raws, context):
-            return await inner(_Requests(raws, decode, context, guard, method, limit), context)
+        return grpc.stream_stream_rpc_method_handler(stream_stream_gen, response_serializer=out)
+
+    async def stream_stream(raws, context):
+        return await streams(_Requests(raws, decode, context, guard, method, limit), context)
     return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=out)

@@ -128,7 +128,9 @@ class PlacementQueue:
             if stage.on_timeout == "reject":
                 self._resolve(waiter, self.refusal(waiter.req, "waited too long for a free engine"), now)
             else:
-                self._resolve(waiter, await self._place(waiter.req, waiter.session, False), now)
+                placement = await self._place(waiter.req, waiter.session, False)
+                assert placement is not None   # without hold, placing always answers (maybe a refusal)
+                self._resolve(waiter, placement, now)
             done += 1
         attempts = 0
         for waiter in stage.order(list(self._waiting.values()), now):

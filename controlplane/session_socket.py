@@ -100,15 +100,20 @@ class SessionSocketServer:
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            return self._refuse(writer, peer, f"no session opening within {OPEN_TIMEOUT_S:g}s")
+            self._refuse(writer, peer, f"no session opening within {OPEN_TIMEOUT_S:g}s")
+            return None
         except FrameError as exc:
-            return self._refuse(writer, peer, f"session opening refused before authentication: {exc}")
+            self._refuse(writer, peer, f"session opening refused before authentication: {exc}")
+            return None
         except DecodeError as exc:
-            return self._refuse(writer, peer, f"malformed session opening: {type(exc).__name__}")
+            self._refuse(writer, peer, f"malformed session opening: {type(exc).__name__}")
+            return None
         if first.WhichOneof("body") != "open":
-            return self._refuse(writer, peer, "the first message of a session must be 'open'")
+            self._refuse(writer, peer, "the first message of a session must be 'open'")
+            return None
         if self.auth is not None and self.auth.who("dataplane", first.open.token, "session socket") is None:
-            return self._refuse(writer, peer, "dataplane calls need a valid token", quiet=True)
+            self._refuse(writer, peer, "dataplane calls need a valid token", quiet=True)
+            return None
         first.open.token = ""
         return first
 

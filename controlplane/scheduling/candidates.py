@@ -143,7 +143,7 @@ class SampleStage:
         if state is None or state[0] is not group:
             if len(self._rr) >= 16:
                 self._rr.clear()
-            heap = [[0.0, i, 1.0 / group.weight(wid)] for i, wid in enumerate(group.ids)]
+            heap: list[list[Any]] = [[0.0, i, 1.0 / group.weight(wid)] for i, wid in enumerate(group.ids)]
             heapq.heapify(heap)
             state = self._rr[id(group)] = (group, heap)
         heap = state[1]

@@ -95,6 +95,7 @@ def pair_decode(ctx: PlacementContext, decodes: Sequence[WorkerView], match_bloc
         cost = decode_cost(pull, tpot, ttft_t, tpot_t) / (d.spec.weight if d.spec.weight > 1e-9 else 1e-9)
         if best is None or cost < best[0]:
             best = (cost, pull, tpot, d.id)
+    assert best is not None, "no decode worker to pair with"
     ctx.pair, ctx.pair_decode = (best[1], best[2]), best[3]
 
 

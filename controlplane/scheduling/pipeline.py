@@ -6,6 +6,7 @@ config file from the plugin names in FILTERS, SCORERS and PICKERS.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +154,7 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _make(registry: dict[str, type], spec: str | dict[str, Any], kind: str):
+def _make(registry: Mapping[str, type], spec: str | dict[str, Any], kind: str):
     if isinstance(spec, str):
         spec = {"name": spec}
     spec = dict(spec)
