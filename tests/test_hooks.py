@@ -185,7 +185,7 @@ async def test_the_worker_watch_checks_and_follows_a_new_worker_only_once_starte
 
     store, fleet = MemoryStore(), Fleet()
     registry = WorkerRegistry(store, fleet)
-    watch = WorkerWatch(Health(), KV(), Forgetting())   # type: ignore[arg-type]
+    watch = WorkerWatch(Health(), KV(), Forgetting())
     registry.events.added.subscribe(watch.added)
     registry.events.removed.subscribe(watch.removed)
     await registry.events.added.emit(_spec("early"))

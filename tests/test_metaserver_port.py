@@ -197,7 +197,7 @@ async def test_the_data_plane_places_a_layerwise_request_with_ids_only():
     raw = orjson.dumps({"model": "m", "prompt": "x" * 10_000})
     req = ClientRequest(path="/v1/completions", raw=raw, body=orjson.loads(raw), model="m", stream=False,
                         max_tokens=4, prompt_tokens=10_000, request_id="r-1", placement_id="p-1", num_prompts=2)
-    await place(placements, req, pb.LEG_ENTRY)    # type: ignore[arg-type]
+    await place(placements, req, pb.LEG_ENTRY)
     (msg,) = placements.sent
     assert msg.body == b"" and msg.ByteSize() < 200
     assert (msg.request_id, msg.engine_request_id, msg.num_prompts, msg.path) == ("p-1", "r-1", 2, "/v1/completions")
