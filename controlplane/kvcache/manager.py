@@ -27,7 +27,7 @@ from controlplane import validate
 from controlplane.kvcache.events import BlockRemoved, BlockStored
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, RoutedIndex
 from controlplane.kvcache.routed import RoutingMemory
-from controlplane.kvcache.subscriber import DEFAULT_MAX_REPLAY_GAP, KVEventSource, KVEventSubscriber
+from controlplane.kvcache.subscriber import DEFAULT_MAX_REPLAY_GAP, KVEventSource, KVEventSubscriber, LoopBudget
 from controlplane.workers import WorkerSpec, WorkerView
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class KVCache:
         self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted
         self._subscribers: dict[str, list[KVEventSubscriber]] = {}
+        # One slice of the event loop for every worker's events together (subscriber.py)
+        self.budget = LoopBudget()
         # Workers with kv_events whose events are not used (why, for logs and explain): they are
         # tracked approximately instead.
         self.untracked: dict[str, str] = {}
@@ -112,7 +114,8 @@ class KVCache:
                                        replay_endpoint=_offset_port(worker.kv_replay, rank) or None)
                 sub = KVEventSubscriber(source, self._on_events, self._on_reset,
                                         replay_timeout_s=self.config.replay_timeout_s,
-                                        max_replay_gap=self.config.max_replay_gap, on_failed=self._on_failed)
+                                        max_replay_gap=self.config.max_replay_gap, on_failed=self._on_failed,
+                                        budget=self.budget)
                 subs.append(sub)
                 resume = self.resume_seqs.pop((worker.id, rank), None)
                 if resume and source.replay_endpoint:

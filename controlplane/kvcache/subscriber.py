@@ -28,6 +28,18 @@ the gap is ever built), and a gap wider than ``max_replay_gap`` messages is not 
 engine's entries are reset, since no engine buffer holds that much (vLLM keeps ``buffer_steps``,
 10,000 by default). A sequence that jumps by 2*10^7 therefore costs one reset, not hundreds of MB.
 
+**Never a long hold of the event loop.** The loop that applies events also answers placements,
+so the work is cut in slices: a batch is decoded a few events at a time (``BatchReader``) and
+applied a few hundred events at a time, and once a slice has held the loop ``slice_s`` (1 ms by
+default) the subscriber yields to it. Messages already waiting on the socket are no reason not
+to: pyzmq hands them over without a loop turn, so a backlog of frames (after a pause, or a
+burst of long prompts) used to be drained in one go, stalling every placement behind it. The
+budget is one ``LoopBudget`` shared by every subscriber of a ``KVCache``, and one batch is
+decoded and applied at a time (its ``turn``): N engines' streams together, not each, hold the
+loop about a slice per turn. A batch is applied only once
+it has decoded whole (a malformed one changes nothing, as before); a placement that runs between
+two slices of one batch sees part of it, as it would see one of two batches published apart.
+
 If the receive loop itself dies (a socket error, a bug outside the per-message guard), the exception
 is logged and handed to ``on_failed``, so the owner can stop trusting this engine's entries instead
 of leaving an exception in a task nobody awaits.
@@ -47,7 +59,7 @@ from types import MappingProxyType
 import zmq
 import zmq.asyncio
 
-from controlplane.kvcache.events import KVEvent, MalformedEventError, decode_batch
+from controlplane.kvcache.events import BatchReader, KVEvent, MalformedEventError
 from omni_runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -59,6 +71,38 @@ ResetHandler = Callable[[str], "Awaitable[None] | None"]
 FailedHandler = Callable[[str, BaseException], None]
 
 DEFAULT_MAX_REPLAY_GAP = 100_000   # messages; vLLM's replay buffer holds 10,000 by default
+DEFAULT_SLICE_S = 0.001            # longest the event loop is held before yielding (see LoopBudget)
+DECODE_SLICE = 32                  # events decoded between two looks at the clock
+APPLY_SLICE = 256                  # events handed to the handler at once
+
+
+class LoopBudget:
+    """How long KV-event work may hold the event loop before it lets the loop turn.
+
+    Shared by every subscriber of one owner, so their streams together hold the loop about
+    ``slice_s`` a turn rather than each of them that long. ``spend()`` is cheap (one clock read)
+    and yields only when the slice is used up; the first caller after a turn starts a new slice.
+    """
+
+    __slots__ = ("_since", "slice_s", "turn", "yields")
+
+    def __init__(self, slice_s: float = DEFAULT_SLICE_S) -> None:
+        if slice_s <= 0:
+            raise ValueError(f"slice_s must be > 0, got {slice_s}")
+        self.slice_s = slice_s
+        self._since = time.perf_counter()
+        self.yields = 0
+        # Held while a batch is decoded and applied: the other streams' batches wait for it
+        # rather than each doing a slice in the same loop turn (8 engines would hold the loop
+        # 8 slices a turn). Never held across a network wait (replay).
+        self.turn = asyncio.Lock()
+
+    async def spend(self) -> None:
+        if time.perf_counter() - self._since < self.slice_s:
+            return
+        self.yields += 1
+        await asyncio.sleep(0)
+        self._since = time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -118,7 +162,8 @@ class KVEventSubscriber:
     def __init__(self, source: KVEventSource, handler: EventHandler, on_reset: ResetHandler, *,
                  ctx: zmq.asyncio.Context | None = None, replay_timeout_s: float = 2.0,
                  backfill_on_connect: bool = True, log_interval_s: float = 30.0,
-                 max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP, on_failed: FailedHandler | None = None) -> None:
+                 max_replay_gap: int = DEFAULT_MAX_REPLAY_GAP, on_failed: FailedHandler | None = None,
+                 budget: LoopBudget | None = None) -> None:
         if source.key_by_topic and source.replay_endpoint:
             raise ValueError("replay needs one engine per socket; key_by_topic mixes engines")
         if max_replay_gap < 1:
@@ -131,6 +176,7 @@ class KVEventSubscriber:
         self.max_replay_gap = max_replay_gap
         self.backfill_on_connect = backfill_on_connect
         self.counters = SubscriberCounters()
+        self.budget = budget or LoopBudget()
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
@@ -203,6 +249,7 @@ class KVEventSubscriber:
             except Exception:  # a bug in a callback must not kill the stream
                 self.counters.handler_errors += 1
                 self._rlog.warning("kv events from %s: callback failed", self.source.engine_key, exc_info=True)
+            await self.budget.spend()   # a backlog of frames is received without a loop turn
 
     def _engine(self, topic: bytes) -> str:
         if self.source.key_by_topic:
@@ -241,14 +288,29 @@ class KVEventSubscriber:
         await _call(self.on_reset, engine)
 
     async def _deliver(self, engine: str, payload: bytes) -> bool:
-        try:
-            batch = decode_batch(payload)
-        except MalformedEventError as e:
-            self.counters.malformed += 1
-            self._rlog.warning("kv events from %s: malformed payload: %s", engine, e)
-            return False
-        self.counters.ignored_events += batch.ignored
-        await _call(self.handler, engine, batch.data_parallel_rank, batch.events)
+        """Decode the batch in slices, then hand it to the handler in slices (see the module's
+        docstring): the loop turns whenever the shared budget is spent."""
+        budget = self.budget
+        events: list[KVEvent] = []
+        ignored = 0
+        async with budget.turn:
+            try:
+                reader = BatchReader(payload)
+                while reader.remaining:
+                    ignored += reader.read(events, DECODE_SLICE)
+                    await budget.spend()
+                dp_rank = reader.finish()
+            except MalformedEventError as e:
+                self.counters.malformed += 1
+                self._rlog.warning("kv events from %s: malformed payload: %s", engine, e)
+                return False
+            self.counters.ignored_events += ignored
+            if len(events) <= APPLY_SLICE:
+                await _call(self.handler, engine, dp_rank, tuple(events))
+                return True
+            for i in range(0, len(events), APPLY_SLICE):
+                await _call(self.handler, engine, dp_rank, tuple(events[i:i + APPLY_SLICE]))
+                await budget.spend()
         return True
 
     async def _replay(self, engine: str, start: int, stop: int, *, must_cover: bool) -> None:
