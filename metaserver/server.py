@@ -219,7 +219,7 @@ class Metaserver:
                 placement = await self.control_plane.place(pb.PlaceRequest(
                     request_id=entry.placement_id, model=entry.model, leg=pb.LEG_PREFILL,
                     prompt_tokens=entry.prompt_tokens, max_tokens=entry.max_tokens, exclude_workers=tried,
-                    block_hashes=entry.block_hashes))
+                    block_hashes=entry.block_hashes, trace_headers=entry.trace))   # (its span: the request's trace)
                 if placement.error:
                     error = placement.error_message
                     return

@@ -19,6 +19,9 @@ from protos import omni_proxy_pb2 as pb
 from tests.conftest import wait_until
 
 
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
 class Engines:
     """Prefill engines on loopback, each answering with its own status."""
 
@@ -94,7 +97,8 @@ async def _layerwise_request(meta: Metaserver, url: str, rid: str) -> str:
     metaserver URL (with its token)."""
     req = pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=3, max_tokens=4,
                           path="/v1/completions", engine_request_id=rid, num_prompts=1,
-                          body=orjson.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}))
+                          body=orjson.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}),
+                          trace_headers={"traceparent": TRACEPARENT})
     placement = pb.Placement(request_id=rid, flow=pb.FLOW_LAYERWISE, metaserver_url=url,
                              decode=pb.Endpoint(worker_id="d", url="http://127.0.0.1:9", role=pb.ROLE_DECODE))
     assert meta.register(req, placement)
@@ -115,6 +119,7 @@ async def test_a_failed_prefill_is_placed_again_through_the_port_and_sent_elsewh
     assert (status, answer) == (200, {"status": "ok"})
     assert [list(r.exclude_workers) for r in plane.placed] == [[], ["p1"]]
     assert all(r.leg == pb.LEG_PREFILL and r.request_id == "r1" for r in plane.placed)
+    assert all(dict(r.trace_headers) == {"traceparent": TRACEPARENT} for r in plane.placed)   # one trace
     assert plane.reports == [(pb.EVENT_LEG_FAILED, "p1", 500), (pb.EVENT_PREFILL_DONE, "", 0)]
     (sent,) = engines.got["p2"]
     assert sent["prompt"] == "hello" and sent["max_tokens"] == 1 and sent["kv_transfer_params"]["remote_host"] == \
