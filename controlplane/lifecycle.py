@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from controlplane.fleet import Fleet
 from controlplane.hooks import Hook
@@ -136,7 +137,7 @@ class Lifecycle:
         now = time.monotonic()
         status = event.upstream_status
         streak = state.failure_streak + 1 if _counts_for_breaker(status) else state.failure_streak
-        changes = dict(failures_total=state.failures_total + 1, last_error=event.message[:300],
+        changes: dict[str, Any] = dict(failures_total=state.failures_total + 1, last_error=event.message[:300],
                        failure_streak=streak)
         if status == 0 and state.health is not Health.UNHEALTHY:
             # The data plane could not reach the engine at all: stop routing there now

@@ -89,7 +89,9 @@ class Placer:
         an engine can take the request."""
         queue = self.queue
         if queue is None or req.leg != pb.LEG_ENTRY:
-            return await self.place(req, session)
+            placement = await self.place(req, session)
+            assert placement is not None   # None only with may_hold
+            return placement
         if len(queue):
             # Others are already waiting: the queue's order decides who goes first.
             waiting = queue.enqueue(req, session)
@@ -259,7 +261,7 @@ class Placer:
         own prefix caches (what they hold, they need not pull). A large decode group is
         sampled by the profile's candidate stage, as a decode leg's candidates are."""
         group = self.fleet.group(model, _LEG_ROLES["decode"])
-        ids = group.ids
+        ids: Sequence[str] = group.ids
         if not ids:
             return
         stage = self.profile.candidates
@@ -269,7 +271,7 @@ class Placer:
             ids = stage.select(scratch, group, self.kv if chain else None, chain)
         loads = await self.store.loads(ids)
         views = self.fleet.views(ids, loads)
-        pair_decode(ctx, views, self.kv.match(chain, views) if chain else {})
+        pair_decode(ctx, views, self.kv.match(chain, views) if chain and self.kv is not None else {})
 
     def _endpoint(self, worker: WorkerView) -> pb.Endpoint:
         """The worker's endpoint message, built once per spec (specs are immutable; callers
@@ -307,12 +309,12 @@ class Placer:
             for wid, load in loads.items():
                 fleet.note_load(wid, load)
         views = fleet.views(ids, loads)
-        if chain:
+        kv = self.kv
+        if chain and kv is not None:   # (a chain is hashed only with a KV view)
             if not ctx.matched:
-                ctx.match_blocks = self.kv.match(chain, views)
+                ctx.match_blocks = kv.match(chain, views)
             if self.profile.uses_tree_sizes:
                 # Only the cache-aware picker's "no match anywhere" case reads them: on demand.
-                kv = self.kv
                 ctx.tree_sizes = lambda: kv.cached_blocks([v.spec.id for v in views])
         return views
 
@@ -360,7 +362,7 @@ class Placer:
     def internal_error(self, req: pb.PlaceRequest, exc: BaseException) -> pb.Placement:
         return self._error(req, pb.INTERNAL, f"placement failed in the control plane: {type(exc).__name__}")
 
-    def _error(self, req: pb.PlaceRequest, code: int, message: str, explanation: str = "", *,
+    def _error(self, req: pb.PlaceRequest, code: pb.ErrorCode, message: str, explanation: str = "", *,
                count: bool = True) -> pb.Placement:
         if count:
             self.stats.errors[pb.ErrorCode.Name(code)] += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -23,6 +24,9 @@ from metaserver.server import Metaserver
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 from protos.options import server_options
+
+if TYPE_CHECKING:
+    from controlplane.kvcache.persist import KVSnapshots   # imported when snapshots are on
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class ControlPlane:
         self._sweeper: asyncio.Task | None = None
         self.discovery: DiscoveryFile | None = None
         self._tasks: list[asyncio.Task] = []
-        self.kv_snapshots = None      # KVSnapshots with the Redis store (kvcache/persist.py)
+        self.kv_snapshots: KVSnapshots | None = None   # with the Redis store (kvcache/persist.py)
 
     async def start(self) -> None:
         store = self.store
@@ -105,8 +109,8 @@ class ControlPlane:
             self.kv_snapshots = KVSnapshots(self.kv, self.store, self.config.kv_cache.snapshot_interval_s)
             await self.kv_snapshots.load_newest(self.fleet.specs())
         await self.health.start()
-        for spec in self.fleet.specs():
-            await self.kv.watch(spec)
+        for worker in self.fleet.specs():
+            await self.kv.watch(worker)
         self.parts.watch.start()      # from now on a worker that joins is checked and watched at once
         if self.config.discovery.file:
             self.discovery = DiscoveryFile(self.config.discovery.file, self.registry,

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import aiohttp
 import grpc
@@ -329,7 +330,7 @@ def hashing_mismatch(facts: pb.EngineFacts, kv: pb.KVHashConfig | None) -> str:
             "--block-size, --prefix-caching-hash-algo and PYTHONHASHSEED, or change [kv_cache]")
 
 
-async def _keep_fences(store, shared: bool, admin, *, fenced: str = "", lifted: list[str] = ()) -> None:
+async def _keep_fences(store, shared: bool, admin, *, fenced: str = "", lifted: Sequence[str] = ()) -> None:
     """Write removal fences where every replica (Redis) or the next start (state file) sees them."""
     if shared:
         try:
@@ -461,6 +462,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def _info(self, worker_id: str) -> pb.WorkerInfo:
         fleet = self.registry.fleet
         spec = fleet.get(worker_id)
+        assert spec is not None, f"no worker {worker_id}"   # asked for a worker just found or changed
         load = (await self.placer.store.loads([worker_id]))[worker_id]
         cached = self.placer.kv.cached_blocks([worker_id]).get(worker_id, 0) if self.placer.kv else 0
         return self._info_of(fleet.view(spec, load), cached)
@@ -469,6 +471,7 @@ class AdminService(pb_grpc.AdminServicer):
         spec = await self.registry.update(worker_id, **changes)
         if spec is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {validate.show(worker_id)}")
+        assert spec is not None   # abort raised
         self.registry.admin.set_override(spec)
         kept = await self._keep()
         info = await self._info(worker_id)

@@ -32,7 +32,7 @@ class Role(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(member) fr
 
 # The one mapping between a Role and the wire's pb.Role (the admin API, placements, fleet
 # snapshots), both ways.
-ROLE_TO_PB: Mapping[Role, int] = MappingProxyType(
+ROLE_TO_PB: Mapping[Role, pb.Role] = MappingProxyType(
     {Role.BOTH: pb.ROLE_BOTH, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE})
 PB_TO_ROLE: Mapping[int, Role] = MappingProxyType({v: k for k, v in ROLE_TO_PB.items()})
 

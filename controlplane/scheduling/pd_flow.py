@@ -32,7 +32,7 @@ whatever the deployment's decider says now.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from controlplane.workers import Role, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -45,7 +45,7 @@ AGGREGATED_ONLY = (Role.BOTH,)
 class FlowPlan:
     """What one placement does with its chosen worker."""
 
-    flow: int                       # pb.Flow the request takes
+    flow: pb.Flow                   # the flow the request takes
     # What the chosen worker is charged for and sent: "aggregated" and "decode" as the decode
     # endpoint, "prefill" as the prefill endpoint; "" for neither (layerwise: P comes later).
     chosen_leg: str
@@ -60,7 +60,7 @@ class PDFlow(Protocol):
     """A PD-flow decider (see the module's docstring)."""
 
     name: str
-    flow: int       # the pb.Flow of this deployment's split requests (told to data planes)
+    flow: pb.Flow   # the flow of this deployment's split requests (told to data planes)
 
     def entry_roles(self, decode_routable: bool) -> tuple[Role, ...]: ...
 
@@ -72,7 +72,7 @@ class _SplitFlow:
     is chosen, and an aggregated worker runs its request whole."""
 
     name = ""
-    flow: int = pb.FLOW_UNSPECIFIED
+    flow: pb.Flow = pb.FLOW_UNSPECIFIED
     split: FlowPlan = AGGREGATED
 
     def entry_roles(self, decode_routable: bool) -> tuple[Role, ...]:
@@ -119,7 +119,7 @@ def build_pd_flow(name: str) -> PDFlow:
 
 def later_leg(role: Role, flow: int) -> FlowPlan:
     """A later leg's plan (a prefill leg, a decode leg): the chosen worker takes the leg its
-    role runs, and the request keeps ``flow``, the one recorded at its entry."""
+    role runs, and the request keeps ``flow``, the one recorded at its entry (as its number)."""
     if role is Role.BOTH:
         return AGGREGATED
-    return FlowPlan(flow, "prefill" if role is Role.PREFILL else "decode")
+    return FlowPlan(cast(pb.Flow, flow), "prefill" if role is Role.PREFILL else "decode")
