@@ -18,7 +18,9 @@ off).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import orjson  # noqa: E402
 
 from dataplane.metrics import DataPlaneMetrics  # noqa: E402
-from dataplane.observe import (ACCESS_LOGGER, CachedTimeFormatter, Observer,  # noqa: E402
-                               install_request_id_filter, skip_unused_record_fields, trace_headers)
+from dataplane.observe import (ACCESS_LOGGER, BatchedStreamHandler, CachedTimeFormatter,  # noqa: E402
+                               Observer, install_request_id_filter, skip_unused_record_fields, trace_headers)
 from dataplane.requests import parse_request  # noqa: E402
 from dataplane.tracking import LEG_DECODE, LEG_PREFILL, LEG_WHOLE, RequestTracker  # noqa: E402
 from protos import omni_proxy_pb2 as pb  # noqa: E402
@@ -48,8 +50,10 @@ def _setup_logging(access_log: bool) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    handler = logging.FileHandler("/dev/null")
-    handler.setFormatter(CachedTimeFormatter())    # as the data plane's own process has it
+    # As the data plane's own process has it (configure_logging): the batched handler, whose
+    # access lines skip logging's machinery, and the cached-time formatter.
+    handler = BatchedStreamHandler(os.open(os.devnull, os.O_WRONLY))
+    handler.setFormatter(CachedTimeFormatter())
     skip_unused_record_fields()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
@@ -57,18 +61,18 @@ def _setup_logging(access_log: bool) -> None:
     install_request_id_filter()
 
 
-def _request(path: str = "/v1/completions"):
-    body = {"model": "m", "prompt": "hello " * 50, "max_tokens": 128, "stream": True}
+def _request(path: str = "/v1/completions", stream: bool = True):
+    body = {"model": "m", "prompt": "hello " * 50, "max_tokens": 128, "stream": stream}
     return parse_request(path, orjson.dumps(body), "client-7")
 
 
 def run_variant(name: str, n: int, *, access_log: bool = True, stamps_only: bool = False,
-                flow: str = "aggregated", traceparent: str = "", tracing=None) -> float:
+                flow: str = "aggregated", traceparent: str = "", tracing=None, stream: bool = True) -> float:
     _setup_logging(access_log)
     metrics = DataPlaneMetrics()
     obs = Observer(metrics, access_log_on=access_log, tracing=tracing)
     client = _Client()
-    req = _request()
+    req = _request(stream=stream)
     placement = pb.Placement(flow=pb.FLOW_AGGREGATED, queued_ms=0.0)
     now = time.perf_counter
     pd = flow == "sequential"
@@ -90,10 +94,11 @@ def run_variant(name: str, n: int, *, access_log: bool = True, stamps_only: bool
             t.leg(LEG_DECODE, "d0")
         else:
             t.leg(LEG_WHOLE, "w0")
-        t.first_token()
+        t.first_token(streamed=stream)
         if pd:
             t.prefill_done()
-        t.stream_ended()
+        if stream:
+            t.stream_ended()
         t.finished(128)
         if not stamps_only:
             obs.complete(t, "/v1/completions", 200)
@@ -131,6 +136,7 @@ def main() -> None:
         ("tracker stamps + lifecycle events only", dict(stamps_only=True)),
         ("+ metrics (access log off)", dict(access_log=False)),
         ("+ metrics + access log (default)", dict()),
+        ("default, non-streamed (one report)", dict(stream=False)),
         ("default, sequential PD (two legs)", dict(flow="sequential")),
         ("default + client traceparent forwarded", dict(traceparent=TRACEPARENT)),
     ]
@@ -138,8 +144,12 @@ def main() -> None:
     if tracing is not None:
         variants.append(("default + OpenTelemetry spans (--otel-endpoint)", dict(tracing=tracing)))
     results = {}
-    for name, kw in variants:
-        results[name] = min(run_variant(name, args.requests, **kw) for _ in range(args.repeats))
+
+    async def measure() -> None:   # in a running loop, as the handler's flush timer needs
+        for name, kw in variants:
+            results[name] = min(run_variant(name, args.requests, **kw) for _ in range(args.repeats))
+
+    asyncio.run(measure())
     if tracing is not None:
         tracing.shutdown()
     logging.getLogger().handlers.clear()

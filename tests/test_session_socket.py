@@ -237,3 +237,45 @@ async def test_held_reports_leave_with_the_next_placement(monkeypatch):
     finally:
         placing.cancel()
         await asyncio.gather(placing, return_exceptions=True)
+
+
+async def test_a_socket_session_writes_placements_directly_with_the_held_reports(monkeypatch):
+    """With a control plane that reads batches, a socket session is written without the
+    queue and its pump: a placement leaves at once with the reports held for company; a
+    report alone leaves when the hold time is up; held ones outlive a session's end."""
+    import dataplane.placement_client as module
+
+    monkeypatch.setattr(module, "REPORT_HOLD_S", 60.0)
+    written: list[pb.DataPlaneMessage] = []
+
+    class Frames:
+        closing = False
+
+        def write(self, msg: pb.DataPlaneMessage) -> None:
+            written.append(msg)
+
+    client = PlacementClient("127.0.0.1:1", "dp-test")
+    client._queue = asyncio.Queue()
+    client._connected.set()
+    client._cp_batches = True
+    client._direct = Frames()
+    client.report(pb.LifecycleEvent(request_id="done", kind=pb.EVENT_FINISHED))
+    assert not written and len(client._held) == 1
+    placing = asyncio.ensure_future(client.place(_entry("next")))
+    try:
+        await wait_until(lambda: bool(written), what="the placement to be written")
+        [msg] = written
+        assert [m.WhichOneof("body") for m in msg.batch.messages] == ["event", "place"]
+        assert msg.batch.messages[1].place.request_id == "next" and msg.batch.messages[1].place.seq
+        assert client._queue.empty() and not client._held
+        monkeypatch.setattr(module, "REPORT_HOLD_S", 0.05)
+        client.report(pb.LifecycleEvent(request_id="alone", kind=pb.EVENT_FINISHED))
+        await wait_until(lambda: len(written) == 2, what="the report to leave after its hold")
+        assert written[1].event.request_id == "alone"
+        monkeypatch.setattr(module, "REPORT_HOLD_S", 60.0)
+        client.report(pb.LifecycleEvent(request_id="late", kind=pb.EVENT_FINISHED))
+        client._keep_unsent(client._queue)                  # the session ends meanwhile
+        assert [m.event.request_id for m in client._unsent] == ["late"] and len(written) == 2
+    finally:
+        placing.cancel()
+        await asyncio.gather(placing, return_exceptions=True)
