@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="per-step token budget; longer prompts prefill in chunks (default 8192)")
     s.add_argument("--dp-size", type=flags.count(1, 1024), default=1,
                    help="data-parallel ranks in this process (vLLM --data-parallel-size; default 1)")
+    s.add_argument("--dp-barrier", action=argparse.BooleanOptionalAction, default=True,
+                   help="DP ranks step together, each step lasting the slowest rank's, as with DP attention "
+                        "before MoE layers (vLLM, SGLang); --no-dp-barrier: independent ranks (default on)")
     s.add_argument("--max-model-len", type=flags.count(1, 1 << 30), default=32768, help="default 32768")
     s.add_argument("--default-max-tokens", type=flags.count(1, 1 << 30), default=16,
                    help="max_tokens when a request gives none (default 16)")
@@ -148,7 +151,7 @@ def config_from_args(args: argparse.Namespace):
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_events_int_hashes=os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in ("0", ""),
         tokenize_us_per_char=args.tokenize_us_per_char, tokenize_workers=args.tokenize_workers,
-        dp_size=args.dp_size,
+        dp_size=args.dp_size, dp_barrier=args.dp_barrier,
         **_kv_events_kwargs(args),
     )
     if args.engine_id:

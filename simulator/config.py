@@ -78,6 +78,10 @@ class SimConfig:
     # header (vLLM) or routed_dp_rank / data_parallel_rank in the body (SGLang), else round robin.
     # Rank r publishes KV events on the endpoint's port + r, its batches carrying the rank.
     dp_size: int = 1
+    # With dp_size > 1: the ranks step together, a step lasting as long as the slowest rank's
+    # (DP attention before expert-parallel MoE layers: vLLM's DPEngineCoreProc, SGLang's
+    # --enable-dp-attention; see simulator.dp_barrier). False: independent ranks (dense models).
+    dp_barrier: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

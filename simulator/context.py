@@ -16,6 +16,7 @@ from aiohttp import web
 
 from simulator.bootstrap import BootstrapRooms
 from simulator.config import SimConfig
+from simulator.dp_barrier import DpGroup
 from simulator.engine import Engine
 from simulator.faults import Faults
 from simulator.kv_transfer import KvLeaseTable, PullCounters
@@ -75,6 +76,8 @@ class SimContext:
     ranks: list[Engine] = field(default_factory=list)
     rank_publishers: list = field(default_factory=list)
     _next_rank: list[int] = field(default_factory=lambda: [0], repr=False)
+    # The ranks' lockstep loop (cfg.dp_barrier with dp_size > 1); None: each engine runs its own.
+    group: DpGroup | None = None
 
     def for_rank(self, rank: int) -> SimContext:
         """This context as DP rank ``rank`` sees it (the same shared state, that rank's engine)."""
@@ -127,17 +130,34 @@ class SimContext:
     @classmethod
     def create(cls, cfg: SimConfig) -> SimContext:
         metrics = SimMetrics(cfg)
-        engine = Engine(cfg, observer=metrics)
+        barrier = cfg.dp_size > 1 and cfg.dp_barrier
+        wake = asyncio.Event() if barrier else None   # the group's: any rank's submit wakes it
+        engine = Engine(cfg, observer=metrics, wake=wake)
         metrics.watch(engine)   # (DP ranks > 0: request metrics count, engine gauges are rank 0's)
         rooms = BootstrapRooms()
-        ranks = [engine] + [Engine(cfg, observer=metrics) for _ in range(cfg.dp_size - 1)] if cfg.dp_size > 1 else []
+        ranks = [engine] + [Engine(cfg, observer=metrics, wake=wake) for _ in range(cfg.dp_size - 1)] \
+            if cfg.dp_size > 1 else []
         return cls(cfg=cfg, engine=engine, metrics=metrics, leases=KvLeaseTable(engine, cfg.kv_lease_s, rooms),
-                   rooms=rooms, port=cfg.port, ranks=ranks,
+                   rooms=rooms, port=cfg.port, ranks=ranks, group=DpGroup(ranks, wake) if wake else None,
                    tokenizer=TokenizerModel(cfg.tokenize_us_per_char, cfg.tokenize_workers))
 
     @property
     def engines(self) -> list[Engine]:
         return self.ranks or [self.engine]
+
+    def start_engines(self) -> None:
+        """Start the model clocks: the DP group's one, else every engine's own."""
+        if self.group is not None:
+            self.group.start()
+        else:
+            for engine in self.engines:
+                engine.start()
+
+    async def stop_engines(self) -> None:
+        if self.group is not None:
+            await self.group.stop()
+        for engine in self.engines:
+            await engine.stop()
 
     def start_kv_events(self) -> None:
         """Open the ZMQ publisher (if configured) and feed it the engine's events."""

@@ -170,10 +170,46 @@ class StepPlan:
         return bool(self.prefill or self.decode)
 
 
+class Stepper(Protocol):
+    """What ``drive`` advances: one engine, or a DP group whose ranks step together."""
+
+    def plan_step(self) -> Any: ...
+
+    def step_duration(self, plan: Any) -> float: ...
+
+    def account(self, plan: Any, duration: float) -> None: ...
+
+    def complete_step(self, plan: Any, now: float) -> None: ...
+
+
+async def drive(stepper: Stepper, wake: asyncio.Event) -> None:
+    """The model clock: plan a step, let it last what the cost model says, apply it; sleep
+    on ``wake`` while there is nothing to do (a submit or a freed block sets it)."""
+    loop = asyncio.get_running_loop()
+    model_clock = loop.time()
+    while True:
+        plan = stepper.plan_step()
+        if not plan:
+            wake.clear()
+            await wake.wait()
+            model_clock = loop.time()
+            continue
+        now = loop.time()
+        duration = stepper.step_duration(plan)
+        end = max(model_clock, now - _MAX_CATCH_UP_S) + duration
+        delay = end - now
+        # sleep(0) still yields, so handlers get to write between back-to-back steps.
+        await asyncio.sleep(delay if delay > 0 else 0)
+        model_clock = end
+        stepper.account(plan, duration)
+        stepper.complete_step(plan, loop.time())
+
+
 class Engine:
     """Waiting queue + running batch + KV block pool, advanced one step at a time."""
 
-    def __init__(self, cfg: SimConfig, observer: EngineObserver | None = None) -> None:
+    def __init__(self, cfg: SimConfig, observer: EngineObserver | None = None,
+                 wake: asyncio.Event | None = None) -> None:
         self.cfg = cfg
         self.observer = observer
         self.totals = EngineTotals()
@@ -186,7 +222,8 @@ class Engine:
         self._held_blocks = 0
         self._remote_kv_waits = 0
         self._next_block_id = 0
-        self._wake = asyncio.Event()
+        # Set when there may be work; a DP group's ranks share their group's (``dp_barrier``).
+        self._wake = wake if wake is not None else asyncio.Event()
         self._task: asyncio.Task | None = None
         # Set if the loop crashed; /health then answers 503, like vLLM's EngineDeadError.
         self.dead = False
@@ -337,24 +374,11 @@ class Engine:
             raise
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        model_clock = loop.time()
-        while True:
-            plan = self.plan_step()
-            if not plan:
-                self._wake.clear()
-                await self._wake.wait()
-                model_clock = loop.time()
-                continue
-            now = loop.time()
-            duration = self.step_duration(plan)
-            end = max(model_clock, now - _MAX_CATCH_UP_S) + duration
-            delay = end - now
-            # sleep(0) still yields, so handlers get to write between back-to-back steps.
-            await asyncio.sleep(delay if delay > 0 else 0)
-            model_clock = end
-            self.totals.busy_s += duration
-            self.complete_step(plan, loop.time())
+        await drive(self, self._wake)
+
+    def account(self, plan: StepPlan, duration: float) -> None:
+        """Book a step that ran for ``duration`` (the engine's own work) as busy time."""
+        self.totals.busy_s += duration
 
     def step_duration(self, plan: StepPlan) -> float:
         cfg = self.cfg

@@ -70,8 +70,7 @@ def _require_api_key(key: str):
 async def _on_startup(app: web.Application) -> None:
     ctx = app[SIM]
     ctx.start_kv_events()
-    for engine in ctx.engines:
-        engine.start()
+    ctx.start_engines()
     ctx.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
 
 
@@ -85,8 +84,7 @@ async def _on_shutdown(app: web.Application) -> None:
 async def _on_cleanup(app: web.Application) -> None:
     ctx = app[SIM]
     ctx.leases.clear()
-    for engine in ctx.engines:
-        await engine.stop()
+    await ctx.stop_engines()
     await ctx.stop_kv_events()
     if ctx.http is not None:
         await ctx.http.close()
@@ -274,6 +272,8 @@ def state_snapshot(ctx: SimContext) -> dict:
                       "kv_events_port": (ctx.kv_events.port if r == 0 else ctx.rank_publishers[r - 1].port)
                       if ctx.kv_events and r <= len(ctx.rank_publishers) else None}
                      for r, e in enumerate(ctx.engines)],
+        # The DP barrier's cost (None without one): steps, mixed steps, rank-seconds held.
+        "dp_barrier": ctx.group.stats.snapshot() if ctx.group is not None else None,
     }
 
 
