@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from controlplane.commit import Placed, PlacementCommit
+from controlplane.commit import PlacementCommit
 from controlplane.dp_rank import RankChooser, rank_key
 from controlplane.fleet import Fleet
 from controlplane.hooks import Hook
@@ -41,6 +41,7 @@ _LEG_NAMES = {pb.LEG_ENTRY: "entry", pb.LEG_PREFILL: "prefill", pb.LEG_DECODE: "
 _LEG_ROLES = {"prefill": (Role.PREFILL,), "decode": (Role.DECODE,)}
 _ROLE_SETS = {roles: frozenset(roles) for roles in ((Role.BOTH, Role.PREFILL), (Role.BOTH,), *_LEG_ROLES.values())}
 _NONE: frozenset[str] = frozenset()
+_NO_RANKS: dict[str, int] = {}   # no data-parallel worker charged (never written to)
 MAX_TOKENS = 1 << 40   # per request: far above any context, far below int64 sums of many requests
 NO_WORKER_RETRY_S = 1.0   # Retry-After for a known model with no worker at the moment
 
@@ -129,7 +130,10 @@ class Placer:
         # (a slice copies upb's repeated field faster than list())
         chain = req.block_hashes[:] if self.kv is not None and self.profile.uses_prefix_cache else []
         ctx = self._context(req, leg, roles, chain)
-        decision, explanation = await self._choose(req, ctx, roles, chain, explain)
+        if Role.PREFILL in roles and leg == "entry" and self.profile.uses_predictions:
+            await self._pair_context(req.model, ctx, chain)
+        decision = await self._decide(req.model, roles, ctx, chain)
+        explanation = self._explain_choice(decision, ctx, roles) if explain else ""
         chosen = decision.worker
         if chosen is None:
             return self._refusal(req, leg, ctx, roles, decision.dropped, explanation, count=count)
@@ -146,14 +150,15 @@ class Placer:
                 return paired          # no decode worker: refused
             decode = paired
         out, charges = self._placement(req, plan, chosen, decode)
-        ranks, explanation = await self._dp_ranks(out, charges, chain, explanation, explain, advance=not dry_run)
+        ranks = _NO_RANKS
+        if chosen.spec.dp_size > 1 or (decode is not None and decode.spec.dp_size > 1):
+            ranks, explanation = await self._dp_ranks(out, charges, chain, explanation, explain,
+                                                      advance=not dry_run)
         out.explanation = explanation
         if dry_run:
             return out
 
-        await self.commit(Placed(request_id=req.request_id, model=req.model, prompt_tokens=req.prompt_tokens,
-                                 max_tokens=req.max_tokens, session=session, leg=leg, flow=flow, ctx=ctx,
-                                 charges=charges, chain=chain, ranks=ranks, record=record), self.kv)
+        await self.commit.write(ctx, charges, flow, ranks, record, session, self.kv)
         if flow == pb.FLOW_LAYERWISE and leg == "entry":
             self.layerwise_placed.emit(req, out)
         return out
@@ -169,18 +174,14 @@ class Placer:
             return "request_id must be 1 to 256 characters"
         return None
 
-    async def _choose(self, req: pb.PlaceRequest, ctx: PlacementContext, roles: tuple[Role, ...], chain: list[int],
-                      explain: bool) -> tuple[Decision, str]:
-        """The policy's choice for this leg (an entry of a PD fleet first predicts the decode
-        engine each prefill worker would be paired with), and its explanation if asked."""
-        if Role.PREFILL in roles and ctx.leg == "entry" and self.profile.uses_predictions:
-            await self._pair_context(req.model, ctx, chain)
-        decision = await self._decide(req.model, roles, ctx, chain)
-        explanation = self._explain(decision, ctx, roles) if explain else ""
-        if explain and ctx.pair_decode and ctx.pair is not None:
+    def _explain_choice(self, decision: Decision, ctx: PlacementContext, roles: tuple[Role, ...]) -> str:
+        """The policy's choice explained, with the decode engine an entry's prefill worker
+        would be paired with (``_pair_context``) when it was predicted."""
+        explanation = self._explain(decision, ctx, roles)
+        if ctx.pair_decode and ctx.pair is not None:
             explanation += (f" | paired decode: {ctx.pair_decode} (kv pull {ctx.pair[0] * 1000:.0f}ms "
                             f"tpot={ctx.pair[1] * 1000:.1f}ms)")
-        return decision, explanation
+        return explanation
 
     async def _decode_now(self, req: pb.PlaceRequest, chain: list[int], explanation: str, explain: bool,
                           count: bool) -> tuple[WorkerView | pb.Placement, str]:

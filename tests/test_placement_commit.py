@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from controlplane.commit import Placed, PlacementCommit, ledger_charges
+from controlplane.commit import PlacementCommit, ledger_charges
 from controlplane.fleet import Fleet
 from controlplane.placement_stats import PlacementStats
 from controlplane.scheduling import PlacementContext
@@ -29,10 +29,14 @@ def ctx(leg: str = "entry", **kw) -> PlacementContext:
                             **kw)
 
 
-def placed(charges, leg="entry", flow=pb.FLOW_AGGREGATED, **kw) -> Placed:
-    c = kw.pop("ctx", None) or ctx(leg)
-    return Placed(request_id="r1", model="m", prompt_tokens=100, max_tokens=20, session="s1", leg=leg, flow=flow,
-                  ctx=c, charges=charges, **kw)
+def charged(charges, c: PlacementContext | None = None, *, flow=pb.FLOW_AGGREGATED, ranks=None, record=None):
+    """ledger_charges of ``charges`` at NOW."""
+    return ledger_charges(c or ctx(), charges, flow=flow, ranks=ranks or {}, record=record, now=NOW)
+
+
+async def commit_of(commit: PlacementCommit, charges, c: PlacementContext | None = None, *,
+                    flow=pb.FLOW_AGGREGATED, ranks=None, kv=None) -> None:
+    await commit.write(c or ctx(), charges, flow=flow, ranks=ranks or {}, record=None, session="s1", kv=kv)
 
 
 class Prefixes:
@@ -48,21 +52,21 @@ class Prefixes:
 def test_aggregated_charge_holds_the_whole_request_and_its_uncached_prompt():
     a = view("a", load=Load(requests=2, tokens=50, prefill_tokens=30))
     c = ctx(match_blocks={"a": 2}, predicted={"a": (0.25, 0.01)})
-    charges, notes = ledger_charges(placed([(a, "aggregated")], ctx=c), NOW)
+    charges, notes = charged([(a, "aggregated")], c)
     assert charges == [Charge(worker_id="a", leg="aggregated", tokens=120, prefill_tokens=100 - 32)]
     assert notes == {"work_ahead_tokens": 30 + 68, "predicted_ttft_s": 0.25, "decode_batch": 3}
 
 
 def test_parallel_pd_charges_prefill_with_the_prompt_and_decode_with_the_request():
     p, d = view("p", Role.PREFILL), view("d", Role.DECODE, Load(requests=4))
-    charges, notes = ledger_charges(placed([(p, "prefill"), (d, "decode")], flow=pb.FLOW_PARALLEL), NOW)
+    charges, notes = charged([(p, "prefill"), (d, "decode")], flow=pb.FLOW_PARALLEL)
     assert charges == [Charge("p", "prefill", 100, 100), Charge("d", "decode", 120, 0)]
     assert notes == {"work_ahead_tokens": 100, "predicted_ttft_s": 0.0, "decode_batch": 5}
 
 
 def test_a_dp_rank_is_charged_beside_its_worker():
     a = view("a", dp_size=4)
-    charges, _ = ledger_charges(placed([(a, "aggregated")], ranks={"a": 3}), NOW)
+    charges, _ = charged([(a, "aggregated")], ranks={"a": 3})
     assert [c.worker_id for c in charges] == ["a", "a#3"]
     assert charges[0].tokens == charges[1].tokens == 120
 
@@ -71,21 +75,19 @@ def test_sequential_decode_leg_notes_when_the_pull_started_and_its_size():
     d = view("d", Role.DECODE)
     c = ctx("decode", match_blocks={"d": 5})
     record = RequestRecord(request_id="r1", model="m", prompt_tokens=100, max_tokens=20, flow=pb.FLOW_SEQUENTIAL)
-    _, notes = ledger_charges(placed([(d, "decode")], leg="decode", flow=pb.FLOW_SEQUENTIAL, ctx=c, record=record),
-                              NOW)
+    _, notes = charged([(d, "decode")], c, flow=pb.FLOW_SEQUENTIAL, record=record)
     assert notes == {"decode_batch": 1, "decode_placed_at": NOW, "pull_tokens": 100 - 80}
     # Another flow's decode leg pulls nothing placement times.
-    _, notes = ledger_charges(placed([(d, "decode")], leg="decode", flow=pb.FLOW_PARALLEL, ctx=c, record=record),
-                              NOW)
+    _, notes = charged([(d, "decode")], c, flow=pb.FLOW_PARALLEL, record=record)
     assert notes == {"decode_batch": 1}
 
 
 def test_a_prefill_tried_again_is_timed_from_its_new_placement():
     p = view("p", Role.PREFILL)
     record = RequestRecord(request_id="r1", model="m", prompt_tokens=100, max_tokens=20, flow=pb.FLOW_SEQUENTIAL)
-    _, notes = ledger_charges(placed([(p, "prefill")], leg="prefill", flow=pb.FLOW_SEQUENTIAL, record=record), NOW)
+    _, notes = charged([(p, "prefill")], ctx("prefill"), flow=pb.FLOW_SEQUENTIAL, record=record)
     assert notes["placed_at"] == NOW
-    _, first = ledger_charges(placed([(p, "prefill")], flow=pb.FLOW_SEQUENTIAL), NOW)
+    _, first = charged([(p, "prefill")], flow=pb.FLOW_SEQUENTIAL)
     assert "placed_at" not in first            # a new record is created with placed_at itself
 
 
@@ -101,8 +103,8 @@ async def test_commit_reserves_then_counts_and_the_computing_worker_holds_the_pr
     store, fleet, stats, kv = MemoryStore(), fleet_of(p, d), PlacementStats.new(), Prefixes()
     commit = PlacementCommit(store, fleet, stats, store_notes_loads=False)
     chain = [1, 2, 3, 4]
-    await commit(placed([(p, "prefill"), (d, "decode")], flow=pb.FLOW_PARALLEL, chain=chain, ranks={"p": 1},
-                        ctx=ctx(match_blocks={"p": 3})), kv)
+    await commit_of(commit, [(p, "prefill"), (d, "decode")], ctx(match_blocks={"p": 3}, chain=chain),
+                    flow=pb.FLOW_PARALLEL, ranks={"p": 1}, kv=kv)
     record = await store.get("r1")
     assert record is not None and record.session == "s1" and record.flow == pb.FLOW_PARALLEL
     assert [c.worker_id for c in record.charges] == ["p", "p#1", "d"]
@@ -121,14 +123,15 @@ async def test_the_fleet_order_is_told_only_when_the_store_does_not_tell_it():
         told: list[tuple[str, Load]] = []
         fleet.note_load = lambda wid, load, told=told: told.append((wid, load))   # type: ignore[method-assign]
         commit = PlacementCommit(MemoryStore(), fleet, PlacementStats.new(), store_notes_loads=store_notes_loads)
-        await commit(placed([(a, "aggregated")]), None)
+        await commit_of(commit, [(a, "aggregated")])
         assert told == expected
 
 
 async def test_no_chain_no_prefix_bookkeeping():
     a = view("a")
     stats, kv = PlacementStats.new(), Prefixes()
-    await PlacementCommit(MemoryStore(), fleet_of(a), stats, store_notes_loads=True)(placed([(a, "aggregated")]), kv)
+    await commit_of(PlacementCommit(MemoryStore(), fleet_of(a), stats, store_notes_loads=True), [(a, "aggregated")],
+                    kv=kv)
     assert kv.calls == [] and not stats.query_blocks and stats.placed == {("a", "aggregated"): 1}
 
 
@@ -140,6 +143,6 @@ async def test_a_failing_ledger_leaves_every_count_untouched():
     a = view("a")
     fleet, stats, kv = fleet_of(a), PlacementStats.new(), Prefixes()
     with pytest.raises(ConnectionError):
-        await PlacementCommit(Down(), fleet, stats, store_notes_loads=False)(
-            placed([(a, "aggregated")], chain=[1, 2]), kv)
+        await commit_of(PlacementCommit(Down(), fleet, stats, store_notes_loads=False), [(a, "aggregated")],
+                        ctx(chain=[1, 2]), kv=kv)
     assert not stats.placed and not fleet.placements and kv.calls == []
