@@ -19,6 +19,7 @@ from controlplane.health import HealthChecker
 from controlplane.registry import WorkerRegistry, worker_id_for
 from controlplane.state import SharedStore
 from controlplane.workers import PB_TO_ROLE, ROLE_TO_PB, Health, Role, WorkerSpec, WorkerView, normalize_url
+from omni_runtime.eager import start_eagerly
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
 
@@ -50,6 +51,37 @@ def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int 
             metrics_age_s=(now - eng.updated_at) if eng.updated_at else -1.0))
 
 
+class _Waiting:
+    """A session's messages whose handling is waiting (see ``SchedulerService._dispatch``)."""
+
+    __slots__ = ("by_request", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+        self.by_request: dict[str, asyncio.Task] = {}   # request id -> its latest waiting message
+
+    def add(self, rid: str, task: asyncio.Task) -> None:
+        self.tasks.add(task)
+        if rid:
+            self.by_request[rid] = task
+        task.add_done_callback(lambda t: self._done(rid, t))
+
+    def _done(self, rid: str, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if rid and self.by_request.get(rid) is task:
+            del self.by_request[rid]
+
+
+async def _after(before: asyncio.Task, handling) -> None:
+    """``handling`` once ``before`` (the same request's previous message) is done, however it ended."""
+    try:
+        await asyncio.wait([before])
+    except BaseException:
+        handling.close()    # never started: closed, not left un-awaited
+        raise
+    await handling
+
+
 class SchedulerService(pb_grpc.SchedulerServicer):
     """The data planes' API, and the control plane's side of the metaserver's port
     (``metaserver.ports.ControlPlanePort``: :meth:`place`, :meth:`report`)."""
@@ -71,10 +103,13 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         """Serve one data plane: placements are answered, reports need no answer.
 
         Messages are read and handled in arrival order, so every placement answered at
-        once sees the load charged by the one before. A placement the queue stage holds is
-        answered later, from its own task, without holding up the ones behind it. An error
-        while handling one message is contained to it: the session, and every other
-        request on it, goes on.
+        once sees the load charged by the one before. A message whose handling has to wait
+        (a networked store's round trip) goes on in a task of its own while the next ones are
+        handled (``omni_runtime.eager``): no placement waits for another's, or for a report's,
+        round trips, and the messages of one request still take effect in order. A placement
+        the queue stage holds is answered later, from its own task, without holding up the
+        ones behind it. An error while handling one message is contained to it: the session,
+        and every other request on it, goes on.
         """
         session = f"s{next(self._session_ids)}-{uuid.uuid4().hex}"   # unique across replicas
         out: asyncio.Queue = asyncio.Queue()
@@ -138,16 +173,37 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     async def _read(self, request_iterator, session: str, out: asyncio.Queue, held: set,
                     batches: list[bool] | None = None) -> None:
+        waiting = _Waiting()
         try:
             async for msg in request_iterator:
                 body = msg.WhichOneof("body")
                 if body == "batch":
                     for one in msg.batch.messages:
-                        await self._handle(one, one.WhichOneof("body"), session, out, held, batches)
+                        await self._dispatch(one, one.WhichOneof("body"), session, out, held, batches, waiting)
                 else:
-                    await self._handle(msg, body, session, out, held, batches)
+                    await self._dispatch(msg, body, session, out, held, batches, waiting)
+            if waiting.tasks:    # the node is gone: its last reports still take effect
+                await asyncio.gather(*waiting.tasks, return_exceptions=True)
         finally:
             out.put_nowait(None)
+
+    async def _dispatch(self, msg: pb.DataPlaneMessage, body: str | None, session: str, out: asyncio.Queue,
+                        held: set, batches: list[bool] | None, waiting: "_Waiting") -> None:
+        """Handle one message now; if it has to wait, let it wait in a task while the next ones
+        are handled. A message about a request whose previous message is still waiting goes
+        after it (a report never overtakes its placement, an end its settle)."""
+        if body == "open":
+            # What follows may be about the requests it claims: claimed first.
+            await self._handle(msg, body, session, out, held, batches)
+            return
+        rid = msg.place.request_id if body == "place" else msg.event.request_id if body == "event" else ""
+        before = waiting.by_request.get(rid) if rid else None
+        handling = self._handle(msg, body, session, out, held, batches)
+        task = start_eagerly(handling if before is None else _after(before, handling))
+        if task is not None:
+            waiting.add(rid, task)
+            held.add(task)
+            task.add_done_callback(held.discard)
 
     async def _handle(self, msg: pb.DataPlaneMessage, body: str | None, session: str, out: asyncio.Queue,
                       held: set, batches: list[bool] | None) -> None:
