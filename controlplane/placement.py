@@ -6,6 +6,13 @@ candidates; the policy decides; then every charge of the decision is reserved in
 ledger call. Load is counted at the moment of each placement and released by the data
 planes' lifecycle reports (``controlplane.lifecycle``), so a burst sees each earlier
 placement of the same burst, which a policy reading engine metrics seconds old cannot.
+
+``Placer.place`` is a short sequence of decisions, each in a module of its own so that it can
+be read, changed and tested alone: the policy's choice (``scheduling/``), the flow and whether
+a decode worker is chosen with the entry (the PD-flow decider ``pd_flow`` names:
+``scheduling/pd_flow.py``), the rank of a data-parallel worker (``dp_rank.py``), then the one
+step that writes the decision to the ledger, the fleet's load order, the prefix index and the
+counters (``commit.py``). What stays here is their order, explanations and refusals.
 """
 
 from __future__ import annotations
