@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 import contextlib
 import json
 import os
@@ -135,7 +136,8 @@ async def send_chat(session: aiohttp.ClientSession, url: str, body: dict, idx: i
     """One streamed /v1/chat/completions request (send_router's outcome; chunks carry deltas)."""
     out = Outcome(idx)
     t0 = time.perf_counter()
-    first = last = None
+    first: float | None = None
+    last = 0.0   # read only once first is set
     done = False
     try:
         async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
@@ -315,7 +317,7 @@ METRICS = {   # summary key -> (cell path, label)
 }
 
 
-def _get(cell: dict, path: tuple) -> float | None:
+def _get(cell: Any, path: tuple) -> float | None:
     for k in path:
         cell = cell.get(k) if isinstance(cell, dict) else None
     return cell
@@ -748,6 +750,7 @@ def _main(args, trace: Path, argv: list[str], code: dict) -> int:
     offsets = [(r["timestamp"] - t0) / 1000 for r in window]
     if text:
         texts = [b.get("prompt") or "".join(m["content"] for m in b["messages"]) for b in bodies]
+        assert tok is not None   # text prompts come with a tokenizer
         lengths = [len(tok.encode_prompt(x, add_special_tokens=False)) for x in texts]
         tok.close()
     else:

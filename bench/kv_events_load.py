@@ -227,7 +227,7 @@ class StallWatch:
         self.interval_s = interval_s
         self.lateness: list[float] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._handle = None
+        self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
 
     def start(self) -> None:
@@ -246,6 +246,7 @@ class StallWatch:
         now = time.perf_counter()
         self.lateness.append(max(0.0, now - self._due) * 1000)
         self._due = now + self.interval_s
+        assert self._loop is not None   # started
         self._handle = self._loop.call_later(self.interval_s, self._tick)
 
 
@@ -277,7 +278,7 @@ class HoldWatch:
                         cb = handle._callback
                         watch.longest = repr(getattr(cb, "__self__", None) or handle)[:300]
 
-        asyncio.events.Handle._run = _run
+        asyncio.events.Handle._run = _run   # type: ignore[method-assign]  # instrumenting asyncio on purpose
 
     def start(self) -> None:
         self.holds = []
@@ -324,11 +325,11 @@ async def run(args: argparse.Namespace) -> dict:
             target = f"127.0.0.1:{plane.grpc_port}"
             cli_ready = group.workdir / "client.ready"
             # in a thread: the client's session needs this loop (the control plane's) meanwhile
-            cli = await asyncio.to_thread(group.start_program, "client",
+            client = await asyncio.to_thread(group.start_program, "client",
                                           [sys.executable, me, "--client", "--ready-file", str(cli_ready),
                                            "--target", target, *common], port_in(cli_ready))
             pr, pw = await asyncio.open_connection("127.0.0.1", pub.port)
-            cr, cw = await asyncio.open_connection("127.0.0.1", cli.port, limit=1 << 26)
+            cr, cw = await asyncio.open_connection("127.0.0.1", client.port, limit=1 << 26)
 
             async def publish(on: bool) -> dict:
                 pw.write(json.dumps({"publish": on}).encode() + b"\n")

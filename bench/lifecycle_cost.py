@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
-    variants = [
+    variants: list[tuple[str, dict[str, Any]]] = [
         ("tracker stamps + lifecycle events only", dict(stamps_only=True)),
         ("+ metrics (access log off)", dict(access_log=False)),
         ("+ metrics + access log (default)", dict()),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import cast
 import json
 import os
 import socket
@@ -82,7 +83,8 @@ class Engine(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.buf = b""
-        self.transport = None
+        # None until asyncio calls connection_made (its first call): typed as set.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any, cast
 import json
 import os
 import platform
@@ -44,8 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from omni_proxy.launcher import Child, LaunchError, ProcessGroup, port_in  # noqa: E402
 
-import peers  # noqa: E402
-import prom  # noqa: E402
+from bench import peers, prom  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 PEERS = ("vllm-router", "sglang-router", "smg")
@@ -102,7 +102,7 @@ def loop_lag(url: str) -> dict | None:
     max, from /metrics; None where it has none."""
     text = prom.scrape(url)
     hist = prom.histogram(text, "omni_dp_event_loop_lag_seconds") if text else None
-    if hist is None:
+    if text is None or hist is None:
         return None
     return {**hist, "max_10s": prom.gauge(text, "omni_dp_event_loop_lag_max_seconds")}
 
@@ -115,6 +115,7 @@ def lag_delta(before: dict | None, after: dict | None) -> dict | None:
     if not before or not after:
         return None
     d = prom.delta(before, after)
+    assert d is not None   # both readings are there
     top = prom.top_bucket(d)
     peak, prior = after["max_10s"] or 0.0, before["max_10s"] or 0.0
     exact = top is not None and peak > prior and top[0] < peak <= top[1]
@@ -212,7 +213,8 @@ class _Client(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection; one request at a time; Content-Length or chunked."""
 
     def __init__(self) -> None:
-        self.transport = None
+        # None until asyncio calls connection_made (its first call): typed as set.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.waiter: asyncio.Future | None = None
         self.buf = bytearray()
         self.closed = False
@@ -298,7 +300,7 @@ async def run_cell(ports: list[int], stream: bool, conc: int, seconds: float, wa
     errors = 0
     t0 = time.perf_counter()
     t_start, t_end = t0 + warm, t0 + warm + seconds
-    marks = {}
+    marks: dict[str, Any] = {}
 
     async def worker(c: _Client, data: bytes) -> None:
         nonlocal errors

@@ -478,9 +478,9 @@ def main() -> None:
                     help="re-render the markdown and plot from OUT/placement.json without measuring")
     a = ap.parse_args()
     if a.render_only:
-        result = json.loads((Path(a.out) / "placement.json").read_text())
+        rendered = json.loads((Path(a.out) / "placement.json").read_text())
         baseline = json.loads(Path(a.baseline).read_text()) if a.baseline else None
-        write(result, Path(a.out), result["command"], baseline)
+        write(rendered, Path(a.out), rendered["command"], baseline)
         return
     if a.quick:
         a.placements, a.event_frames, a.memory_blocks, a.rounds = 150, 2000, 100_000, 2

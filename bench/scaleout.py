@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 import json
 import os
 import platform
@@ -90,7 +91,7 @@ class Driver:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.clients: dict[str, object] = {}
+        self.clients: dict[str, Any] = {}   # PlacementClients (imported in the driver process)
         self.seq = 0
 
     async def client(self, target: str):
@@ -299,7 +300,7 @@ def summarize(result: dict) -> dict:
         if not got:
             continue
         store, cps, dps = key.split()
-        s = {m: spread([g[m] for g in got]) for m in ("placements_per_s", "p50_us", "p99_us")}
+        s: dict[str, Any] = {m: spread([g[m] for g in got]) for m in ("placements_per_s", "p50_us", "p99_us")}
         mem_key = f"memory 1cp {dps}"
         if store != "memory":
             pairs = [(r[key], r[mem_key]) for r in rounds if key in r and mem_key in r]
@@ -428,7 +429,7 @@ def main() -> int:
     if "memory" not in args.stores:
         p.error("--stores needs memory: the ratios are to it")
     command = "python bench/scaleout.py " + " ".join(sys.argv[1:])
-    result = {"command": command.strip(), "host": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+    result: dict[str, Any] = {"command": command.strip(), "host": f"{platform.machine()}, {os.cpu_count()} CPUs, "
               f"Python {platform.python_version()}", "loadavg": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
               "args": {k: v for k, v in vars(args).items() if k not in ("driver", "ready_file", "out")}}
     try:

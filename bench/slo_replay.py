@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 import concurrent.futures
 import contextlib
 import json
@@ -209,7 +210,8 @@ class Outcome:
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, t0: float,
                   out: Outcome) -> None:
-    first = last = None
+    first: float | None = None
+    last = 0.0   # read only once first is set
     done = False
     async with session.post(url, data=orjson.dumps(body), headers={**JSON, **headers}) as resp:
         if resp.status != 200:
@@ -383,7 +385,7 @@ async def drive(engines: list[Engine], rows: list[dict], bodies: list[dict], off
         async def send(i: int) -> Outcome:
             if router_url is not None:
                 return await send_router(session, router_url, bodies[i], i)
-            if i in assignment:
+            if assignment is not None and i in assignment:
                 return await send_direct(session, engines, assignment[i], bodies[i], i)
             return Outcome(i, error="no assignment recorded")
 
@@ -443,7 +445,7 @@ def fair_share(per_engine: list[dict], speeds: list[float]) -> float | None:
     groups: dict[tuple[str, float], list[int]] = {}
     for pe, speed in zip(per_engine, speeds, strict=False):
         groups.setdefault((pe["role"], speed), []).append(pe["requests"])
-    shares = [min(v) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1 and sum(v)]
+    shares = [min(v) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1 and sum(v) != 0]
     return round(min(shares), 3) if shares else None
 
 
@@ -586,7 +588,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
             row[key] = {"mean": round(statistics.mean(vals), 4) if vals else None,
                         "min": min(vals) if vals else None, "max": max(vals) if vals else None,
                         "stdev": round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0}
-        engines = {}
+        engines: dict[str, Any] = {}
         for x in rs:
             for pe in x["per_engine"]:
                 engines.setdefault(pe["engine"], []).append(pe["requests"])
@@ -842,7 +844,7 @@ def code_from(git_ref: str | None):
     from ``git archive git_ref`` in a temp dir (cwd and PYTHONPATH point there meanwhile),
     so uncommitted edits in the working tree do not leak into the measurement."""
     snapshot = None
-    code = {"git_ref": git_ref}
+    code: dict[str, Any] = {"git_ref": git_ref}
     try:
         code["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", git_ref or "HEAD"],
                                         capture_output=True, text=True).stdout.strip()
@@ -960,7 +962,7 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                         + f" ({time.time() - t_run:.0f}s)")
 
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else (1.0 if 1.0 in rates else rates[len(rates) // 2])
-    report = {
+    report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python bench/slo_replay.py " + " ".join(shlex.quote(a) for a in args.argv),
         "elapsed_s": round(time.time() - started, 1),

@@ -272,7 +272,7 @@ class Soak:
     async def restart_redis(self, down_s: float, *, empty: bool) -> None:
         child = self.procs["redis"]
         self.group.kill(child)
-        if empty:   # as a pod without a volume: nothing of the old data
+        if empty and self.redis_dir is not None:   # as a pod without a volume: nothing of the old data
             for entry in self.redis_dir.iterdir():
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         await asyncio.sleep(down_s)
@@ -371,7 +371,7 @@ class Soak:
             elif kind == "5xx_burst":
                 status = self.rng.choice((500, 502, 503, 429))
                 count = self.rng.randint(3, 20)
-                spec = {"status": status, "count": count}
+                spec: dict[str, int | str] = {"status": status, "count": count}
                 if status in (503, 429) and self.rng.random() < 0.5:
                     spec["retry_after"] = "1"
                 await self.sim_faults(session, engine, spec)

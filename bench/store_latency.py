@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 import gc
 import json
 import os
@@ -161,8 +162,10 @@ class Config:
     async def place_cycle(self, measure: bool) -> None:
         rid = self.rid()
         req = pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=512, max_tokens=128)
+        placer = self.placer
+        assert placer is not None   # made by start()
         t0 = time.perf_counter_ns()
-        out = await self.placer.place(req, "s1")
+        out = await placer.place(req, "s1")
         t1 = time.perf_counter_ns()
         if out is None or out.error:
             raise RuntimeError(f"{self.name}: placement failed: {out}")
@@ -185,7 +188,7 @@ class Config:
 
 
 def summary(c: Config) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for key, xs in c.samples.items():
         out[key] = {"p50_us": round(pct(xs, 0.5), 2), "p99_us": round(pct(xs, 0.99), 2),
                     "mean_us": round(statistics.fmean(xs) / 1000, 2), "n": len(xs)}

@@ -158,6 +158,7 @@ def _proc_init(model_dir: str) -> None:
 
 
 def _proc_encode(text: str) -> bytes:
+    assert _proc_tok is not None   # _proc_init ran in this process
     return array("q", _proc_tok.encode_prompt(text)).tobytes()
 
 
@@ -254,6 +255,7 @@ def main() -> None:
 
         spec = importlib.util.spec_from_file_location(
             "fixture_dirs", Path(__file__).resolve().parents[1] / "tests/data/tokenizer/fixture_dirs.py")
+        assert spec is not None and spec.loader is not None
         fd = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(fd)
         model_dir = fd.build("tiny_llama", Path(tempfile.mkdtemp(prefix="tokbench-")))
