@@ -188,7 +188,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             out.put_nowait(None)
 
     async def _dispatch(self, msg: pb.DataPlaneMessage, body: str | None, session: str, out: asyncio.Queue,
-                        held: set, batches: list[bool] | None, waiting: "_Waiting") -> None:
+                        held: set, batches: list[bool] | None, waiting: _Waiting) -> None:
         """Handle one message now; if it has to wait, let it wait in a task while the next ones
         are handled. A message about a request whose previous message is still waiting goes
         after it (a report never overtakes its placement, an end its settle)."""
