@@ -70,9 +70,11 @@ class SpecStore(Protocol):
 class Ledger(Protocol):
     """Load per worker, as the sum of the charges of the requests that hold it."""
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
         """Add ``charges`` to the request (creating its record from ``record`` if new);
-        ``notes`` replace fields of an existing record (what a later leg's placement predicted)."""
+        ``notes`` replace fields of an existing record (what a later leg's placement predicted).
+        The record; None when the request had already ended (a late reserve the Redis store
+        drops, see its ``end(tombstone_s=)``)."""
         ...
 
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:

@@ -74,7 +74,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -690,7 +690,7 @@ class RedisStore:
     # ------------------------------------------------------------------ ledger
 
     @_unavailable
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
         fields = {f: getattr(record, f) for f in _RECORD_FIELDS if f != "charges"}
         args: list[Any] = [self.prefix, record.request_id, self.replica_id, self.replica_ttl_ms,
                            f"{self.replica_id}:{next(self._ops)}"]
@@ -717,9 +717,8 @@ class RedisStore:
                                                              cur.prefill_tokens + c.prefill_tokens,
                                                              cur.prefills + (1 if c.prefill_tokens > 0 else 0))
                 return dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
-        # None only for a late reserve of a request that had already ended (see end(tombstone_s=)):
-        # the Ledger protocol does not say so yet; kept as it was (see the lint report).
-        return cast(RequestRecord, self._ledger_reply(await self._script(self._reserve, _RESERVE, args)))
+        # None for a late reserve of a request that had already ended (see end(tombstone_s=))
+        return self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
 
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:

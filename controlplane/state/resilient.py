@@ -160,7 +160,7 @@ class ResilientStore:
 
     # ------------------------------------------------------------------ ledger
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
         rid = record.request_id
         if rid not in self._local_ids:
             if self._shared_now(rid):
