@@ -66,6 +66,7 @@ from controlplane.auth import AuthConfig, parse_tokens
 from controlplane.health import HealthConfig
 from kvhash.hashing import HASH_ALGOS
 from controlplane.kvcache.manager import KVCacheConfig
+from controlplane.scheduling.base import DP_RANK_RULES
 from controlplane.scheduling.pd_flow import PD_FLOWS as PD_FLOW_DECIDERS
 from controlplane.workers import Role
 
@@ -76,7 +77,7 @@ MAX_DP_SIZE = 1024
 WORKER_KEYS = ("url", "role", "model", "weight", "id", "bootstrap_port", "labels", "kv_events", "kv_replay",
                "dp_size")
 SHARED_KEYS = ("branches", "lookahead", "max_entries")
-PROFILE_KEYS = ("filters", "scorers", "picker", "queue", "candidates", "shared")
+PROFILE_KEYS = ("filters", "scorers", "picker", "queue", "candidates", "shared", "dp_rank")
 
 # key -> check(value, field) returning the value to store. Every key a file or flag can set is
 # here, so nothing reaches the running control plane unchecked (types, ranges, enums).
@@ -383,6 +384,9 @@ def _profiles(value: Any) -> dict[str, dict[str, Any]]:
                 _plugin(spec[single], f"{where}.{single}")
         if "shared" in spec:
             _shared(spec["shared"], f"{where}.shared")
+        if "dp_rank" in spec and spec["dp_rank"] not in DP_RANK_RULES:
+            raise ValueError(f"{where}.dp_rank must be one of {', '.join(DP_RANK_RULES)}, "
+                             f"got {v.show(spec['dp_rank'])}")
     return dict(profiles)
 
 

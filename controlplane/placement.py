@@ -75,7 +75,8 @@ class Placer:
         self.predictor = predictor or Predictor()
         self.block_size = block_size
         self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
-        self.ranks = RankChooser(store, profile.shared)   # the DP rank of a data-parallel worker
+        # The DP rank of a data-parallel worker, by the profile's rule (balance | phase_aligned).
+        self.ranks = RankChooser(store, profile.shared, profile.dp_rank, block_size)
         # The fleet's least-loaded order follows the ledger: told by the store on every change
         # when the store can (MemoryStore), else by this placer whenever it reads or charges a load.
         self._store_notes_loads = isinstance(store, NotifiesLoads)
@@ -159,8 +160,8 @@ class Placer:
         out, charges = self._placement(req, plan, chosen, decode)
         ranks = _NO_RANKS
         if chosen.spec.dp_size > 1 or (decode is not None and decode.spec.dp_size > 1):
-            ranks, explanation = await self._dp_ranks(out, charges, chain, explanation, explain,
-                                                      advance=not dry_run)
+            ranks, explanation = await self._dp_ranks(out, charges, chain, req.prompt_tokens, explanation,
+                                                      explain, advance=not dry_run)
         out.explanation = explanation
         if dry_run:
             return out
@@ -206,13 +207,16 @@ class Placer:
         return d_decision.worker, explanation
 
     async def _dp_ranks(self, out: pb.Placement, charges: list[tuple[WorkerView, str]], chain: list[int],
-                        explanation: str, explain: bool, *, advance: bool) -> tuple[dict[str, int], str]:
+                        prompt_tokens: int, explanation: str, explain: bool, *,
+                        advance: bool) -> tuple[dict[str, int], str]:
         """The rank of each data-parallel worker charged (``dp_rank.RankChooser``), set on its
-        endpoints; and the explanation with why."""
+        endpoints; and the explanation with why. A worker that computes the prompt (not a
+        decode leg) is told how long it is (the ``phase_aligned`` rule weighs its prefill)."""
         ranks: dict[str, int] = {}
-        for w, _ in charges:
+        for w, leg in charges:
             if w.spec.dp_size > 1 and w.spec.id not in ranks:
-                ranks[w.spec.id], why = await self.ranks.choose(w, chain, self.kv, advance=advance)
+                ranks[w.spec.id], why = await self.ranks.choose(
+                    w, chain, self.kv, advance=advance, prefill_tokens=prompt_tokens if leg != "decode" else 0)
                 for ep in (out.prefill, out.decode):
                     if ep.worker_id == w.spec.id:
                         ep.dp_rank = ranks[w.spec.id]

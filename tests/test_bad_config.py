@@ -102,6 +102,7 @@ TOML_CASES = {
     "profile_scorer_weight": ('policy = "p"\n[profiles.p]\nscorers = [{name = "least_load", weight = inf}]\n',
                               ["profiles.p.scorers[0].weight"]),
     "profile_shared_key": ('policy = "p"\n[profiles.p]\nshared = {branchez = 3}\n', ["profiles.p.shared", "branchez"]),
+    "profile_dp_rank": ('policy = "p"\n[profiles.p]\ndp_rank = "aligned"\n', ["profiles.p.dp_rank", "phase_aligned"]),
     "profile_shared_value": ('policy = "p"\n[profiles.p]\nshared = {branches = 0}\n', ["profiles.p.shared.branches"]),
     "toml_syntax": ('policy = "random"\n[health\ninterval_s = 1\n', ["bad.toml", "line 2"]),
 }

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from controlplane.dp_rank import RankChooser, choose_rank, rank_key
+import pytest
+
+from controlplane.dp_rank import RankChooser, choose_rank, choose_rank_aligned, rank_key
+from controlplane.scheduling import build_profile
 from controlplane.scheduling.shared import SharedPrefixes
 from controlplane.workers import Load, Role, WorkerSpec, WorkerView
 
@@ -102,3 +105,49 @@ async def test_no_index_or_no_chain_reads_no_depths():
     chooser = RankChooser(Ledger(), SharedPrefixes())
     assert (await chooser.choose(worker(), [], Refusing())).rank == 0
     assert (await chooser.choose(worker(), [1, 2], None)).rank == 1
+
+
+# ---- phase_aligned: a prompt to compute joins the prefill phase under way ----------------
+
+def test_aligned_decision_joins_the_prefill_under_way_on_another_rank():
+    # Rank 0 prefills 20k tokens; the others decode (rank 1 has the fewest requests).
+    loads = [Load(requests=1, prefill_tokens=20_000), Load(requests=2), Load(requests=5), Load(requests=3)]
+    new = [8_000] * 4
+    # balance would queue the prompt behind rank 0's prefill (fewest requests) ...
+    assert choose_rank([0] * 4, loads, start=0) == 0
+    # ... phase_aligned runs it beside it: the phase stays 20k tokens; then the balance order.
+    assert choose_rank_aligned(new, [0] * 4, loads, start=0) == 1
+    # A prompt longer than the phase under way still avoids the rank already prefilling.
+    assert choose_rank_aligned([30_000] * 4, [0] * 4, loads, start=0) == 1
+    # No prefill anywhere: the uncached part decides (a cached prefix shortens the phase), then balance.
+    idle = [Load(requests=2), Load(requests=1), Load(requests=1), Load(requests=3)]
+    assert choose_rank_aligned([4_000, 4_000, 4_000, 1_000], [0] * 4, idle, start=0) == 3
+    assert choose_rank_aligned([4_000] * 4, [0] * 4, idle, start=2) == 2
+
+
+async def test_aligned_chooser_weighs_the_prefill_and_balances_decode_legs():
+    ledger = Ledger({"a#0": Load(requests=1, tokens=20_000, prefill_tokens=20_000), "a#1": Load(requests=3),
+                     "a#2": Load(requests=2), "a#3": Load(requests=4)})
+    aligned = RankChooser(ledger, SharedPrefixes(), "phase_aligned")
+    choice = await aligned.choose(worker(), [], None, prefill_tokens=8_000)
+    assert choice.rank == 2 and choice.why.endswith("0 prefill tokens")
+    # A decode leg computes no prompt: the balance order (fewest requests: rank 0).
+    assert (await aligned.choose(worker(), [], None, prefill_tokens=0)).rank == 0
+    # The balance rule ignores the prefill under way.
+    assert (await RankChooser(ledger, SharedPrefixes()).choose(worker(), [], None, prefill_tokens=8_000)).rank == 0
+    # Prefix depths shorten the work per rank: every rank but 0 is 19k tokens into a prefill, and
+    # only rank 3, holding 100 of the prompt's 120 blocks, can take it within the 20k-token phase.
+    for r in (1, 2, 3):
+        ledger.by_key[f"a#{r}"] = Load(requests=r, prefill_tokens=19_000)
+    deep = await aligned.choose(worker(), list(range(120)), Depths({3: 100}), prefill_tokens=1_920)
+    assert deep.rank == 3
+
+
+def test_profiles_take_a_validated_dp_rank_rule():
+    assert build_profile("predicted_latency").dp_rank == "balance"
+    custom = {"dp": {"scorers": [{"name": "least_load"}], "dp_rank": "phase_aligned"}}
+    assert build_profile("dp", custom).dp_rank == "phase_aligned"
+    with pytest.raises(ValueError, match="dp_rank must be one of balance, phase_aligned"):
+        build_profile("bad", {"bad": {"dp_rank": "aligned"}})
+    with pytest.raises(ValueError, match="dp_rank"):
+        RankChooser(Ledger(), SharedPrefixes(), "aligned")

@@ -9,6 +9,10 @@ from typing import Any, Protocol
 from controlplane.workers import Role, WorkerView
 
 
+# A profile's ``dp_rank``: how a data-parallel worker's rank is chosen (controlplane.dp_rank).
+DP_RANK_RULES = ("balance", "phase_aligned")
+
+
 @dataclass(slots=True)
 class PlacementContext:
     """What a placement knows about the request it is placing."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.scheduling.base import Candidate, Decision, Filter, PlacementContext, Picker, Scorer
+from controlplane.scheduling.base import DP_RANK_RULES, Candidate, Decision, Filter, PlacementContext, Picker, Scorer
 from controlplane.scheduling.candidates import CANDIDATE_STAGES, SampleStage
 from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
 from controlplane.scheduling.pickers import PICKERS
@@ -36,6 +36,9 @@ class Profile:
     shared: SharedPrefixes = field(default_factory=SharedPrefixes)
     # Who received the recent placements: the candidates starved of them (see RecentShares).
     shares: RecentShares = field(default_factory=RecentShares)
+    # How a data-parallel worker's rank is chosen (controlplane.dp_rank): "balance", or
+    # "phase_aligned" for engines whose ranks step together (DP attention before MoE layers).
+    dp_rank: str = "balance"
 
     def __post_init__(self) -> None:
         if self.candidates is not None:
@@ -186,6 +189,9 @@ def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) ->
         prefixes = SharedPrefixes(**shared)
     except TypeError as exc:
         raise ValueError(f"bad options for shared: {exc}") from None
+    dp_rank = spec.get("dp_rank", "balance")
+    if dp_rank not in DP_RANK_RULES:
+        raise ValueError(f"dp_rank must be one of {', '.join(DP_RANK_RULES)}, got {dp_rank!r}")
     # Bounded candidates unless the profile says "all" (see controlplane.scheduling.candidates).
     stage = spec.get("candidates", "sample")
     return Profile(
@@ -196,4 +202,5 @@ def build_profile(name: str, custom: dict[str, dict[str, Any]] | None = None) ->
         queue=_make(QUEUES, queue, "queue") if queue else None,
         candidates=None if stage in ("all", None, "") else _make(CANDIDATE_STAGES, stage, "candidate stage"),
         shared=prefixes,
+        dp_rank=dp_rank,
     )
