@@ -71,6 +71,7 @@ STORES: dict[str, dict] = {
     "memory": {},
     "redis": {},                                                     # the defaults
     "redis-mirror-wb": {"loads_max_age_s": 0.05, "write_behind": True},
+    "redis-exact": {"loads_max_age_s": 0.0, "write_behind": False},   # every placement reads and writes Redis
     "redis-local": {"ledger": "local"},                              # controlplane/state/local.py
 }
 
@@ -93,6 +94,7 @@ class Driver:
         self.name = name
         self.clients: dict[str, Any] = {}   # PlacementClients (imported in the driver process)
         self.seq = 0
+        self.held: list[tuple[str, str]] = []    # (request, worker) of an accuracy burst
 
     async def client(self, target: str):
         from dataplane.placement_client import PlacementClient
@@ -109,6 +111,13 @@ class Driver:
         from protos import omni_proxy_pb2 as pb
 
         client = await self.client(job["target"])
+        if job.get("release"):      # the end of an accuracy burst: every held request finishes
+            for rid, wid in self.held:
+                client.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED, worker_id=wid))
+            n, self.held = len(self.held), []
+            return {"released": n}
+        hold = job.get("hold", False)
+        placed_on: dict[str, int] = {}
         start_at, seconds, max_count = job["start_at"], job["seconds"], job["max_count"]
         warm_from = start_at - job["warm"]
         stop_at = start_at + seconds
@@ -136,15 +145,20 @@ class Driver:
                         errors.append(f"{pb.ErrorCode.Name(out.error)}: {out.error_message}")
                     await asyncio.sleep(0.01)
                     continue
-                client.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED,
-                                                worker_id=out.decode.worker_id))
+                if hold:            # accuracy burst: the request stays in flight until released
+                    self.held.append((rid, out.decode.worker_id))
+                    placed_on[out.decode.worker_id] = placed_on.get(out.decode.worker_id, 0) + 1
+                else:
+                    client.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED,
+                                                    worker_id=out.decode.worker_id))
                 if now >= start_at and len(samples) < max_count:
                     samples.append(dt // 1000)   # us
                     last_end[0] = time.time()
 
         await asyncio.gather(*(loop() for _ in range(job["concurrency"])))
         elapsed = max(1e-6, min(stop_at, last_end[0]) - start_at) if samples else seconds
-        return {"n": len(samples), "elapsed_s": elapsed, "samples_us": samples, "errors": errors}
+        return {"n": len(samples), "elapsed_s": elapsed, "samples_us": samples, "errors": errors,
+                "placed_on": placed_on}
 
 
 async def driver_main(name: str, ready_file: str) -> None:
@@ -240,11 +254,17 @@ async def run(args: argparse.Namespace) -> dict:
             log(f"{len(drivers)} data planes up; {len(todo)} cells x {args.rounds} rounds")
 
             async def job(i: int, target: str, tag: str, start_at: float, warm: float,
-                          seconds: float = args.seconds) -> dict:
+                          seconds: float = args.seconds, max_count: int = args.max_count, hold: bool = False) -> dict:
                 reader, writer = drivers[i]
                 writer.write(json.dumps({"target": target, "tag": tag, "start_at": start_at, "warm": warm,
-                                         "seconds": seconds, "max_count": args.max_count,
+                                         "seconds": seconds, "max_count": max_count, "hold": hold,
                                          "concurrency": args.concurrency}).encode() + b"\n")
+                await writer.drain()
+                return json.loads(await reader.readline())
+
+            async def release(i: int, target: str) -> dict:
+                reader, writer = drivers[i]
+                writer.write(json.dumps({"target": target, "release": True}).encode() + b"\n")
                 await writer.drain()
                 return json.loads(await reader.readline())
 
@@ -279,12 +299,49 @@ async def run(args: argparse.Namespace) -> dict:
                         f"p99 {res['p99_us']:6.0f} us  n={res['n']}"
                         + (f"  errors: {res['errors'][:2]}" if res["errors"] else ""))
                 result["rounds"].append(rnd)
+            if args.burst:
+                result["accuracy"] = await accuracy_bursts(args, stores, planes, job, release)
             for _, writer in drivers:
                 writer.close()
     finally:
         if redis is not None:
             redis.close()
     return result
+
+
+async def accuracy_bursts(args: argparse.Namespace, stores: list[str], planes: dict, job, release) -> dict:
+    """Load accuracy: two data planes each place a burst of ``--burst`` requests at once (one
+    replica each with Redis, both on the one memory control plane) and keep them all in flight.
+    An informed least_load never puts more than an even share (ceil(N / workers)) on a worker
+    while every request stays open, so each placement beyond that share on any worker was made
+    on a stale view of the loads. Reported per store: that count over N, median of the rounds."""
+    out: dict = {}
+    for r in range(args.burst_rounds):
+        for store in stores:
+            cps = 1 if store == "memory" else max(args.replicas)
+            start_at = time.time() + 0.3
+            tag = f"b{r}-{store}"
+            outs = await asyncio.gather(*(job(i, planes[store][i % cps].address, tag, start_at, 0.0, seconds=30.0,
+                                              max_count=args.burst, hold=True) for i in range(2)))
+            counts: dict[str, int] = {}
+            for o in outs:
+                for wid, n in o["placed_on"].items():
+                    counts[wid] = counts.get(wid, 0) + n
+            total = sum(counts.values())
+            share = -(-total // WORKERS)
+            stale = sum(max(0, n - share) for n in counts.values())
+            await asyncio.gather(*(release(i, planes[store][i % cps].address) for i in range(2)))
+            row = out.setdefault(store, {"stale_fraction": [], "max_on_one": [], "placed": []})
+            row["stale_fraction"].append(round(stale / total, 4) if total else None)
+            row["max_on_one"].append(max(counts.values(), default=0))
+            row["placed"].append(total)
+            log(f"burst {r + 1}/{args.burst_rounds} {store:16s} {total} placed, even share {share}, most on one "
+                f"worker {max(counts.values(), default=0)}, placed beyond the share {stale} ({stale / max(total, 1):.1%})")
+            # the released requests' ends reach every replica's view before the next burst
+            await asyncio.sleep(1.0)
+    for row in out.values():
+        row["stale_fraction_median"] = statistics.median(x for x in row["stale_fraction"] if x is not None)
+    return out
 
 
 def spread(xs: list[float]) -> dict:
@@ -416,6 +473,9 @@ def main() -> int:
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="control planes (Redis stores only)")
     p.add_argument("--stores", nargs="+", default=list(STORES), choices=list(STORES))
     p.add_argument("--max-seconds", type=float, default=900.0, help="stop after this long in all")
+    p.add_argument("--burst", type=int, default=0,
+                   help="load accuracy: each of two data planes places this many requests at once and holds them")
+    p.add_argument("--burst-rounds", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="directory for scaleout.{json,md,png}")
     p.add_argument("--driver", help=argparse.SUPPRESS)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)

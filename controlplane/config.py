@@ -28,8 +28,8 @@ Example (TOML)::
     redis_url = "redis://127.0.0.1:6379/0"   # redis://, rediss:// or unix:///path
     key_prefix = "omni:"           # namespaces one deployment's keys in a shared Redis
     replica_ttl_s = 10.0           # a replica silent this long loses its reservations
-    loads_max_age_s = 0.0          # > 0: place from a local copy of the loads at most this old
-    write_behind = false           # true: answer a placement before Redis confirms its charge
+    loads_max_age_s = 0.05         # > 0: place from a local copy of the loads, refreshed this often
+    write_behind = true            # answer a placement before Redis confirms its charge
     ledger = "shared"              # "local": placement never waits for Redis (controlplane/state/local.py)
     flush_interval_s = 0.005       # ledger = "local": this replica's loads are written this often
     op_timeout_s = 0.5             # a Redis call unanswered this long: the store is out (placed from memory)
@@ -240,8 +240,11 @@ class StateConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "omni:"
     replica_ttl_s: float = 10.0
-    loads_max_age_s: float = 0.0      # > 0: placement reads loads from a local mirror at most this old
-    write_behind: bool = False        # placement does not wait for Redis to confirm its reserve
+    # Placement never waits for Redis by default (issue 19): loads from this replica's copy,
+    # refreshed in the background this often (0: read Redis every placement), and charges sent
+    # without waiting for Redis to confirm them (false: wait). docs/benchmarks/scaleout.md.
+    loads_max_age_s: float = 0.05
+    write_behind: bool = True
     ledger: str = "shared"            # "local": this replica's charges in memory, published in batches
     flush_interval_s: float = 0.005   # ledger = "local": how often changed loads are written to Redis
     op_timeout_s: float = 0.5         # a Redis call unanswered this long is an outage (a hung Redis)

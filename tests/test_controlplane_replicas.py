@@ -37,6 +37,10 @@ async def _cond(value) -> bool:
     return value
 
 
+async def _requests(plane: ControlPlane, n: int) -> bool:
+    return (await plane.store.loads(["w"]))["w"].requests == n
+
+
 async def test_an_operators_change_on_one_replica_reaches_the_other_and_survives_restarts(sim_both, redis_persistent):
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     a, b = await _plane(sim_both, redis_persistent, prefix), await _plane(sim_both, redis_persistent, prefix)
@@ -64,9 +68,12 @@ async def test_load_placed_on_one_replica_is_seen_by_the_other(sim_both, redis_s
         await wait_until(lambda: _cond(a.fleet.get("w") is not None and b.fleet.get("w") is not None),
                          what="both replicas know the worker")
         assert not (await a.placer.place(_entry("shared-1"), "s")).error
-        assert (await b.store.loads(["w"]))["w"].requests == 1
+        # Each replica places from its copy of the loads, refreshed every loads_max_age_s
+        # (the default): the other's charge and release show up within that and a round trip.
+        await wait_until(lambda: _requests(b, 1), what="b sees a's charge")
         await b.lifecycle.report(pb.LifecycleEvent(request_id="shared-1", kind=pb.EVENT_FINISHED))
-        assert (await a.store.loads(["w"]))["w"].requests == 0
+        await wait_until(lambda: _requests(a, 0), what="a sees b's release")
+        assert await a.store.records() == []     # b ended the record a placed
     finally:
         await a.stop()
         await b.stop()

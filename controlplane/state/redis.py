@@ -489,10 +489,14 @@ class RedisStore:
         self.wire = (redis_wire.WireClient(url, timeout_s=socket_timeout_s,
                                            connect_timeout_s=max(2.0, socket_timeout_s))
                      if fast_path and redis_wire.supported(url) else None)
-        # Load mirror (off at 0): loads() answers from memory when this replica's copy is at
-        # most loads_max_age_s old. Its own reserves and releases update the copy from the
-        # scripts' replies at once; other replicas' show up within loads_max_age_s.
+        # Load mirror (off at 0): loads() answers from memory; the copy is refreshed in the
+        # background once it is loads_max_age_s old. Its own reserves and releases update the
+        # copy at once (write-behind) or from the scripts' replies; other replicas' show up
+        # within loads_max_age_s and a round trip.
         self.loads_max_age_s = loads_max_age_s
+        # Older than this, a placement waits for the refresh (which fails over to the local
+        # ledger when Redis is out); younger, it is answered from the copy at once.
+        self.mirror_wait_s = max(10 * loads_max_age_s, 0.5)
         self._mirror: dict[str, Load] = {}
         self._mirror_gen: dict[str, int] = {}
         self._mirror_tick = 0
@@ -763,12 +767,18 @@ class RedisStore:
         if not self.loads_max_age_s:
             return await self._read_loads(ids)
         mirror = self._mirror
-        if time.monotonic() - self._mirror_at > self.loads_max_age_s or not all(w in mirror for w in ids):
+        age = time.monotonic() - self._mirror_at
+        if age > self.loads_max_age_s or not all(w in mirror for w in ids):
             self._watched.update(ids)
             if self._refreshing is None:   # one refresh for a burst of placements
                 self._refreshing = asyncio.ensure_future(self._refresh_mirror())
                 self._refreshing.add_done_callback(self._refreshed)
-            await asyncio.shield(self._refreshing)
+            # Stale but not old, and every worker in it: answer now, fresher next time. A
+            # placement never waits for the refresh that keeps the copy current; only one
+            # that finds a worker missing, or a copy older than mirror_wait_s (Redis has not
+            # answered a refresh for that long), waits for Redis.
+            if age > self.mirror_wait_s or not all(w in mirror for w in ids):
+                await asyncio.shield(self._refreshing)
         return {w: mirror.get(w, IDLE) for w in ids}
 
     def _refreshed(self, fut: asyncio.Future) -> None:
