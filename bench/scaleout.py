@@ -336,7 +336,8 @@ async def accuracy_bursts(args: argparse.Namespace, stores: list[str], planes: d
             row["max_on_one"].append(max(counts.values(), default=0))
             row["placed"].append(total)
             log(f"burst {r + 1}/{args.burst_rounds} {store:16s} {total} placed, even share {share}, most on one "
-                f"worker {max(counts.values(), default=0)}, placed beyond the share {stale} ({stale / max(total, 1):.1%})")
+                f"worker {max(counts.values(), default=0)}, placed beyond the share {stale} "
+                f"({stale / max(total, 1):.1%})")
             # the released requests' ends reach every replica's view before the next burst
             await asyncio.sleep(1.0)
     for row in out.values():
