@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--policies", default=f"{DEFAULT_POLICY},cache_aware,round_robin")
     p.add_argument("--peers", default="vllm-router,smg")
+    p.add_argument("--peer-policies", default="cache_aware,round_robin",
+                   help="passed to slo_replay (in PD, vllm-router's own PD mode whatever the policy)")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--time-scale", default="0.5")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
@@ -67,7 +69,7 @@ def parse_args(argv=None):
 def run_case(case: str, args) -> int:
     argv = [*CASES[case], "--rates", args.rates, "--repeats", str(args.repeats), "--policies", args.policies,
             "--time-scale", args.time_scale, "--out", str(args.out), "--name", f"workload_{case}"]
-    argv += ["--no-peers"] if args.no_peers else ["--peers", args.peers]
+    argv += ["--no-peers"] if args.no_peers else ["--peers", args.peers, "--peer-policies", args.peer_policies]
     if args.git_ref:
         argv += ["--git-ref", args.git_ref]
     if args.profiles:

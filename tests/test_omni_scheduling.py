@@ -166,6 +166,33 @@ async def _follow_up_placement(recompute_weight: float) -> str:
     return p.decode.worker_id
 
 
+async def _follow_up_behind_queued_prompts(queued_weight: float) -> str:
+    """a holds 3,008 of a 4,000-token follow-up's tokens and has 8,000 tokens queued (one
+    prompt); b has three short prompts (300 tokens) still to compute."""
+    scorer = {"name": "predicted_latency", "queued_weight": queued_weight, "tpot_weight": 0.0}
+    plane = await make(policy="p", p={"scorers": [scorer]})
+    teach(plane, "a", 1e-4)
+    teach(plane, "b", 1e-4)
+    await plane.store.reserve(RequestRecord(request_id="long", model="m", prompt_tokens=8000, max_tokens=1),
+                              (Charge("a", "aggregated", 8000, prefill_tokens=8000),))
+    for i in range(3):
+        await plane.store.reserve(RequestRecord(request_id=f"short{i}", model="m", prompt_tokens=100, max_tokens=1),
+                                  (Charge("b", "aggregated", 100, prefill_tokens=100),))
+    chain = list(range(1, 251))
+    plane.placer.kv = KVCache(KVCacheConfig())
+    plane.placer.kv.placed(plane.fleet.get("a"), chain[:188], 0)
+    p = await plane.placer.place(entry("follow", tokens=4000, block_hashes=chain), "s")
+    return p.decode.worker_id
+
+
+async def test_predicted_latency_counts_the_prompts_that_wait_behind_a_recompute():
+    # Recompute counted once: b's 0.03 + 0.4 s (+0.4 recomputed) beats a's 0.8 + 0.1 (+0.1).
+    assert await _follow_up_behind_queued_prompts(0.0) == "b"
+    # The three prompts still to be computed on b wait for the 4,000 recomputed tokens too
+    # (1.2 s more); on a, one prompt waits for 992: the follow-up stays with its prefix.
+    assert await _follow_up_behind_queued_prompts(1.0) == "a"
+
+
 async def test_predicted_latency_counts_the_recompute_a_placement_costs_the_fleet():
     # Its own TTFT alone: 0.1 + 0.4 (queue) on a vs 0.4 on b: it leaves its conversation.
     assert await _follow_up_placement(0.0) == "b"
@@ -370,6 +397,41 @@ def test_queue_running_cap_counts_a_prefill_engines_prompts_in_progress_not_kv_i
     assert q.should_hold(ctx, WorkerView(spec, Load(requests=5, tokens=5000, prefill_tokens=900, prefills=2)))
     both = WorkerView(dataclasses.replace(spec, role=Role.BOTH), keeping.load)
     assert q.should_hold(ctx, both)               # an aggregated engine runs what it holds
+
+
+def test_a_held_engine_is_released_when_its_admitted_prefills_are_predicted_done():
+    """The ledger counts a prompt's prefill until its first token is reported; the queue also
+    counts the time since it admitted it, so the next request reaches the engine as its
+    prefill ends, not after (held, the engine ran its queue dry between prompts)."""
+    from controlplane.prediction import Predictor
+    from controlplane.scheduling import PlacementContext
+    from controlplane.workers import Load, WorkerView
+
+    predictor = Predictor()
+    model = predictor.model("a")
+    for i in range(100):
+        model.observe_ttft(500 + 100 * i, 0.01 + 1e-3 * (500 + 100 * i))     # 1 ms a token
+    spec = WorkerSpec(id="a", url="http://a", role=Role.BOTH, model="m")
+    q = HoldQueue(hold_s=0.15)
+
+    def ctx(now: float) -> PlacementContext:
+        return PlacementContext(request_id="r", model="m", leg="entry", prompt_tokens=2000, predictor=predictor,
+                                now=now)
+
+    done = 100.0 + 2000 * model.ttft.b                    # when the first prompt's prefill is predicted done
+    assert 101.8 < done < 102.2
+    idle = WorkerView(spec, Load())
+    assert not q.should_hold(ctx(100.0), idle)            # admitted: ~2 s of prefill from t=100
+    busy = WorkerView(spec, Load(requests=1, tokens=2000, prefill_tokens=2000, prefills=1))
+    assert q.should_hold(ctx(100.5), busy)                # ~1.5 s of it left
+    assert q.should_hold(ctx(done - 0.2), busy)           # 0.2 s left: still more than hold_s
+    # 0.1 s left, no first token reported yet (the ledger still counts 2 s): released now.
+    assert not q.should_hold(ctx(done - 0.1), busy)
+    # Work this queue did not admit (another replica's) counts from when it is first seen.
+    other = WorkerView(dataclasses.replace(spec, id="b"), busy.load)
+    predictor.model("b").ttft = model.ttft
+    assert q.should_hold(ctx(200.0), other)
+    assert not q.should_hold(ctx(200.0), WorkerView(other.spec, Load(prefill_tokens=100)))   # 0.1 s: none
 
 
 # ---------------------------------------------------------------------------- PD pairs

@@ -121,6 +121,14 @@ class PredictedLatencyScorer:
     cached prefix, and under load the fleet spends itself recomputing prefixes it already
     holds (docs/benchmarks/slo_replay_notes.md).
 
+    The recompute term is weighed ``recompute_weight`` plus ``queued_weight`` for each prompt
+    that engine still has to compute (``Load.prefills``): they all wait for the recomputed
+    tokens too. Counted once, a question on a long document left the document's engine for
+    one with a shorter queue whenever the queue difference passed twice the document's
+    prefill, and under load the fleet computed documents again (bench/workloads.py
+    ``longdoc`` at 16x, one run each: 5.0-6.7 % SLO attainment against 13.3-32.5 % with the
+    queue counted; ``system_prompt`` at 4x: 87-96.7 against 97-100 %).
+
     The candidates' common match is compared as if every candidate held it (it prefers no
     one). A shared prefix beyond it (one that several prompts continued differently, such as
     the system prompt every request starts with: ``controlplane.scheduling.shared``) is
@@ -153,6 +161,7 @@ class PredictedLatencyScorer:
     tpot_target_s: float = TPOT_TARGET_S
     tpot_weight: float = 1.0
     recompute_weight: float = 1.0
+    queued_weight: float = 1.0
     decode_floor: float = DECODE_FLOOR
     name: str = "predicted_latency"
     uses_prefix_cache: bool = True
@@ -161,7 +170,7 @@ class PredictedLatencyScorer:
     def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
         ttft_t = ctx.ttft_slo_s or self.ttft_target_s
         tpot_t = (ctx.tpot_slo_s or self.tpot_target_s) / self.tpot_weight if self.tpot_weight > 0 else float("inf")
-        mu = self.recompute_weight
+        mu, queued = self.recompute_weight, self.queued_weight
         decode = ctx.leg == "decode" and self.tpot_weight > 0
         pd_tpot = -1.0          # a prefill candidate's TPOT beside aggregated ones (see the docstring)
         if ctx.leg == "entry" and Role.BOTH in ctx.roles and Role.PREFILL in ctx.roles and \
@@ -169,6 +178,7 @@ class PredictedLatencyScorer:
             pd_tpot = ctx.predictor.fleet_tpot(1) if ctx.pair is None else 0.0
         costs = []
         computes = ctx.leg != "decode"
+        model = ctx.predictor.model
         match, bs, prompt = ctx.match_blocks.get, ctx.block_size, ctx.prompt_tokens
         common, floor, starved = ctx.common_blocks, ctx.floor_blocks, ctx.starved
         for w in workers:
@@ -184,10 +194,13 @@ class PredictedLatencyScorer:
             recompute = prompt - (held if held > c else c) * bs
             uncached, recompute = (uncached if uncached > 0 else 0), (recompute if recompute > 0 else 0)
             if computes and spec.role is not Role.DECODE:
-                ttft += ctx.predictor.model(spec.id).ttft.b * (mu * recompute - (uncached - recompute))
+                b = model(spec.id).ttft.b
+                # (each prompt still to be computed there waits for the recomputed tokens too)
+                mu_w = mu + queued * w.load.prefills if recompute else 0.0
+                ttft += b * (mu_w * recompute - (uncached - recompute))
             elif decode and c:
                 # Likewise a decode engine's pull of the common prefix: pulled once, held after.
-                ttft -= ctx.predictor.model(spec.id).pull.b * (uncached - recompute)
+                ttft -= model(spec.id).pull.b * (uncached - recompute)
             if pd_tpot >= 0 and spec.role is Role.PREFILL:
                 ttft, tpot = with_pair(ctx, w, ttft, tpot) if ctx.pair is not None else (ttft, pd_tpot)
             cost = decode_cost(ttft, tpot, ttft_t, tpot_t, self.decode_floor) if decode else \

@@ -93,7 +93,8 @@ class Profile:
             ctx.floor_blocks = min(depths)
             if ctx.common_blocks > ctx.floor_blocks:
                 ctx.starved = self.shares.starved(decode, [w.spec.id for w in remaining],
-                                                  [w.spec.weight for w in remaining])
+                                                  [w.spec.weight for w in remaining],
+                                                  [w.load.prefill_tokens for w in remaining])
         candidates = [Candidate(w) for w in remaining]
         for scorer, weight in self.scorers:
             name = scorer.name

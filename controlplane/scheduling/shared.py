@@ -159,9 +159,14 @@ class RecentShares:
             else:
                 del counts[old]
 
-    def starved(self, decode: bool, ids: Sequence[str], weights: Sequence[float]) -> frozenset[str]:
+    def starved(self, decode: bool, ids: Sequence[str], weights: Sequence[float],
+                work: Sequence[int] = ()) -> frozenset[str]:
         """The workers among ``ids`` (with their ``weights``) below ``fraction`` of their
-        fair share of the recent placements of this kind."""
+        fair share of the recent placements of this kind and, given each one's ``work``
+        ahead (prefill tokens placed and not yet computed), with no more of it than the
+        candidates' mean: an engine that got fewer requests because its requests are longer
+        (the questions on the long documents it holds) is busy, not starved, and treating a
+        shared prefix as held there sent it another document to compute under load."""
         recent = self._recent.get(decode)
         if not recent:
             return frozenset()
@@ -169,4 +174,6 @@ class RecentShares:
         if total <= 0:
             return frozenset()
         counts, share = self._counts[decode], self.fraction * len(recent) / total
-        return frozenset(wid for wid, w in zip(ids, weights, strict=False) if counts.get(wid, 0) < share * w)
+        mean = sum(work) / len(work) if work else 0.0
+        return frozenset(wid for i, (wid, w) in enumerate(zip(ids, weights, strict=False))
+                         if counts.get(wid, 0) < share * w and (not work or work[i] <= mean))
