@@ -311,6 +311,33 @@ async def test_load_mirror_sees_other_replicas_within_its_max_age(redis_server):
         await b.close()
 
 
+async def test_load_mirror_answers_at_once_while_it_refreshes(redis_server, monkeypatch):
+    """A copy that is stale but young answers a placement at once while the refresh runs
+    behind it; one older than ``mirror_wait_s`` (Redis has not answered for that long) waits."""
+    a = RedisStore(redis_server.url, key_prefix=_prefix(), loads_max_age_s=0.01)
+    try:
+        await a.reserve(_rec("a1"), (Charge("w", "aggregated", 10),))
+        assert (await a.loads(["w"]))["w"].requests == 1            # first read: Redis
+        gate, read = asyncio.Event(), a._read_loads
+
+        async def held(ids):
+            await gate.wait()
+            return await read(ids)
+
+        monkeypatch.setattr(a, "_read_loads", held)
+        await wait_until(lambda: time.monotonic() - a._mirror_at > a.loads_max_age_s, what="the copy to age")
+        got = await asyncio.wait_for(a.loads(["w"]), 2)             # from the copy, not waiting
+        assert got["w"].requests == 1 and a._refreshing is not None and not a._refreshing.done()
+        a.mirror_wait_s = 0.0
+        waiting = asyncio.ensure_future(a.loads(["w"]))
+        done, _ = await asyncio.wait([waiting], timeout=0.2)
+        assert not done, "a copy older than mirror_wait_s answered without Redis"
+        gate.set()
+        assert (await asyncio.wait_for(waiting, 5))["w"].requests == 1
+    finally:
+        await a.close()
+
+
 async def test_write_behind_reserve_is_exact_once_sent(redis_server):
     """``write_behind``: reserve answers before Redis does; the charge lands in order before
     any later call of the same store, so loads and ends stay exact."""
