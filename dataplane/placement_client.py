@@ -36,7 +36,7 @@ from dataplane.session_socket import connect as connect_socket
 from omni_runtime.retry import Retry
 from protos import omni_proxy_pb2 as pb
 from protos import omni_proxy_pb2_grpc as pb_grpc
-from protos.framing import FrameError, FrameWriter, split_target
+from protos.framing import FrameError, split_target
 from protos.options import CLIENT_KEEPALIVE_MS, MAX_OPENING_FRAME_BYTES, client_options
 
 log = logging.getLogger(__name__)
@@ -137,13 +137,6 @@ class PlacementClient:
         self._cp_batches = False
         self._holding: list | None = None    # reports held for company by _outgoing
         self._hold: asyncio.Future | None = None   # what _outgoing waits on while it holds them
-        # A socket session with a control plane that reads batches is written directly
-        # (``_send``): no queue, pump task and generator step between a placement and its
-        # frame. Reports are held for company here then, as _outgoing holds them otherwise.
-        self._frames: FrameWriter | None = None    # the socket session's frame writer
-        self._direct: FrameWriter | None = None    # set once the control plane said it reads batches
-        self._held: list[pb.DataPlaneMessage] = []
-        self._held_timer: asyncio.TimerHandle | None = None
         self.fallback = FallbackPlacer()
         # What the control plane told us about this deployment at session start.
         self.info = pb.SessionInfo()
@@ -186,7 +179,6 @@ class PlacementClient:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        self._send_held()                  # the last reports go out before the stream's end
         if self._queue is not None:
             self._queue.put_nowait(None)   # ends the stream after what is queued (held reports too)
             _wake(self._hold)
@@ -228,12 +220,8 @@ class PlacementClient:
             req.seq = seq
             fut = loop.create_future()
             self._pending[seq] = fut
-            direct = self._direct
-            if direct is not None and not direct.closing:
-                self._send(direct, out)
-            else:
-                assert self._queue is not None
-                self._queue.put_nowait(out)
+            assert self._queue is not None
+            self._queue.put_nowait(out)
             _wake(self._hold)        # held reports leave with it
             # Not wait_for, nor a timer per placement: one sweep over the pending ones fails
             # those past their deadline (no task, timeout scope or timer handle per request).
@@ -288,44 +276,9 @@ class PlacementClient:
             self._live.discard(event.request_id)
         msg = pb.DataPlaneMessage(event=event)
         if self._connected.is_set() and self._queue is not None:
-            direct = self._direct
-            if direct is None or direct.closing:
-                self._queue.put_nowait(msg)
-            elif REPORT_HOLD_S <= 0 or len(self._held) >= MAX_BATCH - 1:
-                self._held.append(msg)
-                self._send_held()
-            else:
-                # Held for company: the next placement takes them, or the hold time is up.
-                self._held.append(msg)
-                if self._held_timer is None:
-                    self._held_timer = asyncio.get_running_loop().call_later(REPORT_HOLD_S, self._send_held)
+            self._queue.put_nowait(msg)
         else:
             self._unsent.append(msg)
-
-    def _send(self, frames: FrameWriter, msg: pb.DataPlaneMessage) -> None:
-        """Write ``msg`` on the socket session, with the reports held for company."""
-        held = self._held
-        if held:
-            held.append(msg)
-            self._held = []
-            if self._held_timer is not None:
-                self._held_timer.cancel()
-                self._held_timer = None
-            msg = pb.DataPlaneMessage(batch=pb.DataPlaneBatch(messages=held))
-        frames.write(msg)
-
-    def _send_held(self) -> None:
-        """The held reports go out alone (hold time up, a full batch, closing). While the
-        session is not writable they stay, for _keep_unsent to carry to the next one."""
-        timer, self._held_timer = self._held_timer, None
-        if timer is not None:
-            timer.cancel()
-        held = self._held
-        direct = self._direct
-        if not held or direct is None or direct.closing:
-            return
-        self._held = []
-        direct.write(held[0] if len(held) == 1 else pb.DataPlaneMessage(batch=pb.DataPlaneBatch(messages=held)))
 
     async def list_models(self) -> pb.ListModelsResponse:
         """The served models: from the control plane, or from the fallback list without one."""
@@ -403,7 +356,6 @@ class PlacementClient:
         queue.put_nowait(pb.DataPlaneMessage(open=opening))
         self._queue = queue          # what waits in _unsent follows once the control plane answers
         self._cp_batches = False   # batch only once this control plane says it reads batches
-        self._frames = sock.frames if sock is not None else None
         if sock is not None:
             sock.send_from(self._outgoing(queue))
             call = sock
@@ -441,7 +393,6 @@ class PlacementClient:
         finally:
             self._connected.clear()
             self._down_since = time.monotonic()
-            self._direct = self._frames = None
             self._keep_unsent(queue)
             queue.put_nowait(None)
             call.cancel()
@@ -470,17 +421,11 @@ class PlacementClient:
         elif body == "info":
             self.info = msg.info
             self._cp_batches = msg.info.batches
-            self._direct = self._frames if self._cp_batches else None
 
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
         """Reports still queued (or held for company) when a session ends go out on the next one."""
-        if self._held_timer is not None:
-            self._held_timer.cancel()
-            self._held_timer = None
-        held, self._held = self._held, []
-        self._unsent.extend(held)            # events only: a placement is never held
-        held, self._holding = self._holding or [], None
-        for msg in held:
+        held, self._holding = self._holding, None
+        for msg in held or ():
             if msg.WhichOneof("body") == "event":
                 self._unsent.append(msg)
         while not queue.empty():

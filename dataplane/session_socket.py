@@ -37,9 +37,6 @@ class SocketCall:
         self._reader = reader
         self._writer = writer
         self._pump: asyncio.Task | None = None
-        # The session's one frame writer: the outgoing generator's pump writes through it,
-        # and so may the placement client directly (what one loop turn writes leaves in one send).
-        self.frames = FrameWriter(writer)
 
     def send_from(self, outgoing: AsyncIterator[pb.DataPlaneMessage]) -> None:
         """Write what ``outgoing`` yields until it ends, then close our side of the stream."""
@@ -48,7 +45,7 @@ class SocketCall:
     async def _write_all(self, outgoing: AsyncIterator[pb.DataPlaneMessage]) -> None:
         writer = self._writer
         try:
-            if await self.frames.send_all(outgoing):
+            if await FrameWriter(writer).send_all(outgoing):
                 # The control plane ends the session once it has read everything before this.
                 if writer.can_write_eof():
                     writer.write_eof()
