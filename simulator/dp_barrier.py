@@ -38,6 +38,10 @@ class BarrierStats:
     held_rank_s: float = 0.0
     # Sum of the group's step times (the time the group was busy).
     busy_s: float = 0.0
+    # Steps where any rank prefilled, and the ranks prefilling summed over them: their ratio
+    # is how many prefills share a phase (1: every prefill holds the others alone).
+    prefill_steps: int = 0
+    prefill_rank_steps: int = 0
 
     def snapshot(self) -> dict:
         out = asdict(self)
@@ -90,7 +94,8 @@ class DpGroup:
         st = self.stats
         st.steps += 1
         st.busy_s += duration
-        prefilling = decoding_only = False
+        prefilling = 0
+        decoding_only = False
         for e, p in zip(self.engines, plans, strict=True):
             if not p:
                 continue
@@ -98,11 +103,14 @@ class DpGroup:
             e.account(p, own)
             st.held_rank_s += duration - own
             if p.prefill:
-                prefilling = True
+                prefilling += 1
             else:
                 decoding_only = True
-        if prefilling and decoding_only:
-            st.mixed_steps += 1
+        if prefilling:
+            st.prefill_steps += 1
+            st.prefill_rank_steps += prefilling
+            if decoding_only:
+                st.mixed_steps += 1
 
     def complete_step(self, plans: list[StepPlan], now: float) -> None:
         for e, p in zip(self.engines, plans, strict=True):

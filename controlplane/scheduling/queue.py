@@ -9,7 +9,9 @@ to an engine only when one can start it soon. A request that has waited ``starva
 goes ahead of every shorter one. The queue is bounded in size (beyond: refused, HTTP 429)
 and in wait (beyond: placed on the best engine anyway, or refused: ``on_timeout``).
 
-This class is the policy; ``controlplane.queueing`` runs it.
+This class is the policy; ``controlplane.queueing`` runs it. ``PhaseWindow`` (queue
+``phase_window``) holds for another reason: to dispatch the prefills of a data-parallel
+engine whose ranks step together in one window (seed 003's PD-hybrid; see its docstring).
 """
 
 from __future__ import annotations
@@ -98,4 +100,50 @@ class HoldQueue:
         return sorted(waiting, key=key)
 
 
-QUEUES = {"omni": HoldQueue}
+@dataclass
+class PhaseWindow(HoldQueue):
+    """Phase-aligned dispatch for engines whose DP ranks step together (DP attention before
+    MoE layers: a step lasts as long as the slowest rank's, ``simulator.dp_barrier``).
+
+    Every prefill started while the other ranks only decode holds all their decodes for as
+    long as it runs; prefills that run in the same steps on different ranks hold them once.
+    So a long prompt (``min_tokens`` or more) bound for a DP worker with no prefill under
+    way waits, up to ``window_s``, for the window to fill: once ``dp_size`` such prompts
+    wait for the worker, or the window has run out, they are dispatched together (the
+    queue's next round), and the ``phase_aligned`` rank rule spreads them over the ranks.
+    A long prompt for a worker already prefilling joins that phase at once, and short
+    prompts are never held. (``max_wait_s`` still bounds any wait.)
+    """
+
+    window_s: float = 0.3
+    min_tokens: int = 2048
+    name: str = "phase_window"
+    # Per DP worker: when its window opened, and the requests waiting in it.
+    _windows: dict[str, tuple[float, set[str]]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.window_s >= 0:
+            raise ValueError("window_s must be >= 0")
+        if self.min_tokens < 1:
+            raise ValueError("min_tokens must be >= 1")
+
+    def should_hold(self, ctx: PlacementContext, chosen: WorkerView) -> bool:
+        spec = chosen.spec
+        if spec.dp_size <= 1 or ctx.prompt_tokens < self.min_tokens or ctx.leg == "decode":
+            return False
+        now = time.monotonic()
+        opened, members = self._windows.get(spec.id, (now, set()))
+        if chosen.load.prefill_tokens >= self.min_tokens or now - opened >= self.window_s:
+            # A phase is under way (join it), or the window ran out: it closes, all go.
+            self._windows.pop(spec.id, None)
+            return False
+        members.add(ctx.request_id)
+        if len(members) >= spec.dp_size:
+            self._windows.pop(spec.id, None)   # full: this one goes, the others join its phase
+            return False
+        self._windows[spec.id] = (opened, members)
+        return True
+
+
+QUEUES: dict[str, type[HoldQueue]] = {"omni": HoldQueue, "phase_window": PhaseWindow}
