@@ -42,11 +42,16 @@ class BarrierStats:
     # is how many prefills share a phase (1: every prefill holds the others alone).
     prefill_steps: int = 0
     prefill_rank_steps: int = 0
+    # Prefill phases (runs of consecutive steps with a prefill: each holds every rank's decodes
+    # once) and the group time they took.
+    prefill_phases: int = 0
+    prefill_s: float = 0.0
 
     def snapshot(self) -> dict:
         out = asdict(self)
         out["held_rank_s"] = round(self.held_rank_s, 6)
         out["busy_s"] = round(self.busy_s, 6)
+        out["prefill_s"] = round(self.prefill_s, 6)
         return out
 
 
@@ -59,6 +64,7 @@ class DpGroup:
         self._wake = wake
         self.stats = BarrierStats()
         self._task: asyncio.Task | None = None
+        self._last_prefilled = False   # did the previous step prefill (a phase under way)?
 
     def start(self) -> None:
         if self._task is None:
@@ -109,8 +115,11 @@ class DpGroup:
         if prefilling:
             st.prefill_steps += 1
             st.prefill_rank_steps += prefilling
+            st.prefill_s += duration
+            st.prefill_phases += not self._last_prefilled
             if decoding_only:
                 st.mixed_steps += 1
+        self._last_prefilled = prefilling > 0
 
     def complete_step(self, plans: list[StepPlan], now: float) -> None:
         for e, p in zip(self.engines, plans, strict=True):

@@ -54,6 +54,9 @@ def test_group_step_lasts_the_slowest_ranks_and_counts_the_held_time():
     st = ctx.group.stats
     assert (st.steps, st.mixed_steps) == (base[0] + 1, base[1] + 1)
     assert st.held_rank_s == pytest.approx(duration - own[0])
+    # Rank 0's prefill step and rank 1's right after it are one phase (no step between them).
+    assert st.prefill_steps == base[0] + 1 and st.prefill_phases == 1
+    assert st.prefill_rank_steps == 2 and st.prefill_s >= duration
     assert r0.totals.busy_s == pytest.approx(own[0] + (16 * 0.05) / 1000)   # own work only
 
 
