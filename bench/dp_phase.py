@@ -122,6 +122,9 @@ async def _run(url: str, sim_url: str, reqs: list[Request], args) -> dict:
         "tok_s": sum(o.tokens for o in outcomes) / wall,
         "ttft_p50_ms": 1000 * (_pct([o.ttft for o in outcomes if o.ttft is not None], 0.5) or 0),
         "ttft_p90_ms": 1000 * (_pct([o.ttft for o in outcomes if o.ttft is not None], 0.9) or 0),
+        "chat_ttft_p90_ms": 1000 * (_pct([o.ttft for o in chat if o.ttft is not None], 0.9) or 0),
+        "long_ttft_p90_ms": 1000 * (_pct([by_idx[i].ttft for i, r in enumerate(reqs)
+                                          if r.long and by_idx[i].ttft is not None], 0.9) or 0),
         "chat_tpot_p50_ms": 1000 * (_pct([o.tpot for o in chat if o.tpot is not None], 0.5) or 0),
         "chat_tpot_p90_ms": 1000 * (_pct([o.tpot for o in chat if o.tpot is not None], 0.9) or 0),
         "mixed_share": 100.0 * barrier.get("mixed_steps", 0) / max(1, barrier.get("steps", 0)),
@@ -130,6 +133,7 @@ async def _run(url: str, sim_url: str, reqs: list[Request], args) -> dict:
         "prefill_phases": barrier.get("prefill_phases", 0),
         "prefill_share": 100.0 * barrier.get("prefill_s", 0.0) / max(1e-9, wall),
         "ranks_per_prefill_step": barrier.get("prefill_rank_steps", 0) / max(1, barrier.get("prefill_steps", 0)),
+        "ranks_prefilling_by_time": barrier.get("prefill_work_s", 0.0) / max(1e-9, barrier.get("prefill_s", 0.0)),
         "group_busy_s": barrier.get("busy_s", 0.0),
         "wall_s": wall,
     }
@@ -168,8 +172,8 @@ def write_markdown(path: Path, report: dict) -> None:
         f"at a rate). SLO: TTFT <= {a['slo_ttft_ms']} ms and TPOT <= {a['slo_tpot_ms']} ms. "
         f"{a['repeats']} interleaved repeats; attainment per run in brackets.", "",
         "| rate (req/s) | target | SLO % | output tok/s | TTFT p50 / p90 ms | chat TPOT p50 / p90 ms "
-        "| prefill phases | time in prefill steps % | ranks per prefill step | rank-s held at the barrier "
-        "| errors |",
+        "| prefill phases | time in prefill steps % | ranks prefilling per prefill step (by steps / by time) "
+        "| rank-s held at the barrier | errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
@@ -178,7 +182,8 @@ def write_markdown(path: Path, report: dict) -> None:
             f"| {row['rate']:g} | {row['target']} | {s['slo']:.1f} ({', '.join(f'{x:.1f}' for x in s['slo_runs'])}) "
             f"| {s['tok_s']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f} "
             f"| {s['chat_tpot_p50_ms']:.1f} / {s['chat_tpot_p90_ms']:.1f} | {s['prefill_phases']:.0f} "
-            f"| {s['prefill_share']:.1f} | {s['ranks_per_prefill_step']:.2f} "
+            f"| {s['prefill_share']:.1f} | {s['ranks_per_prefill_step']:.2f} / "
+            f"{s.get('ranks_prefilling_by_time', 0):.2f} "
             f"| {s['held_rank_s']:.1f} | {s['errors']:.1f} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else ""
@@ -230,9 +235,11 @@ def main(argv=None) -> int:
                 res = run_once(target, reqs, args)
                 runs.setdefault((rate, target), []).append(res)
                 print(f"rate {rate:g} rep {rep} {target}: SLO {res['slo']:.1f} % tok/s {res['tok_s']:.0f} "
-                      f"chat TPOT p90 {res['chat_tpot_p90_ms']:.1f} ms TTFT p90 {res['ttft_p90_ms']:.0f} ms "
+                      f"chat TPOT p90 {res['chat_tpot_p90_ms']:.1f} ms TTFT p90 chat {res['chat_ttft_p90_ms']:.0f} "
+                      f"long {res['long_ttft_p90_ms']:.0f} ms "
                       f"phases {res['prefill_phases']} in prefill {res['prefill_share']:.1f} % "
-                      f"x{res['ranks_per_prefill_step']:.2f} held {res['held_rank_s']:.1f} rank-s "
+                      f"x{res['ranks_per_prefill_step']:.2f}/{res['ranks_prefilling_by_time']:.2f} "
+                      f"held {res['held_rank_s']:.1f} rank-s "
                       f"errors {res['errors']} ({time.monotonic() - t0:.0f} s)", flush=True)
     report = {"command": "python bench/dp_phase.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))},

@@ -46,12 +46,16 @@ class BarrierStats:
     # once) and the group time they took.
     prefill_phases: int = 0
     prefill_s: float = 0.0
+    # The prefilling ranks' own step times summed over those steps: / prefill_s, how many
+    # ranks prefilled at once, weighted by time (long chunks count for what they cost).
+    prefill_work_s: float = 0.0
 
     def snapshot(self) -> dict:
         out = asdict(self)
         out["held_rank_s"] = round(self.held_rank_s, 6)
         out["busy_s"] = round(self.busy_s, 6)
         out["prefill_s"] = round(self.prefill_s, 6)
+        out["prefill_work_s"] = round(self.prefill_work_s, 6)
         return out
 
 
@@ -110,6 +114,7 @@ class DpGroup:
             st.held_rank_s += duration - own
             if p.prefill:
                 prefilling += 1
+                st.prefill_work_s += own
             else:
                 decoding_only = True
         if prefilling:

@@ -57,6 +57,7 @@ def test_group_step_lasts_the_slowest_ranks_and_counts_the_held_time():
     # Rank 0's prefill step and rank 1's right after it are one phase (no step between them).
     assert st.prefill_steps == base[0] + 1 and st.prefill_phases == 1
     assert st.prefill_rank_steps == 2 and st.prefill_s >= duration
+    assert st.prefill_work_s == pytest.approx(duration + (16 * 0.05) / 1000)   # rank 0's, then rank 1's
     assert r0.totals.busy_s == pytest.approx(own[0] + (16 * 0.05) / 1000)   # own work only
 
 
