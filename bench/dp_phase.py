@@ -123,8 +123,8 @@ async def _run(url: str, sim_url: str, reqs: list[Request], args) -> dict:
         "ttft_p50_ms": 1000 * (_pct([o.ttft for o in outcomes if o.ttft is not None], 0.5) or 0),
         "ttft_p90_ms": 1000 * (_pct([o.ttft for o in outcomes if o.ttft is not None], 0.9) or 0),
         "chat_ttft_p90_ms": 1000 * (_pct([o.ttft for o in chat if o.ttft is not None], 0.9) or 0),
-        "long_ttft_p90_ms": 1000 * (_pct([by_idx[i].ttft for i, r in enumerate(reqs)
-                                          if r.long and by_idx[i].ttft is not None], 0.9) or 0),
+        "long_ttft_p90_ms": 1000 * (_pct([t for i, r in enumerate(reqs)
+                                          if r.long and (t := by_idx[i].ttft) is not None], 0.9) or 0),
         "chat_tpot_p50_ms": 1000 * (_pct([o.tpot for o in chat if o.tpot is not None], 0.5) or 0),
         "chat_tpot_p90_ms": 1000 * (_pct([o.tpot for o in chat if o.tpot is not None], 0.9) or 0),
         "mixed_share": 100.0 * barrier.get("mixed_steps", 0) / max(1, barrier.get("steps", 0)),
