@@ -112,7 +112,8 @@ class PhaseWindow(HoldQueue):
     wait for the worker, or the window has run out, they are dispatched together (the
     queue's next round), and the ``phase_aligned`` rank rule spreads them over the ranks.
     A long prompt for a worker already prefilling joins that phase at once, and short
-    prompts are never held. (``max_wait_s`` still bounds any wait.)
+    prompts are never held. (``max_wait_s`` still bounds any wait.) It replaces the ``omni``
+    stage's rule rather than adding to it: a busy engine alone holds nothing here.
     """
 
     window_s: float = 0.3
