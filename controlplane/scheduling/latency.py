@@ -140,7 +140,11 @@ class PredictedLatencyScorer:
     them received nothing (tests/test_fair_share.py); the same for a decode engine's KV pull
     (every decode on the one decode engine of four that held an 8k-token system prompt).
     Counted as held for everyone, a document asked a few questions lost its engine to load,
-    and each engine computed it again (the Mooncake window H at 2x: SLO 90 -> 85 %).
+    and each engine computed it again (the Mooncake window H at 2x: SLO 90 -> 85 %). A
+    starved candidate whose own predicted TTFT, computing the prefix, would miss the TTFT
+    target is judged by what it holds: a 94k-token document went to a starved engine that
+    took 2 s to compute it while an idle engine holding it would have answered in 0.1 s
+    (``longdoc`` at 4x).
 
     On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
     costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
@@ -188,7 +192,7 @@ class PredictedLatencyScorer:
             # the candidates' common match counts as held by everyone in the comparison, and a
             # shared prefix beyond it by the starved candidates (class docstring); predict()
             # keeps the real TTFT.
-            c = common if common > floor and spec.id in starved else floor
+            c = common if common > floor and spec.id in starved and ttft <= ttft_t else floor
             held = match(spec.id, 0)
             uncached = prompt - held * bs
             recompute = prompt - (held if held > c else c) * bs
