@@ -220,13 +220,15 @@ AGENT = textwrap.dedent("""
 
 
 async def test_plugin_wheel_installs_alone_and_registers_an_engine(dists: Dists):
-    """packaging/vllm-plugin: the plugin and the gRPC stubs, grpcio and protobuf; nothing of
-    the router. vLLM's entry point loads it, and its agent registers an engine."""
+    """packaging/vllm-plugin: the plugin, the gRPC stubs and the neutral runtime helpers (the
+    shared retry policy), grpcio and protobuf; nothing of the router's planes. vLLM's entry
+    point loads it, and its agent registers an engine."""
     assert PLUGIN["project"]["version"] == VERSION, "the plugin's version must be the package's"
     names = set(zipfile.ZipFile(dists.plugin_wheel).namelist())
-    expected = {f for f in _package_files(dists.sources) if f.split("/", 1)[0] in ("engine_plugins", "protos")}
+    shipped = {"engine_plugins", "protos", "omni_runtime"}
+    expected = {f for f in _package_files(dists.sources) if f.split("/", 1)[0] in shipped}
     assert expected <= names, sorted(expected - names)
-    assert not [n for n in names if n.split("/", 1)[0] in set(PACKAGES) - {"engine_plugins", "protos"}], names
+    assert not [n for n in names if n.split("/", 1)[0] in set(PACKAGES) - shipped], names
     work = dists.work / "plugin"
     work.mkdir()
     python = await asyncio.to_thread(_make_venv, work / "venv", [str(dists.plugin_wheel)], work / "install.log")
