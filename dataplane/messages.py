@@ -100,18 +100,17 @@ class Request:
                 self._waiter = None
         if self._error is not None:
             raise self._error
-        chunks = self._chunks
-        if len(chunks) == 1:
-            return chunks[0]
-        data = b"".join(chunks)
-        self._chunks = [data]
-        return data
+        return self._joined()
 
     def body_at_hand(self) -> bytes | None:
         """The whole body when it has all arrived intact (the common case: it came with the
         head), without an await; None when ``read()`` has to wait or raise."""
         if not self.complete or self._error is not None:
             return None
+        return self._joined()
+
+    def _joined(self) -> bytes:
+        """The chunks as one bytes object (joined once, then kept joined)."""
         chunks = self._chunks
         if len(chunks) == 1:
             return chunks[0]
