@@ -544,6 +544,11 @@ class PrefixIndex:
     def size(self) -> int:
         return len(self._holders)
 
+    def version(self) -> tuple[int, ...]:
+        """Changes whenever the index may have: stores, removals, clears, evictions, touches
+        (what a snapshot compares to tell whether there is anything new to write)."""
+        return (self._stored, self._removed, self._cleared, self._evicted, self._clock, self.generation)
+
     def stats(self) -> PrefixIndexStats:
         return PrefixIndexStats(blocks=len(self._holders), block_refs=self._refs, workers=len(self._slot_of),
                                 stored=self._stored, removed=self._removed, cleared=self._cleared,
@@ -758,6 +763,12 @@ class RoutedIndex(PrefixIndex):
         got = super().blocks_by_worker(worker_ids)
         k = self.stride
         return {wid: n * k for wid, n in got.items()} if k > 1 else got
+
+    def evict(self, chain: Iterable[int], stamp: int) -> int:
+        """``expire``, counted as evictions (the routed index over its size cap)."""
+        gone = self.expire(chain, stamp)
+        self._evicted += gone
+        return gone
 
     def expire(self, chain: Iterable[int], stamp: int) -> int:
         """Forget the marks of the routing ``stamp`` that no later routing refreshed."""

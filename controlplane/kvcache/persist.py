@@ -92,9 +92,7 @@ def hashing_of(kv: KVCache) -> dict[str, Any]:
 
 def index_version(kv: KVCache) -> tuple:
     """Changes whenever the index may have (stores, removals, touches, expiry)."""
-    e, a = kv.exact, kv.approx
-    return (e._stored, e._removed, e._cleared, e._evicted, e._clock, e.generation,
-            a._stored, a._removed, a._cleared, a._evicted, a.generation, kv.routed.last_bucket, len(kv.routed.expiry))
+    return (*kv.exact.version(), *kv.approx.version(), kv.routed.last_bucket, len(kv.routed.expiry))
 
 
 def _seqs(kv: KVCache) -> dict[str, dict[str, dict[str, int]]]:

@@ -90,7 +90,7 @@ class RoutingMemory:
         target = self.max_blocks - (self.max_blocks >> 8)
         while q and index.size() > target:
             number, _, blocks = q.popleft()
-            index._evicted += index.expire(blocks, number)
+            index.evict(blocks, number)
 
     def expire(self, now: float | None = None) -> None:
         """Forget the routings older than ``ttl_s``."""

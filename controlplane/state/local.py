@@ -187,12 +187,12 @@ class LocalLedgerStore:
     async def loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
         if self._task is None:
             self._ensure_syncing()
-        own, total = self.local._load, self._sum
+        own, total = self.local.load_map, self._sum
         return {wid: total[wid] if wid in total else own.get(wid, IDLE) for wid in worker_ids}
 
     def own_loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
         """This replica's share alone (what it publishes)."""
-        own = self.local._load
+        own = self.local.load_map
         return {wid: own.get(wid, IDLE) for wid in worker_ids}
 
     async def forget_worker(self, worker_id: str) -> Load:
@@ -222,7 +222,7 @@ class LocalLedgerStore:
 
     async def flush(self) -> None:
         """Write what changed since the last flush (everything after a resync) to Redis."""
-        own = self.local._load
+        own = self.local.load_map
         if self._resync:
             resync, dirty = True, set(own)
         else:
@@ -263,7 +263,7 @@ class LocalLedgerStore:
                           for i in range(0, len(flat), 5)})
         self._others_at = started
         self.refreshes += 1
-        if not int(own) and not self._resync and any(load != IDLE for load in self.local._load.values()):
+        if not int(own) and not self._resync and any(load != IDLE for load in self.local.load_map.values()):
             # Our hash is gone (expired while we were away, or Redis restarted empty): rewrite it.
             self._resync = True
             if self._wake is not None:
@@ -271,7 +271,7 @@ class LocalLedgerStore:
 
     def _set_others(self, others: dict[str, Load]) -> None:
         """New figures for the other replicas: totals recomputed, listeners told of changes."""
-        own, old = self.local._load, self._sum
+        own, old = self.local.load_map, self._sum
         total = {wid: _plus(own.get(wid, IDLE), theirs) for wid, theirs in others.items()}
         self._others, self._sum = others, total
         if self.load_listeners:

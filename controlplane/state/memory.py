@@ -6,7 +6,7 @@ No method awaits anything, so each one is atomic on the event loop.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from controlplane.state.base import Charge, RequestRecord
 from controlplane.workers import IDLE, Load, WorkerSpec
@@ -21,6 +21,12 @@ class MemoryStore:
         # Called with (worker id, new load) on every change: the fleet's least-loaded order
         # (controlplane.fleet.Group) follows the ledger without reading it per placement.
         self.load_listeners: list[Callable[[str, Load], None]] = []
+
+    @property
+    def load_map(self) -> Mapping[str, Load]:
+        """Every worker's load, read-only and live (no copy: the local ledger reads it per
+        placement and per flush)."""
+        return self._load
 
     # ------------------------------------------------------------------ specs
 
