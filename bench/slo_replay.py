@@ -914,6 +914,7 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                 targets.append(Target(peer, pol))
 
     from rich.console import Console
+    from rich.markup import escape
     console = Console(stderr=True, highlight=False, width=250)
     runs: list[dict] = []
     broken: dict[tuple[str, str], str] = {}
@@ -938,8 +939,11 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                     except LaunchError as exc:
                         broken[(target.name, mode)] = f"could not start: {exc}"
                         runs.append({**meta, "path": "router", "skipped": broken[(target.name, mode)]})
+                        # (the first line says which process; the log's last line says why)
+                        said = [line for line in str(exc).splitlines() if line.strip()] or [""]
+                        why = said[0] + (f" ... {said[-1]}" if len(said) > 1 else "")
                         console.print(f"[{n}/{total}] {target.name} {mode} x{rate}: [red]skipped[/] "
-                                      f"({str(exc).splitlines()[0][:150]})")
+                                      f"({escape(why[:300])})")
                         continue
                     if res["ok"] < 0.5 * res["requests"]:
                         broken[(target.name, mode)] = (f"{res['ok']}/{res['requests']} requests succeeded; "
