@@ -676,6 +676,18 @@ def write_markdown(path: Path, report: dict) -> None:
     path.write_text("\n".join(lines))
 
 
+def repo_relative(arg: str) -> str:
+    """``arg`` as the report shows it: a path inside the repository (or beside it, like the
+    shared traces) relative to the repository's root, so no machine's paths are written."""
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg).resolve()
+    for base, shown in ((ROOT, ""), (ROOT.parent, "../")):
+        if path.is_relative_to(base):
+            return shown + str(path.relative_to(base))
+    return arg
+
+
 def write_plots(out_dir: Path, stem: str, report: dict, cdf_rate: float) -> list[str]:
     try:
         import matplotlib
@@ -968,7 +980,7 @@ def _main(parser, args, trace: Path, code: dict) -> int:
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else (1.0 if 1.0 in rates else rates[len(rates) // 2])
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python bench/slo_replay.py " + " ".join(shlex.quote(a) for a in args.argv),
+        "command": "python bench/slo_replay.py " + " ".join(shlex.quote(repo_relative(a)) for a in args.argv),
         "elapsed_s": round(time.time() - started, 1),
         "code": code,
         "config": {"trace_name": trace.name, "workload": args.workload, "seed": args.seed,
@@ -984,7 +996,7 @@ def _main(parser, args, trace: Path, code: dict) -> int:
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    report["plots"] = write_plots(args.out, args.name, report, cdf_rate)
+    report["plots"] = [repo_relative(p) for p in write_plots(args.out, args.name, report, cdf_rate)]
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     write_markdown(args.out / f"{args.name}.md", report)
     console.print(f"wrote {args.out / (args.name + '.json')}, .md and {len(report['plots'])} plots "
