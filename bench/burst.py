@@ -75,8 +75,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import prom  # noqa: E402
 from bench.overhead import cpu_seconds, host_line, lag_delta, loop_lag, process_tree, write_keeping_notes  # noqa: E402
-from bench.slo_replay import (Cost, Outcome, _group, _pct, code_from, open_loop, send_router,  # noqa: E402
-                              start_engines, start_ours)
+from bench.slo_replay import (Cost, Outcome, _group, _pct, _stream, chat_tokens, code_from, open_loop,  # noqa: E402
+                              send_router, start_engines, start_ours)
 from bench.tracedata import (TraceMissing, densest_window, load_rows, peak_rate, prompt_for,  # noqa: E402
                              resolve_trace, text_prompt_for)
 
@@ -135,40 +135,11 @@ def stage_intervals(rec: dict) -> dict[str, float]:
 async def send_chat(session: aiohttp.ClientSession, url: str, body: dict, idx: int) -> Outcome:
     """One streamed /v1/chat/completions request (send_router's outcome; chunks carry deltas)."""
     out = Outcome(idx)
-    t0 = time.perf_counter()
-    first: float | None = None
-    last = 0.0   # read only once first is set
-    done = False
     try:
-        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json", "X-Request-Id": f"slo{idx}x"}) as resp:
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-                return out
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    event = event.strip()
-                    if event == b"data: [DONE]":
-                        done = True
-                    elif event.startswith(b"data: {") and any((c.get("delta") or {}).get("content")
-                                                              for c in orjson.loads(event[6:]).get("choices") or []):
-                        out.tokens += 1
-                        first = first or now
-                        last = now
+        await _stream(session, url + "/v1/chat/completions", body, {"X-Request-Id": f"slo{idx}x"},
+                      time.perf_counter(), out, chat_tokens)
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:300]
-        return out
-    out.e2e = time.perf_counter() - t0
-    if first is not None:
-        out.ttft = first - t0
-        if out.tokens > 1:
-            out.tpot = (last - first) / (out.tokens - 1)
-    out.error = "" if done and out.tokens else ("stream did not end with [DONE]" if not done else "no tokens")
-    out.ok = not out.error
     return out
 
 

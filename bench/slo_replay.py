@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from typing import Any
 import concurrent.futures
 import contextlib
@@ -208,8 +209,19 @@ class Outcome:
     error: str = ""
 
 
+def completion_tokens(choices: list) -> int:
+    """Tokens in one /v1/completions stream event: a choice with text is one."""
+    return sum(1 for c in choices if c.get("text"))
+
+
+def chat_tokens(choices: list) -> int:
+    """Tokens in one /v1/chat/completions stream event: one if any choice's delta has content."""
+    return 1 if any((c.get("delta") or {}).get("content") for c in choices) else 0
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, t0: float,
-                  out: Outcome) -> None:
+                  out: Outcome, count: Callable[[list], int] = completion_tokens) -> None:
+    """One streamed request: TTFT, TPOT and tokens into ``out`` (``count``: an event's tokens)."""
     first: float | None = None
     last = 0.0   # read only once first is set
     done = False
@@ -227,7 +239,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, headers:
                 if event == b"data: [DONE]":
                     done = True
                 elif event.startswith(b"data: {"):
-                    n = sum(1 for c in orjson.loads(event[6:]).get("choices") or [] if c.get("text"))
+                    n = count(orjson.loads(event[6:]).get("choices") or [])
                     if n:
                         out.tokens += n
                         first = first or now
