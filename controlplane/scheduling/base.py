@@ -69,15 +69,6 @@ class PlacementContext:
         """Prompt tokens this worker would have to compute (its cached prefix is free)."""
         return max(self.prompt_tokens - self.match_blocks.get(worker_id, 0) * self.block_size, 0)
 
-    def recompute_tokens(self, worker_id: str) -> int:
-        """Prompt tokens this worker would compute that another candidate holds: its uncached
-        tokens less the candidates' common match, and less a shared prefix (``common_blocks``)
-        if this worker is starved of placements: it computes that once and then holds it, so
-        computing it costs the fleet nothing it would not spend anyway."""
-        common = self.common_blocks if worker_id in self.starved else self.floor_blocks
-        held = max(self.match_blocks.get(worker_id, 0), common)
-        return max(self.prompt_tokens - held * self.block_size, 0)
-
 
 class Candidate:
     """One worker under consideration, with its combined score and, per scorer, its part

@@ -188,7 +188,7 @@ class PredictedLatencyScorer:
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
-            # ctx.uncached_tokens and ctx.recompute_tokens, inline (per candidate per placement):
+            # ctx.uncached_tokens inline, and the tokens to recompute (per candidate per placement):
             # the candidates' common match counts as held by everyone in the comparison, and a
             # shared prefix beyond it by the starved candidates (class docstring); predict()
             # keeps the real TTFT.
