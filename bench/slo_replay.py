@@ -693,10 +693,12 @@ def repo_relative(arg: str) -> str:
     shared traces) relative to the repository's root, so no machine's paths are written."""
     if not arg.startswith("/"):
         return arg
-    path = Path(arg).resolve()
-    for base, shown in ((ROOT, ""), (ROOT.parent, "../")):
-        if path.is_relative_to(base):
-            return shown + str(path.relative_to(base))
+    # (as written and with links followed: ROOT is resolved, a link beside it, like a
+    # shared/ that points elsewhere, is not)
+    for path in (Path(os.path.normpath(arg)), Path(arg).resolve()):
+        for base, shown in ((ROOT, ""), (ROOT.parent, "../")):
+            if path.is_relative_to(base):
+                return shown + str(path.relative_to(base))
     return arg
 
 
