@@ -3,6 +3,7 @@ them: every subscriber is called, in order, and one that raises stops none of th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from controlplane.fleet import Fleet
@@ -112,9 +113,14 @@ async def test_spec_sync_emits_on_the_same_worker_events():
     sync = SpecSync(store, fleet, events=registry.events)
     await store.put_spec(_spec("other"))       # as another replica would
     await sync.refresh()
+    await store.put_spec(dataclasses.replace(_spec("other"), weight=2.0))        # re-weighed: not news
+    await sync.refresh()
+    moved = dataclasses.replace(_spec("other"), kv_events="tcp://10.0.0.9:5557")   # registered again elsewhere
+    await store.put_spec(moved)
+    await sync.refresh()
     await store.remove_spec("other")
     await sync.refresh()
-    assert seen == ["+other", "-other"]
+    assert seen == ["+other", "+other", "-other"]
 
 
 async def _plane(flow: str) -> tuple[MemoryStore, Placer, Lifecycle]:

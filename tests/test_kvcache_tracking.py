@@ -170,6 +170,38 @@ async def test_dead_subscriber_is_logged_and_worker_falls_back_to_approximate(ct
     assert not [c for c in seen if "exception" in c], seen
 
 
+async def test_worker_registered_again_on_another_endpoint_is_followed_there(ctx):
+    """An engine restarted on another address under the same id: its events are followed at the
+    new endpoint, and what the old one said is gone (the restarted engine's cache is empty).
+    Registering again with the same endpoints keeps the subscription and the index."""
+    old, new = Publisher(ctx), Publisher(ctx)
+    kv = KVCache(KVCacheConfig())
+    try:
+        await kv.watch(_worker("w-1", old.endpoint))
+        await old.wait_subscribed()
+        await old.send(batch(stored_map([11, 12])))
+        await until(lambda: kv.exact.blocks_by_worker().get("w-1") == 2, "the old endpoint's events applied")
+        (first,) = kv._subscribers["w-1"]
+
+        await kv.watch(_worker("w-1", old.endpoint))          # the same endpoints: nothing changes
+        assert kv._subscribers["w-1"] == [first] and kv.exact.blocks_by_worker().get("w-1") == 2
+
+        await kv.watch(_worker("w-1", new.endpoint))
+        assert not first.running
+        assert "w-1" not in kv.exact.blocks_by_worker()
+        await new.wait_subscribed()
+        await new.send(batch(stored_map([31])))
+        await until(lambda: kv.exact.blocks_by_worker().get("w-1") == 1, "the new endpoint's events applied")
+        assert kv.match([31], [_worker("w-1", new.endpoint)]) == {"w-1": 1}
+
+        await kv.watch(_worker("w-1", ""))                     # registered again without events
+        assert "w-1" not in kv._subscribers and "w-1" not in kv.exact.blocks_by_worker()
+    finally:
+        await kv.stop()
+        old.close()
+        new.close()
+
+
 @pytest.mark.parametrize("kv_events, dp_size", [("tcp://127.0.0.1", 1), ("ipc:///tmp/omni-kv-test", 2),
                                                 ("tcp://127.0.0.1:65535", 2), ("http://127.0.0.1:5557", 1)])
 async def test_malformed_endpoint_never_raises_from_watch(kv_events, dp_size, caplog):

@@ -75,6 +75,8 @@ class KVCache:
         self._masks: dict[int, list] = {}
         self._tracking = 0          # bumped when a worker's events become (un)trusted
         self._subscribers: dict[str, list[KVEventSubscriber]] = {}
+        # worker -> what its subscribers follow (kv_events, kv_replay, dp_size)
+        self._following: dict[str, tuple[str, str, int]] = {}
         # One slice of the event loop for every worker's events together (subscriber.py)
         self.budget = LoopBudget()
         # Workers with kv_events whose events are not used (why, for logs and explain): they are
@@ -95,15 +97,27 @@ class KVCache:
     # ------------------------------------------------------------------ subscriptions
 
     async def watch(self, worker: WorkerSpec | WorkerView) -> None:
-        """Subscribe to a worker's KV events (idempotent); no-op for workers without any.
+        """Follow a worker's KV events; no-op for workers without any.
+
+        Idempotent for the same endpoints. A worker that registers again with other ones (an
+        engine restarted on another address under the same id, or now without events) is
+        followed there instead: the old subscription would wait for events that never come
+        while the index kept blocks the restarted engine no longer has.
 
         Never raises: an endpoint that cannot be used leaves the worker on approximate tracking,
         logged, because this runs in a background task where an exception would go unseen.
         """
-        if not worker.kv_events or worker.id in self._subscribers:
-            return
         if isinstance(worker, WorkerView):
             worker = worker.spec
+        following = (worker.kv_events, worker.kv_replay, worker.dp_size)
+        if worker.id in self._subscribers:
+            if self._following.get(worker.id) == following:
+                return
+            log.info("worker %s: KV events now at %r (were at %r)", worker.id, worker.kv_events,
+                     self._following.get(worker.id, ("",))[0])
+            await self._stop_following(worker.id)
+        if not worker.kv_events:
+            return
         subs: list[KVEventSubscriber] = []
         try:
             dp_size = validate.int_range(worker.dp_size, "dp_size", 1, 1024)
@@ -128,14 +142,20 @@ class KVCache:
             self._untrack(worker.id, f"cannot follow KV events at {worker.kv_events!r}: {exc}")
             return
         self._subscribers[worker.id] = subs
+        self._following[worker.id] = following
         if self.untracked.pop(worker.id, None) is not None:
             self._tracking += 1
         log.info("worker %s: following KV events at %s (%d rank(s))", worker.id, worker.kv_events, len(subs))
 
-    async def unwatch(self, worker_id: str) -> None:
+    async def _stop_following(self, worker_id: str) -> None:
+        """End a worker's subscriptions and forget what its events said."""
+        self._following.pop(worker_id, None)
         for sub in self._subscribers.pop(worker_id, []):
             await sub.stop()
         self.exact.drop_worker(worker_id)
+
+    async def unwatch(self, worker_id: str) -> None:
+        await self._stop_following(worker_id)
         self.approx.drop_worker(worker_id)
         if self.pending is not None:
             self.pending.index.drop_worker(worker_id)

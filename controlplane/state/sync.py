@@ -34,6 +34,7 @@ import time
 from controlplane.fleet import Fleet
 from controlplane.hooks import WorkerEvents
 from controlplane.state.base import StateStore, StoreUnavailable, VersionedSpecs, WatchableSpecs
+from controlplane.workers import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class SpecSync:
                     # Its heartbeats (if it sends any) go to the replica it registered with:
                     # start its clock here so this replica does not expire it at once.
                     self.fleet.beat(spec.id, now, local=False)
+                if old is None or _reached_elsewhere(old, spec):
+                    # new, or registered again at another address (an engine restarted under
+                    # the same id): check it and follow its KV events there
                     await self.events.added.emit(spec)   # (a failing subscriber is logged there)
         for spec in self.fleet.specs():
             if spec.id not in wanted:
@@ -156,3 +160,9 @@ class SpecSync:
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
             await changes.aclose()
+
+
+def _reached_elsewhere(old: WorkerSpec, new: WorkerSpec) -> bool:
+    """Whether a worker's spec moved it (URL or KV-event endpoints), not just re-weighed it."""
+    return (old.url, old.kv_events, old.kv_replay, old.dp_size) != (new.url, new.kv_events, new.kv_replay,
+                                                                     new.dp_size)
