@@ -21,6 +21,9 @@ from omni_proxy.launcher import Child, LaunchError, ProcessGroup
 
 PEER_PACKAGES = {"vllm-router": "vllm-router==0.1.17", "smg": "smg==1.13.0"}
 PEER_POLICIES = ("cache_aware", "round_robin")
+# Peers that take only string prompts (smg 1.13 refuses token ids): benchmarks send them the
+# same prompts as text (bench/slo_replay.py ``as_text``).
+TEXT_ONLY = frozenset({"smg"})
 
 
 def cache_dir() -> Path:
@@ -112,17 +115,17 @@ def start_peer(group: ProcessGroup, peer: str, policy: str, mode: str, engines: 
     url = f"http://127.0.0.1:{port}"
     child = group.start_program(f"{peer}-{policy}-{mode}", cmd, lambda: port if _ready(url) else 0,
                                 env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")}, timeout=timeout, poll_s=0.2)
-    problem = probe(child.url)
+    problem = probe(child.url, "t1 t2 t3" if peer in TEXT_ONLY else [1, 2, 3])
     if problem:
         raise LaunchError(f"{child.name} cannot serve the benchmark's requests: {problem}")
     return child
 
 
-def probe(url: str) -> str | None:
-    """One tiny token-id streaming completion, the request shape the benchmark sends; the
-    error text if the router refuses it (smg 1.13 takes only string prompts)."""
+def probe(url: str, prompt: str | list[int] = [1, 2, 3]) -> str | None:   # noqa: B006 - never mutated
+    """One tiny streaming completion, the request shape the benchmark sends (token ids, or
+    text for :data:`TEXT_ONLY` peers); the error text if the router refuses it."""
     import json
-    body = json.dumps({"model": "sim-model", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True,
+    body = json.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 1, "stream": True,
                        "user": "probe"}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json", "X-Request-Id": "probe"})

@@ -15,10 +15,12 @@ events) per run, in two modes:
 Targets: ours (control plane following the engines' KV events + one data plane) with each
 policy of ``--policies`` (any name the control plane accepts), and the peers vllm-router
 0.1.17 and smg 1.13 with cache_aware and round_robin (installed into their own cached venv,
-see bench/peers.py). For every run the engines' request logs (GET /sim/requests) record
-which engine served each request; that assignment is then replayed with the same timing
-directly against fresh engines (no router in the path), which measures the decisions apart
-from the proxy's path cost.
+see bench/peers.py; smg takes only string prompts, so it is sent the same prompts as text that
+the simulators tokenize back to as many tokens with the same shared prefixes: ``as_text``).
+For every run the engines' request logs (GET /sim/requests) record which engine served each
+request; that assignment is then replayed with the same timing directly against fresh
+engines (no router in the path), which measures the decisions apart from the proxy's path
+cost.
 
 Scaling (the simulator's timing is a cost model, so scaling it is legitimate): the engines
 model one GPU serving a ~8B model (prefill ``--prefill-tok-s`` real tokens/s, decode step
@@ -99,7 +101,9 @@ class Cost:
                 "--max-num-seqs", str(self.max_num_seqs),
                 "--max-model-len", str(self.max_model_len // k),
                 "--num-gpu-blocks", str(blocks), "--block-size", str(SIM_BLOCK),
-                "--kv-lease-s", "60", "--bootstrap-timeout-s", "60"]
+                "--kv-lease-s", "60", "--bootstrap-timeout-s", "60",
+                # token-id prompts are not tokenized; text ones (as_text) must not cost more
+                "--tokenize-us-per-char", "0"]
 
     def describe(self) -> dict:
         return {**self.__dict__, "sim_args": self.sim_args(),
@@ -568,8 +572,18 @@ def followup_affinity(run: dict, preds: dict, scale: float, close_s: float) -> d
             f"same_engine_within_{close_s:g}s": round(same_close / total_close, 3) if total_close else None}
 
 
+def as_text(body: dict) -> dict:
+    """The same request with its token-id prompt written as text the simulator tokenizes back
+    to one token per id (``t<id>`` pieces): as long, and sharing the same prefixes block for
+    block, for a router that takes only strings (peers.TEXT_ONLY). The engines' tokenization
+    cost is off in these runs (``Cost.sim_args``), so text costs the engines nothing more."""
+    return {**body, "prompt": " ".join(f"t{i}" for i in body["prompt"])}
+
+
 def run_once(target: Target, mode: str, rows, bodies, offsets, args, cost: Cost) -> tuple[dict, dict | None]:
     """The target's run through its router, then (when asked) its assignment replayed."""
+    if target.kind in peerlib.TEXT_ONLY:
+        bodies = [as_text(b) for b in bodies]
     with _group(args, f"{target.name.replace(':', '-')}-{mode}") as group:
         engines = start_engines(group, mode, args, cost)
         url = start_router(group, target, mode, engines, args.profiles.read_text() if args.profiles else "")

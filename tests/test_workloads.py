@@ -96,6 +96,29 @@ def test_cli_writes_jsonl(tmp_path):
     assert len(out.read_text().splitlines()) == 20
 
 
+def test_text_prompts_for_string_only_routers_tokenize_to_the_same_shape():
+    """smg gets the prompts as text (slo_replay.as_text): the simulator's tokenizer gives as many
+    tokens, and two prompts share exactly as many leading tokens as their ids do."""
+    from bench.tracedata import prompt_for
+    from simulator.tokens import text_token_ids
+
+    rows = generate("system_prompt", 40, seed=3)
+    bodies = [{"prompt": prompt_for(r, 8), "user": "u"} for r in rows]
+    texts = [text_token_ids(slo_replay.as_text(b)["prompt"]) for b in bodies]
+
+    def shared(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for i in range(1, len(bodies)):
+        a, b = bodies[i - 1]["prompt"], bodies[i]["prompt"]
+        assert len(texts[i]) == len(b)
+        assert shared(texts[i - 1], texts[i]) == shared(a, b)
+    assert slo_replay.as_text(bodies[0])["user"] == "u"
+
+
 def test_fair_share_compares_equal_engines_only():
     pe = [{"role": "both", "requests": n} for n in (0, 16, 24, 40)]
     assert slo_replay.fair_share(pe, [1, 1, 1, 1]) == 0.0
