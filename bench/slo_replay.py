@@ -589,7 +589,7 @@ def run_once(target: Target, mode: str, rows, bodies, offsets, args, cost: Cost)
         url = start_router(group, target, mode, engines, args.profiles.read_text() if args.profiles else "")
         res = asyncio.run(drive(engines, rows, bodies, offsets, args, url, None))
     replay = None
-    if args.replay and res["ok"]:
+    if args.replay and res["ok"] and (target.kind == "ours" or args.peer_replay):
         assignment = {int(k): v for k, v in res["assignment"].items()}
         with _group(args, f"replay-{target.name.replace(':', '-')}-{mode}") as group:
             engines = start_engines(group, mode, args, cost)
@@ -809,9 +809,12 @@ def parse_args(argv=None):
     p.add_argument("--profiles", type=Path, default=None,
                    help="TOML with [profiles.NAME] tables for our control plane (custom policies named in --policies)")
     p.add_argument("--peers", default="vllm-router,smg", help="peer routers (vllm-router, smg)")
-    p.add_argument("--peer-policies", default="cache_aware,round_robin")
+    p.add_argument("--peer-policies", default="cache_aware,round_robin",
+                   help="policies of every peer; PEER:POLICY for one peer only (smg:cache_aware)")
     p.add_argument("--no-peers", action="store_true", help="only our policies")
     p.add_argument("--no-replay", dest="replay", action="store_false", help="skip the assignment replay")
+    p.add_argument("--no-peer-replay", dest="peer_replay", action="store_false",
+                   help="replay only our policies' assignments (the peers' decisions are measured through them)")
     p.add_argument("--agg-engines", type=int, default=4)
     p.add_argument("--prefill-engines", type=int, default=2)
     p.add_argument("--decode-engines", type=int, default=2)
@@ -949,9 +952,11 @@ def _main(parser, args, trace: Path, code: dict) -> int:
             if peer not in peerlib.PEER_PACKAGES:
                 parser.error(f"unknown peer {peer!r}")
         skipped_peer = peerlib.ensure_installed(peer_names)
-        for peer in peer_names:
-            for pol in args.peer_policies.split(","):
-                targets.append(Target(peer, pol))
+        for pol in (x.strip() for x in args.peer_policies.split(",") if x.strip()):
+            peer, sep, policy = pol.rpartition(":")
+            if sep and peer not in peer_names:
+                parser.error(f"--peer-policies {pol!r}: {peer!r} is not one of --peers")
+            targets += [Target(peer, policy)] if sep else [Target(p, pol) for p in peer_names]
 
     from rich.console import Console
     from rich.markup import escape

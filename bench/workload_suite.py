@@ -45,17 +45,27 @@ CASES: dict[str, list[str]] = {
                "--prefill-engines", "3", "--decode-engines", "1"],
 }
 
+# Each case's rate multipliers for ``--rates auto``: around where the best peer met the SLO for
+# 80 % of requests in the last full run (docs/benchmarks/workloads.md) and on to where every
+# target is near or below 50 %.
+AUTO_RATES: dict[str, str] = {
+    "system_prompt": "4,6,8,16", "agent": "8,12,16,24", "longdoc": "4,8,16,24", "mixed": "2,3,4,8",
+    "hetero": "2,3,4,8", "slowdown": "4,6,8,16", "pd_1_3": "1,1.5,2,4", "pd_2_2": "2,3,4,8",
+    "pd_3_1": "4,6,8,16",
+}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="", help=f"comma-separated cases (default all: {', '.join(CASES)})")
-    p.add_argument("--rates", default="1,2,4,6,8")
+    p.add_argument("--rates", default="auto", help="rate multipliers for every case, or auto (AUTO_RATES)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--policies", default=f"{DEFAULT_POLICY},cache_aware,round_robin")
     p.add_argument("--peers", default="vllm-router,smg")
     p.add_argument("--peer-policies", default="cache_aware,round_robin",
                    help="passed to slo_replay (in PD, vllm-router's own PD mode whatever the policy)")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--no-peer-replay", action="store_true", help="passed to slo_replay: replay only our assignments")
     p.add_argument("--time-scale", default="0.5")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     p.add_argument("--summarize-only", action="store_true")
@@ -67,9 +77,12 @@ def parse_args(argv=None):
 
 
 def run_case(case: str, args) -> int:
-    argv = [*CASES[case], "--rates", args.rates, "--repeats", str(args.repeats), "--policies", args.policies,
+    rates = AUTO_RATES[case] if args.rates == "auto" else args.rates
+    argv = [*CASES[case], "--rates", rates, "--repeats", str(args.repeats), "--policies", args.policies,
             "--time-scale", args.time_scale, "--out", str(args.out), "--name", f"workload_{case}"]
     argv += ["--no-peers"] if args.no_peers else ["--peers", args.peers, "--peer-policies", args.peer_policies]
+    if args.no_peer_replay:
+        argv += ["--no-peer-replay"]
     if args.git_ref:
         argv += ["--git-ref", args.git_ref]
     if args.profiles:
@@ -94,8 +107,9 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
         report = json.loads(path.read_text())
         summary = report["summary"]
         lines += [f"## {case}", "", f"[details](workload_{case}.md) - `{' '.join(CASES.get(case, []))}`", "",
-                  "| rate | ours | other policies | best peer | replay (ours) | fair (ours) | fair (all) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| rate | ours | other policies | best peer | ours - best peer | replay (ours) | fair (ours) "
+                  "| fair (all) |",
+                  "|---|---|---|---|---|---|---|---|"]
         rates = sorted({r["rate"] for r in summary})
         for rate in rates:
             at = [r for r in summary if r["rate"] == rate]
@@ -113,8 +127,9 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
             replay = next((r for r in at if r["path"] == "replay" and r["target"] == f"ours:{DEFAULT_POLICY}"), None)
             fair_all = [r["min_fair_share"] for r in router if r.get("min_fair_share") is not None]
             best_cell = f"{pct(best)} ({best['target']})" if best else "-"
+            lead = (f"{(pct(ours) or 0.0) - (pct(best) or 0.0):+.1f}" if ours and best else "-")
             lines.append(
-                f"| {rate:g} | {pct(ours) if ours else '-'} | {', '.join(others) or '-'} | {best_cell} | "
+                f"| {rate:g} | {pct(ours) if ours else '-'} | {', '.join(others) or '-'} | {best_cell} | {lead} | "
                 f"{pct(replay) if replay else '-'} | "
                 f"{ours.get('min_fair_share') if ours and ours.get('min_fair_share') is not None else '-'} | "
                 f"{min(fair_all) if fair_all else '-'} |")
