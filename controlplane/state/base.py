@@ -59,6 +59,15 @@ class RequestRecord:
     pull_tokens: int = 0
 
 
+def with_charges(r: RequestRecord, charges: tuple[Charge, ...]) -> RequestRecord:
+    """``r`` holding ``charges``: ``dataclasses.replace(r, charges=charges)`` as one positional
+    constructor call, a third of its cost (it runs for every placed request). Every field is
+    passed on (tests/test_ledger_records.py checks it against ``dataclasses.fields``)."""
+    return RequestRecord(r.request_id, r.model, r.prompt_tokens, r.max_tokens, r.session, r.flow, charges,
+                         r.created_at, r.orphaned_at, r.placed_at, r.predicted_ttft_s, r.work_ahead_tokens,
+                         r.decode_batch, r.decode_placed_at, r.pull_tokens)
+
+
 class SpecStore(Protocol):
     """Durable worker specs (config, registrations, operators' changes)."""
 

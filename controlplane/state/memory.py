@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
-from controlplane.state.base import Charge, RequestRecord
+from controlplane.state.base import Charge, RequestRecord, with_charges
 from controlplane.workers import IDLE, Load, WorkerSpec
 
 
@@ -58,8 +58,13 @@ class MemoryStore:
 
     async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
         existing = self._records.get(record.request_id)
-        base = existing if existing is not None else record
-        updated = dataclasses.replace(base, charges=base.charges + tuple(charges), **(notes if existing else {}))
+        if existing is None:
+            # A new request (every placement's entry leg): one constructor call, not
+            # dataclasses.replace (which reads the fields' list per call: 6 of the control
+            # plane's ~60 us per non-streamed request).
+            updated = with_charges(record, record.charges + tuple(charges))
+        else:
+            updated = dataclasses.replace(existing, charges=existing.charges + tuple(charges), **notes)
         self._records[record.request_id] = updated
         if existing is None and updated.session:
             self._by_session.setdefault(updated.session, set()).add(updated.request_id)
