@@ -534,6 +534,13 @@ class RedisStore:
             return await self.wire.script(source, keys or [], args)
         return await script(keys=keys or [], args=args)
 
+    async def _script_soon(self, script, source: str, args: list[Any]) -> Any:
+        """A per-request ledger call (end, release, settle): sent with the rest of this loop
+        turn's (``WireClient.script_soon``: one write for every placement's and report's call)."""
+        if self.wire is not None:
+            return await self.wire.script_soon(source, [], args)
+        return await script(keys=[], args=args)
+
     @_unavailable
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
@@ -594,10 +601,15 @@ class RedisStore:
             log.warning("a write-behind reserve failed (%s: %s); Redis lacks that charge",
                         type(exc).__name__, str(exc)[:200])
             return
-        self._ledger_reply(fut.result())
+        self._mirror_reply(fut.result()[1])   # (its record: nobody waits for it)
 
     def _ledger_reply(self, reply: list) -> RequestRecord | None:
         record, flat = reply
+        self._mirror_reply(flat)
+        return self._record(record)
+
+    def _mirror_reply(self, flat: list) -> None:
+        """The loads a ledger script changed, as they are now, into the load mirror."""
         if self.loads_max_age_s and flat:
             for i in range(0, len(flat), 5):
                 wid = flat[i]
@@ -605,7 +617,6 @@ class RedisStore:
                 self._mirror_gen[wid] = self._mirror_tick
                 if wid in self._watched:
                     self._mirror[wid] = _load(flat[i + 1:i + 5])
-        return self._record(record)
 
     # ------------------------------------------------------------------ specs
 
@@ -727,7 +738,7 @@ class RedisStore:
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
         return self._ledger_reply(
-            await self._script(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
+            await self._script_soon(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
 
     @_unavailable
     async def end(self, request_id: str, *, tombstone_s: float = 0.0) -> RequestRecord | None:
@@ -736,16 +747,16 @@ class RedisStore:
         still be on its way (one that timed out against a stalled Redis runs when Redis
         wakes up, perhaps after the end): ``ResilientStore`` passes it."""
         ttl_ms = str(max(0, int(tombstone_s * 1000)))
-        return self._ledger_reply(await self._script(self._end, _END, [self.prefix, request_id, ttl_ms]))
+        return self._ledger_reply(await self._script_soon(self._end, _END, [self.prefix, request_id, ttl_ms]))
 
     @_unavailable
     async def settle_prefill(self, request_id: str) -> RequestRecord | None:
-        return self._ledger_reply(await self._script(self._settle, _SETTLE, [self.prefix, request_id]))
+        return self._ledger_reply(await self._script_soon(self._settle, _SETTLE, [self.prefix, request_id]))
 
     @_unavailable
     async def get(self, request_id: str) -> RequestRecord | None:
         if self.wire is not None:
-            return self._record(await self.wire.call("HGETALL", self._k_rec + request_id))
+            return self._record(await self.wire.call_soon("HGETALL", self._k_rec + request_id))
         return self._record(await self.redis.hgetall(self._k_rec + request_id))
 
     @_unavailable

@@ -7,6 +7,15 @@ matches replies to callers in order (hiredis parses them), so concurrent placeme
 the connection as an implicit pipeline. Everything else (specs, pub/sub, sweeps) stays on
 redis-py.
 
+**One write per loop turn for the ledger's per-request calls** (``script_soon``,
+``call_soon``): on loopback a send() runs Redis's side of the TCP stack in the sender's
+syscall and wakes Redis once per write, so each placement's reserve and each report's end
+sent alone cost a syscall here and a read and a reply write in Redis. Commands queued in one
+turn of the event loop leave together at the start of the next turn (as
+``protos.framing.FrameWriter`` does for the data planes' answers), with one reply timer for
+them all; a command written at once (``call``, ``pipeline``) sends what is queued before it,
+so the connection's order is the callers' order.
+
 Failure rules: a connection that breaks, or a reply that does not come within
 ``timeout_s``, fails every call waiting on it with ``ConnectionError`` / ``TimeoutError``
 and is dropped; the next call opens a new one. A call that failed with a broken
@@ -105,6 +114,13 @@ class WireClient:
         self._connecting: asyncio.Future | None = None
         self._shas: dict[str, str] = {}
         self._loaded_on: dict[int, set[str]] = {}   # connection -> scripts it has run
+        # Commands queued this loop turn (see the module's docstring): packed, for _queued_on,
+        # their replies' futures already in its waiters; the last one's future ends the timer.
+        self._queued: list[bytes] = []
+        self._queued_on: _Protocol | None = None
+        self._queued_last: asyncio.Future | None = None
+        self.writes = 0   # sends to Redis (for tests and benchmarks: commands per write)
+        self.commands = 0
 
     async def _connection(self) -> _Protocol:
         proto = self._proto
@@ -139,9 +155,12 @@ class WireClient:
         return proto
 
     async def _send(self, proto: _Protocol, args: tuple) -> Any:
+        self.flush()
         fut = asyncio.get_running_loop().create_future()
         proto.waiters.append(fut)
         proto.transport.write(hiredis.pack_command(args))
+        self.writes += 1
+        self.commands += 1
         timer = asyncio.get_running_loop().call_later(
             self.timeout_s, proto.abort, TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
         try:
@@ -158,21 +177,72 @@ class WireClient:
         return reply
 
     def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
-        """Send a script on the open connection without waiting: its reply (or error) lands
-        in the returned future, in order with every later call. None when no connection is
-        open (or the script was never loaded on it): the caller then awaits ``script``."""
+        """Queue a script on the open connection without waiting: it leaves with the rest of
+        this loop turn's commands, and its reply (or error) lands in the returned future, in
+        order with every later call. None when no connection is open (or the script was never
+        loaded on it): the caller then awaits ``script``."""
         proto = self._proto
         sha = self._shas.get(source)
         if proto is None or proto.closed or sha is None or source not in self._loaded_on.get(id(proto), ()):
             return None
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        return self._queue(proto, ("EVALSHA", sha, len(keys), *keys, *args))
+
+    def _queue(self, proto: _Protocol, args: tuple) -> asyncio.Future:
+        if self._queued and self._queued_on is not proto:
+            self.flush()   # (commands for a connection that broke: their futures have failed)
+        fut = asyncio.get_running_loop().create_future()
         proto.waiters.append(fut)
-        proto.transport.write(hiredis.pack_command(("EVALSHA", sha, len(keys), *keys, *args)))
-        timer = loop.call_later(self.timeout_s, proto.abort,
-                                TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
-        fut.add_done_callback(lambda _: timer.cancel())
+        if not self._queued:
+            self._queued_on = proto
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._queued.append(hiredis.pack_command(args))
+        self._queued_last = fut
         return fut
+
+    def flush(self) -> None:
+        """Send the commands queued this loop turn now (in one write)."""
+        queued, proto, last = self._queued, self._queued_on, self._queued_last
+        if not queued:
+            return
+        self._queued, self._queued_on, self._queued_last = [], None, None
+        if proto is None or proto.closed or last is None:
+            return   # the connection broke meanwhile: it failed their futures
+        proto.transport.write(queued[0] if len(queued) == 1 else b"".join(queued))
+        self.writes += 1
+        self.commands += len(queued)
+        # Replies come in order: the last one's arrival ends the wait for all of them.
+        timer = asyncio.get_running_loop().call_later(
+            self.timeout_s, proto.abort, TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
+        last.add_done_callback(lambda _: timer.cancel())
+
+    async def script_soon(self, source: str, keys: list[str], args: list[Any]) -> Any:
+        """``script``, sent with this loop turn's other queued commands (one write for all)."""
+        fut = self.script_nowait(source, keys, args)
+        if fut is None:
+            return await self.script(source, keys, args)
+        return await self._queued_reply(fut, lambda: self.script(source, keys, args))
+
+    async def call_soon(self, *args) -> Any:
+        """``call``, sent with this loop turn's other queued commands (one write for all)."""
+        proto = self._proto
+        if proto is None or proto.closed:
+            return await self.call(*args)
+        return await self._queued_reply(self._queue(proto, args), lambda: self.call(*args))
+
+    async def _queued_reply(self, fut: asyncio.Future, again) -> Any:
+        try:
+            reply = await fut
+        except ConnectionError:
+            # As ``call``: once more on a new connection (never after a timeout).
+            return await again()
+        if isinstance(reply, hiredis.ReplyError):
+            msg = str(reply)
+            if msg.startswith("NOSCRIPT"):   # Redis restarted between loading and this call
+                return await again()
+            if msg.startswith(_UNAVAILABLE_REPLIES):
+                raise ConnectionError(f"redis cannot serve: {msg[:200]}")
+            raise ResponseError(msg)
+        return reply
 
     async def pipeline(self, commands: list[tuple]) -> list[Any]:
         """Several commands in one write; their replies in order (error replies raised)."""
@@ -180,8 +250,11 @@ class WireClient:
             proto = await self._connection()
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
+            self.flush()
             proto.waiters.append([fut, len(commands), []])
             proto.transport.write(b"".join(hiredis.pack_command(c) for c in commands))
+            self.writes += 1
+            self.commands += len(commands)
             timer = loop.call_later(self.timeout_s, proto.abort,
                                     TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
             try:
@@ -229,6 +302,7 @@ class WireClient:
         return reply
 
     async def close(self) -> None:
+        self.flush()   # what callers queued (write-behind reserves) still goes out
         proto, self._proto = self._proto, None
         self._loaded_on.clear()
         if proto is not None and proto.transport is not None:
