@@ -365,6 +365,46 @@ async def test_write_behind_reserve_is_exact_once_sent(redis_server):
         await other.close()
 
 
+async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_server):
+    """Reserves (write-behind), ends, settles and gets made in one turn of the event loop go to
+    Redis in one write; a call written at once (a loads read) sends what was queued before it,
+    so it sees those charges."""
+    prefix, n = _prefix(), 12
+    wb = RedisStore(redis_server.url, key_prefix=prefix, write_behind=True)
+    try:
+        await wb.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))   # loads the scripts
+        for script in ("end", "settle_prefill"):
+            await getattr(wb, script)("warm")
+        assert wb.wire is not None and wb.write_behind
+        for i in range(n):
+            await wb.reserve(_rec(f"a{i}"), (Charge("w", "aggregated", 10, 4),))
+        await wb.loads(["w"])   # (everything above has been sent)
+        writes, commands = wb.wire.writes, wb.wire.commands
+
+        async def report(i: int) -> RequestRecord | None:
+            await wb.settle_prefill(f"a{i}")
+            assert (await wb.get(f"a{i}")).charges == (Charge("w", "aggregated", 10, 0),)
+            return await wb.end(f"a{i}")
+
+        async def place(i: int) -> None:
+            await wb.reserve(_rec(f"b{i}"), (Charge("w", "aggregated", 5),))
+
+        ended = await asyncio.gather(*(report(i) for i in range(n)), *(place(i) for i in range(n)))
+        assert [r.request_id for r in ended[:n]] == [f"a{i}" for i in range(n)]
+        # 3 turns: settles and reserves, gets, ends; 4 commands a request
+        assert wb.wire.commands - commands == 4 * n
+        assert wb.wire.writes - writes == 3, "a turn's calls went out in more than one write"
+        wb.loads_max_age_s = 0.0   # (loads read from Redis: a write of its own)
+        for i in range(n, 2 * n):
+            await wb.reserve(_rec(f"b{i}"), (Charge("w", "aggregated", 5),))
+        assert (await wb.loads(["w"]))["w"] == Load(2 * n, 10 * n, 0, 0)   # the queued reserves went first
+        await wb.reserve(_rec("c"), (Charge("w", "aggregated", 5),))
+        assert (await wb.loads(["w", "x"]))["w"].requests == 2 * n + 1    # (a pipeline of reads too)
+        assert wb.write_behind_failures == 0
+    finally:
+        await wb.close()
+
+
 async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
     """A pooled connection that the server closed is reconnected transparently."""
     s = RedisStore(redis_server.url, key_prefix=_prefix())
