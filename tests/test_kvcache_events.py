@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
-from controlplane.kvcache.events import (AllBlocksCleared, BlockRemoved, BlockStored, MalformedEventError,
-                                         decode_batch, fold_hash)
+from controlplane.kvcache.events import (BLOCK_STORED_FIELDS, AllBlocksCleared, BlockRemoved, BlockStored,
+                                         MalformedEventError, decode_batch, fold_hash)
 
 BIG = 15760518052499183552  # > 2**63: must survive as uint64
 
@@ -77,7 +79,7 @@ def test_unknown_event_types_ignored_and_counted():
     assert b.events == (AllBlocksCleared(),) and b.ignored == 2
 
 
-@pytest.mark.parametrize("payload", [
+MALFORMED = [
     b"\xc1garbage",                                     # not msgpack
     pack(42),                                           # not a batch
     pack([1.0]),                                        # too short
@@ -94,7 +96,10 @@ def test_unknown_event_types_ignored_and_counted():
     pack([1.0, [["BlockRemoved"]]]),
     pack([1.0, [["BlockRemoved", [b""]]]]),                                      # empty digest
     pack([1.0, [["BlockStored", [True], None, [], 16]]]),                        # bool is not a hash
-])
+]
+
+
+@pytest.mark.parametrize("payload", MALFORMED)
 def test_malformed_raises_specific_error(payload):
     with pytest.raises(MalformedEventError):
         decode_batch(payload)
@@ -123,3 +128,60 @@ def test_payloads_encoded_by_real_vllm():
     assert s.block_hashes == (int.from_bytes(digest[-8:], "big"),)
     assert s.parent_block_hash == int.from_bytes(digest[8:16], "big")
     assert r.block_hashes == s.block_hashes
+
+
+def _without_tokens(batch):
+    return dataclasses.replace(batch, events=tuple(
+        dataclasses.replace(e, token_ids=()) if isinstance(e, BlockStored) else e for e in batch.events))
+
+
+def _payloads():
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "vllm_event_payloads.json").read_text())
+    real = [bytes.fromhex(p) for p in data["payloads"].values()]
+    stored = {"type": "BlockStored", "block_hashes": [BIG, 2, 3], "parent_block_hash": 7,
+              "token_ids": list(range(48)), "block_size": 16, "lora_id": 3, "medium": "GPU",
+              "lora_name": "l", "extra_keys": [None, ["x"], None], "group_idx": 1, "kv_cache_spec_kind": "full"}
+    as_array = ["BlockStored", *(stored[k] for k in BLOCK_STORED_FIELDS[:-1]), "future"]
+    return [*real,
+            pack([1.0, [stored, {"type": "BlockRemoved", "block_hashes": [BIG]}, stored], 1]),
+            pack([1.0, [as_array, ["BlockRemoved", [BIG], "GPU", 0], as_array]]),
+            pack([1.0, [{**stored, "type": "BlockStored"}]]),                    # type not first
+            pack([1.0, [{"type": "BlockStored", **{k: v for k, v in stored.items() if k != "type"},
+                         "token_ids": None}]]),                                    # null tokens
+            pack([1.0, [dict(stored, block_hashes=list(range(5000)), token_ids=[0] * 80_000)]]),   # array 32
+            pack({"ts": 3.0, "events": [stored], "data_parallel_rank": 2})]        # map envelope
+
+
+@pytest.mark.parametrize("payload", _payloads())
+def test_tokens_skipped_decode_the_same_events(payload):
+    # What the subscriber decodes (tokens=False: a BlockStored read field by field, its token
+    # array skipped, never built) is the whole decoding minus the tokens: same hashes, parents,
+    # medium, lora and group fields.
+    whole = decode_batch(payload)
+    lean = decode_batch(payload, tokens=False)
+    assert any(isinstance(e, BlockStored) for e in whole.events)
+    assert lean == _without_tokens(whole)
+
+
+def test_tokens_skipped_fields_by_name_and_position():
+    m = decode_batch(_payloads()[2], tokens=False).events[0]     # the map form
+    assert m.block_hashes == (BIG, 2, 3) and m.parent_block_hash == 7 and m.token_ids == ()
+    assert m.lora_id == 3 and m.lora_name == "l" and m.medium == "GPU" and m.group_idx == 1
+    assert m.extra_keys == (None, ["x"], None) and m.kv_cache_spec_kind == "full"
+    (a, r, _) = decode_batch(_payloads()[3], tokens=False).events    # the array form
+    assert a == m and r == BlockRemoved(block_hashes=(BIG,), medium="GPU", group_idx=0)
+
+
+@pytest.mark.parametrize("payload", MALFORMED + [
+    pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": 5, "block_size": 16}]]),
+    pack([1.0, [["BlockStored", [1], None, "tokens", 16]]]),
+    pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 16}]])[:-3],
+])
+def test_tokens_skipped_refuse_the_same_payloads(payload):
+    with pytest.raises(MalformedEventError):
+        decode_batch(payload)
+    with pytest.raises(MalformedEventError):
+        decode_batch(payload, tokens=False)

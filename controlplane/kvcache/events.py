@@ -18,12 +18,14 @@ structurally wrong raises :class:`MalformedEventError`; the caller counts it and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 MASK64 = (1 << 64) - 1
+_INT_ONLY = {int}
 
 # Positional field names of the array form, in declaration order (vllm/distributed/kv_events.py).
 BLOCK_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -98,6 +100,13 @@ def _opt_hash(h: Any) -> int | None:
 def _hashes(v: Any) -> tuple[int, ...]:
     if not isinstance(v, (list, tuple)):
         raise MalformedEventError("block_hashes is not a list")
+    # vLLM's default form (ints already in 0..2^64-1) checked and copied in C: a long prompt's
+    # BlockStored has thousands of them, and an eviction is a BlockRemoved of one per block.
+    if len(v) == 1:
+        h = v[0]
+        return (h,) if type(h) is int and 0 <= h <= MASK64 else (fold_hash(h),)
+    if v and set(map(type, v)) == _INT_ONLY and min(v) >= 0 and max(v) <= MASK64:
+        return tuple(v)
     return tuple(fold_hash(h) for h in v)
 
 
@@ -125,6 +134,11 @@ def _fields(ev: Any) -> tuple[str | None, dict[str, Any]]:
 def decode_event(ev: Any) -> KVEvent | None:
     """One event in either wire form; None for an unknown (ignored) event type."""
     tag, f = _fields(ev)
+    return _build(tag, f)
+
+
+def _build(tag: str | None, f: dict[str, Any]) -> KVEvent | None:
+    """The event named ``tag`` from its fields by name (both wire forms end up here)."""
     if tag == "BlockStored":
         if "block_hashes" not in f:
             raise MalformedEventError("BlockStored without block_hashes")
@@ -152,14 +166,21 @@ def decode_event(ev: Any) -> KVEvent | None:
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
             raise MalformedEventError("BlockRemoved without block_hashes")
-        return BlockRemoved(
-            block_hashes=_hashes(f["block_hashes"]),
-            medium=_opt(f.get("medium"), str, "medium"),
-            group_idx=_opt(f.get("group_idx"), int, "group_idx"),
-        )
+        medium, group = f.get("medium"), f.get("group_idx")
+        if medium is not None and type(medium) is not str or group is not None and type(group) is not int:
+            medium, group = _opt(medium, str, "medium"), _opt(group, int, "group_idx")   # raises, or a subclass
+        return BlockRemoved(_hashes(f["block_hashes"]), medium, group)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
+
+
+# msgpack's first byte of an object -> the length of its header if a map (fixmap, map 16, map 32)
+# or an array (fixarray, array 16, array 32), else 0.
+_MAP_HEADER = bytes(1 if 0x80 <= b <= 0x8F else 3 if b == 0xDE else 5 if b == 0xDF else 0 for b in range(256))
+_ARRAY_HEADER = bytes(1 if 0x90 <= b <= 0x9F else 3 if b == 0xDC else 5 if b == 0xDD else 0 for b in range(256))
+_STORED = msgpack.packb("BlockStored")
+_TYPE_STORED = msgpack.packb("type") + _STORED
 
 
 class BatchReader:
@@ -171,11 +192,25 @@ class BatchReader:
     the subscriber decodes a slice, lets the loop answer placements, and goes on. The array
     envelope (every vLLM seen) is unpacked as it is read (``msgpack.Unpacker``); a map envelope
     is unpacked whole first. Every error raises :class:`MalformedEventError`, as ``decode_batch``.
+
+    ``tokens=False`` leaves every event's ``token_ids`` empty without building them: vLLM sends
+    a block's tokens with it (16 ints a block: 65,536 for a long prompt's ``BlockStored``, ~1.5 ms
+    for msgpack to build as one list and as long to copy) and the control plane never reads
+    them. Each event of the array envelope is then read field by field and the tokens' array is
+    skipped in C (``Unpacker.skip``); whether they are a list is still checked, their items are
+    not (as before, except that text inside them is no longer decoded). Everything else decodes
+    exactly as with ``tokens=True``, which builds and keeps them.
     """
 
-    __slots__ = ("_dp", "_events", "_tail", "_unpacker", "remaining", "ts")
+    __slots__ = ("_dp", "_events", "_payload", "_skip_tokens", "_stored_until", "_tail", "_unpacker", "remaining",
+                 "ts")
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self, payload: bytes, *, tokens: bool = True) -> None:
+        self._payload = payload
+        self._skip_tokens = not tokens
+        # No BlockStored's tag past this offset (one C search): the events after it are unpacked
+        # whole without looking at them first.
+        self._stored_until = payload.rfind(_STORED) + 1 if not tokens else 0
         self._unpacker: msgpack.Unpacker | None = None
         self._events: Any = None        # an iterator over the map envelope's events
         self._tail = 0                   # array envelope: items after the events
@@ -225,17 +260,84 @@ class BatchReader:
             self.remaining -= 1
             if u is not None:
                 try:
-                    raw = u.unpack()
+                    if u.tell() < self._stored_until and self._stored_next(u):
+                        d = self._fields_read(u)
+                    else:
+                        d = decode_event(u.unpack())
+                        if self._skip_tokens and type(d) is BlockStored and d.token_ids:
+                            d = dataclasses.replace(d, token_ids=())   # an unusual encoding
+                except MalformedEventError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - msgpack raises unrelated types
                     raise MalformedEventError(f"not msgpack: {e.__class__.__name__}") from None
             else:
-                raw = next(self._events)
-            d = decode_event(raw)
+                d = decode_event(next(self._events))
+                if self._skip_tokens and type(d) is BlockStored and d.token_ids:
+                    d = dataclasses.replace(d, token_ids=())
             if d is None:
                 ignored += 1
             else:
                 out.append(d)
         return ignored
+
+    def _stored_next(self, u: msgpack.Unpacker) -> bool:
+        """Whether the next event is a ``BlockStored`` as vLLM (msgspec) encodes it: a map whose
+        first key is ``type`` or an array, then the tag. Only those are read field by field;
+        every other event is unpacked whole, in one C call (cheaper for a ``BlockRemoved`` of
+        one hash). Either way decodes the same."""
+        pos, p = u.tell(), self._payload
+        if pos >= len(p):
+            return False
+        b = p[pos]
+        n = _MAP_HEADER[b]
+        if n:
+            return p.startswith(_TYPE_STORED, pos + n)
+        n = _ARRAY_HEADER[b]
+        return bool(n) and p.startswith(_STORED, pos + n)
+
+    def _fields_read(self, u: msgpack.Unpacker) -> KVEvent | None:
+        """The next event, read field by field with its tokens skipped (see ``_tokens``)."""
+        b = self._first(u)
+        if _MAP_HEADER[b]:
+            f: dict[Any, Any] = {}
+            for _ in range(u.read_map_header()):
+                k = u.unpack()
+                f[k] = self._tokens(u) if k == "token_ids" else u.unpack()
+            tag = f.get("type")
+            if not isinstance(tag, str):
+                raise MalformedEventError("event map without a string 'type'")
+            return _build(tag, f)
+        if _ARRAY_HEADER[b]:
+            n = u.read_array_header()
+            tag = u.unpack() if n else None
+            if not isinstance(tag, str):
+                raise MalformedEventError("event of type list")
+            names = (BLOCK_STORED_FIELDS if tag == "BlockStored"
+                     else BLOCK_REMOVED_FIELDS if tag == "BlockRemoved" else ())
+            f = {}
+            for i in range(n - 1):
+                name = names[i] if i < len(names) else None
+                if name is None:
+                    u.unpack()          # extra trailing values are dropped (unpacked: still checked)
+                else:
+                    f[name] = self._tokens(u) if name == "token_ids" else u.unpack()
+            return _build(tag, f)
+        return decode_event(u.unpack())     # not an event: decode_event says what is wrong
+
+    def _first(self, u: msgpack.Unpacker) -> int:
+        """The next object's first byte (what it is)."""
+        pos = u.tell()
+        if pos >= len(self._payload):
+            raise MalformedEventError("not msgpack: OutOfData")
+        return self._payload[pos]
+
+    def _tokens(self, u: msgpack.Unpacker) -> Any:
+        """A ``token_ids`` value: an array is skipped (and stands as empty), anything else is
+        unpacked for ``_build`` to judge, as if read whole."""
+        if _ARRAY_HEADER[self._first(u)]:
+            u.skip()
+            return ()
+        return u.unpack()
 
     def finish(self) -> int | None:
         """After the last event: the batch's data-parallel rank (the payload must end there)."""
@@ -261,9 +363,10 @@ class BatchReader:
         return dp
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one PUB/replay payload. Raises MalformedEventError on anything structurally wrong."""
-    reader = BatchReader(payload)
+def decode_batch(payload: bytes, *, tokens: bool = True) -> KVEventBatch:
+    """Decode one PUB/replay payload. Raises MalformedEventError on anything structurally wrong.
+    ``tokens=False``: every ``token_ids`` left empty, never built (see :class:`BatchReader`)."""
+    reader = BatchReader(payload, tokens=tokens)
     out: list[KVEvent] = []
     ignored = reader.read(out, reader.remaining)
     dp = reader.finish()

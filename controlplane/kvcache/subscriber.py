@@ -295,7 +295,7 @@ class KVEventSubscriber:
         ignored = 0
         async with budget.turn:
             try:
-                reader = BatchReader(payload)
+                reader = BatchReader(payload, tokens=False)   # never read here: not built
                 while reader.remaining:
                     ignored += reader.read(events, DECODE_SLICE)
                     await budget.spend()
