@@ -47,9 +47,12 @@ class MemoryStore:
             if requests < 0 or prefill < 0:
                 return   # the worker was removed while the request ran: nothing to release
             cur = IDLE
-        prefills = cur.prefills + (1 if prefill > 0 else -1 if prefill < 0 else 0)
-        new = self._load[worker_id] = Load(max(0, cur.requests + requests), max(0, cur.tokens + tokens),
-                                           max(0, cur.prefill_tokens + prefill), max(0, prefills))
+        # (conditionals, not max(0, ...): this runs twice per request)
+        r = cur.requests + requests
+        t = cur.tokens + tokens
+        p = cur.prefill_tokens + prefill
+        n = cur.prefills + (1 if prefill > 0 else -1 if prefill < 0 else 0)
+        new = self._load[worker_id] = Load(r if r > 0 else 0, t if t > 0 else 0, p if p > 0 else 0, n if n > 0 else 0)
         for listener in self.load_listeners:
             listener(worker_id, new)
 
