@@ -51,6 +51,25 @@ def worker_info(view: WorkerView, placements_total: int = 0, cached_blocks: int 
             metrics_age_s=(now - eng.updated_at) if eng.updated_at else -1.0))
 
 
+def _message(item: pb.ControlPlaneMessage | pb.Placement) -> pb.ControlPlaneMessage:
+    """A session's answer queue holds placements bare (``_handle``) and other messages whole."""
+    if type(item) is pb.Placement:
+        msg = pb.ControlPlaneMessage()
+        msg.placement.CopyFrom(item)
+        return msg
+    return item   # type: ignore[return-value]
+
+
+def _add_to(batch, item: pb.ControlPlaneMessage | pb.Placement) -> None:
+    """Append ``item`` to a batch's repeated messages: a placement is copied once, straight
+    into its slot (wrapping it in a message of its own, then the batch copying that, was
+    two copies: 3.5 % of the control plane's CPU per placement)."""
+    if type(item) is pb.Placement:
+        batch.add().placement.CopyFrom(item)
+    else:
+        batch.append(item)
+
+
 class _Waiting:
     """A session's messages whose handling is waiting (see ``SchedulerService._dispatch``)."""
 
@@ -136,17 +155,21 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 if msg is None:
                     break
                 if out.empty() or not reader_batches[0]:
-                    yield msg
+                    yield _message(msg)
                     continue
-                # Answers queued while the last write was in flight: one write for all.
-                batch, end = [msg], False
-                while len(batch) < SESSION_MAX_BATCH and not out.empty():
+                # Answers queued while the last write was in flight: one write for all,
+                # each placement copied once, into the batch (no message of its own first).
+                batched = pb.ControlPlaneMessage()
+                into, end, n = batched.batch.messages, False, 1
+                _add_to(into, msg)
+                while n < SESSION_MAX_BATCH and not out.empty():
                     nxt = out.get_nowait()
                     if nxt is None:
                         end = True
                         break
-                    batch.append(nxt)
-                yield pb.ControlPlaneMessage(batch=pb.ControlPlaneBatch(messages=batch)) if len(batch) > 1 else msg
+                    _add_to(into, nxt)
+                    n += 1
+                yield batched if n > 1 else _message(msg)
                 if end:
                     break
         finally:
@@ -210,7 +233,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         if body == "place":
             answer = await self._place(msg.place, session)
             if isinstance(answer, pb.Placement):
-                out.put_nowait(pb.ControlPlaneMessage(placement=answer))
+                out.put_nowait(answer)   # wrapped once it is written (Session)
             else:
                 task = asyncio.ensure_future(self._answer_later(msg.place, answer, out))
                 held.add(task)
@@ -253,7 +276,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             log.exception("held placement of %s failed", req.request_id)
             placement = self.placer.internal_error(req, exc)
         placement.seq = req.seq
-        out.put_nowait(pb.ControlPlaneMessage(placement=placement))
+        out.put_nowait(placement)
 
     async def _place(self, req: pb.PlaceRequest, session: str) -> pb.Placement | asyncio.Future:
         started = time.perf_counter()
