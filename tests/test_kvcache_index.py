@@ -7,7 +7,7 @@ import random
 import pytest
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, best_per_worker
+from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, SlotBlocks, best_per_worker
 
 A, B, C = ("a", 0), ("b", 0), ("c", 0)
 
@@ -172,6 +172,63 @@ def test_random_operations_match_a_naive_model():
             assert idx.match_depths(chain) == want
     consistent(idx)
     assert idx.size() == len(set().union(*model.values()))
+
+
+def test_compaction_in_steps_keeps_exactly_the_live_blocks(monkeypatch):
+    # A busy slot is compacted a step at a time (SlotBlocks.COMPACT_STEP entries per call), not
+    # in one hold of the event loop; meanwhile its blocks read as the live ones, stores and
+    # removals go on (a block removed and stored again while its old entry waits), and at the
+    # end every stale and repeated entry is gone.
+    monkeypatch.setattr(SlotBlocks, "COMPACT_STEP", 64)
+    rng = random.Random(3)
+    idx = PrefixIndex()
+    live: set[int] = set()
+    steps = compactions = 0
+    for rnd in range(400):
+        batch = [BlockRemoved(block_hashes=(h,)) for h in rng.sample(sorted(live), min(len(live), 40))]
+        new = [rng.randrange(1, 3000) for _ in range(rng.randrange(1, 60))]
+        events = [*batch, stored(new)]
+        if rnd % 7 == 0 and live:          # one removed and stored again in one batch
+            again = rng.choice(sorted(live))
+            events += [BlockRemoved(block_hashes=(again,)), stored([again])]
+        idx.apply("w", 0, events)
+        for ev in events:
+            if isinstance(ev, BlockRemoved):
+                live.difference_update(ev.block_hashes)
+            else:
+                live.update(ev.block_hashes)
+        mine = idx._blocks_of[idx._slot_of["w", 0]]
+        if mine._seen is not None:
+            steps += 1
+            assert mine._r - mine._w >= 0 and mine._r <= mine._stop <= len(mine.hashes)
+        elif steps:
+            compactions += 1
+            steps = 0
+        assert set(mine) == live and len(mine) == len(live)
+        assert len(mine.hashes) <= 4 * len(live) + 400   # bounded, whatever the churn
+    assert compactions >= 5
+    mine.compact()
+    while mine._seen is not None:
+        mine.compact()
+    consistent(idx)
+    idx.apply("w", 0, [BlockRemoved(block_hashes=tuple(live))])
+    while mine.due():
+        mine.compact()
+    assert len(mine.hashes) <= 64 and list(mine) == [] and len(mine) == 0   # a few stale ones may wait
+
+
+def test_a_run_of_removals_is_one_call_and_keeps_order():
+    # vLLM evicts a block per BlockRemoved: a run of them is applied as one removal, and a
+    # block stored after its removal in the same batch stays.
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored([1, 2, 3, 4])])
+    calls = []
+    orig = idx.remove
+    idx.remove = lambda key, hs: (calls.append(list(hs)), orig(key, hs))[1]   # type: ignore[method-assign]
+    idx.apply("a", 0, [BlockRemoved(block_hashes=(1,)), BlockRemoved(block_hashes=(2, 3)), stored([2]),
+                       BlockRemoved(block_hashes=(4,))])
+    assert calls == [[1, 2, 3], [4]]
+    assert idx.match_depths([2]) == {A: 1} and idx.match_depths([1]) == {} and idx.size() == 1
 
 
 def test_bad_config():

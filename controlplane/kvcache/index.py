@@ -73,9 +73,19 @@ class SlotBlocks:
 
     Entries whose bit was since cleared in ``holders`` are stale and skipped; a block stored
     again after a removal may appear twice. ``in``, ``len`` and iteration answer for live ones.
+
+    Stale entries are dropped once they outnumber live ones (``compact``), a step of
+    ``COMPACT_STEP`` entries per call, in place: ``hashes[:_w]`` is what was kept so far,
+    ``hashes[_w:_r]`` a gap of entries already looked at (never read), ``hashes[_r:_stop]`` what is
+    left to look at and ``hashes[_stop:]`` what was appended meanwhile. Why in steps: a busy
+    worker's slot holds tens of thousands of entries (a real engine's cache, hundreds of
+    thousands), and compacting it in one go held the event loop, and every placement behind it,
+    ~2.3 ms per 16,000 entries on this project's 2-core machine.
     """
 
-    __slots__ = ("_index", "bit", "hashes", "extra", "live")
+    __slots__ = ("_index", "_r", "_seen", "_stop", "_w", "bit", "hashes", "extra", "live")
+
+    COMPACT_STEP = 2048     # entries looked at per compact() call (~0.3 ms here)
 
     def __init__(self, index: PrefixIndex, bit: int) -> None:
         self._index = index
@@ -83,6 +93,8 @@ class SlotBlocks:
         self.hashes = array("Q")
         self.extra: set[int] | None = None     # hashes that do not fit 64 unsigned bits
         self.live = 0
+        self._seen: set[int] | None = None      # while compacting: the hashes kept so far
+        self._w = self._r = self._stop = 0
 
     def add(self, h: int) -> None:
         try:
@@ -102,7 +114,11 @@ class SlotBlocks:
                     self.add(h)
 
     def raw(self) -> Iterator[int]:
-        yield from self.hashes
+        if self._seen is None:
+            yield from self.hashes
+        else:                       # compacting: skip the gap
+            yield from self.hashes[:self._w]
+            yield from self.hashes[self._r:]
         if self.extra:
             yield from list(self.extra)
 
@@ -119,18 +135,38 @@ class SlotBlocks:
                 seen.add(h)
                 yield h
 
+    def due(self) -> bool:
+        """Whether ``compact()`` has work: a compaction under way, or stale entries outnumber
+        live ones (amortised over the appends)."""
+        return self._seen is not None or len(self.hashes) > 2 * self.live + 64
+
     def compact(self) -> None:
-        """Drop stale entries once they outnumber live ones (amortised over the appends)."""
-        if len(self.hashes) <= 2 * self.live + 64:
-            return
-        # A comprehension and dict.fromkeys (order kept, duplicates dropped) rather than
-        # iterating self: this runs on the event loop, ~3x less of it for a 16k-entry slot.
+        """One step of dropping stale (and repeated) entries, if due; order is kept."""
+        seen = self._seen
+        if seen is None:
+            if len(self.hashes) <= 2 * self.live + 64:
+                return
+            seen = self._seen = set()
+            self._w = self._r = 0
+            self._stop = len(self.hashes)
+        hashes, w, r = self.hashes, self._w, self._r
+        end = min(r + self.COMPACT_STEP, self._stop)
+        # Comprehensions and dict.fromkeys (first of repeats kept) rather than a loop over self.
         get, bit = self._index._holders.get, self.bit
+        kept = [h for h in dict.fromkeys(hashes[r:end]) if h not in seen and get(h, 0) & bit]
+        if kept:
+            seen.update(kept)
+            hashes[w:w + len(kept)] = array("Q", kept)
+            w += len(kept)
+        if end < self._stop:
+            self._w, self._r = w, end
+            return
+        del hashes[w:end]            # the gap; what was appended meanwhile moves down
+        self._seen = None
+        self._w = self._r = self._stop = 0
         extra = self.extra
-        self.hashes = array("Q", dict.fromkeys([h for h in self.hashes if get(h, 0) & bit]))
-        self.extra = None
         if extra:
-            live = [h for h in extra if self._index._holders.get(h, 0) & self.bit]
+            live = [h for h in extra if get(h, 0) & bit]
             self.extra = set(live) or None
 
 
@@ -252,13 +288,20 @@ class PrefixIndex:
     def apply(self, worker_id: str, dp_rank: int | None, events: Iterable[KVEvent]) -> None:
         """Apply one decoded batch from ``worker_id`` (dp_rank None is taken as rank 0)."""
         key = (worker_id, dp_rank or 0)
+        gone: list[int] = []        # a run of removals is applied in one call (vLLM: one per block)
         for ev in events:
+            if type(ev) is BlockRemoved:
+                gone += ev.block_hashes
+                continue
+            if gone:
+                self.remove(key, gone)
+                gone = []
             if type(ev) is BlockStored:
                 self.store(key, ev.block_hashes, ev.parent_block_hash)
-            elif type(ev) is BlockRemoved:
-                self.remove(key, ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
                 self._clear_slot(self._slot(key))
+        if gone:
+            self.remove(key, gone)
 
     def store(self, key: WorkerKey, hashes: Sequence[int], parent: int | None) -> None:
         """Blocks ``hashes`` (a chain continuing ``parent``) are now cached on ``key``."""
@@ -301,7 +344,7 @@ class PrefixIndex:
             self._refs += len(new)
         self._stored += len(hashes)
         self._clock += len(hashes)
-        if len(mine.hashes) > 2 * mine.live + 64:
+        if mine.due():
             mine.compact()
         if len(holders) > self.config.max_blocks:
             self._evict(len(holders) - self.config.max_blocks)
@@ -750,7 +793,7 @@ class RoutedIndex(PrefixIndex):
             mine.extend(new)
             mine.live += len(new)
             self._refs += len(new)
-        if len(mine.hashes) > 2 * mine.live + 64:
+        if mine.due():
             mine.compact()
         # No LRU eviction here: the owner caps the size by expiring the oldest buckets early,
         # which keeps routed prefixes prefix-closed (see _walk).

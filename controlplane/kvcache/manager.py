@@ -210,10 +210,9 @@ class KVCache:
             # What the engine evicted is gone, whatever was placed there before: a pending
             # prefix must not outlive the blocks' own removal (a hole deeper in a pending chain
             # may still be galloped over until it expires: the same estimate as without it).
-            key = (engine, dp_rank or 0)
-            for ev in events:
-                if type(ev) is BlockRemoved:
-                    pending.index.remove(key, ev.block_hashes)
+            gone = [h for ev in events if type(ev) is BlockRemoved for h in ev.block_hashes]
+            if gone:
+                pending.index.remove((engine, dp_rank or 0), gone)
 
     def _refuse_block_size(self, engine: str, got: int) -> None:
         self._count(engine, "block_size_mismatch")
