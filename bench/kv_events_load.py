@@ -25,8 +25,10 @@ What runs, all on 127.0.0.1:
 Each round measures two cells, in an order alternated per round: ``quiet`` (no events published)
 and ``events`` (publishing). Reported per cell: placement p50/p99/max (the client's
 ``PlacementClient.place`` round trip), the control plane's longest event-loop stall and the
-p99 of its 1 ms timer's lateness, and the KV frames and block events the control plane applied.
-Before/after comparisons run this file against two trees (``PYTHONPATH=<tree>``), interleaved.
+p99 of its 1 ms timer's lateness, the longest CPU hold of one loop callback, the garbage
+collections (longest, full ones, total: they run inside whichever callback allocated), and the
+KV frames and block events the control plane applied. Before/after comparisons run this file
+against two trees (``PYTHONPATH=<tree>``: the other tree's modules, this file's measuring), interleaved.
 """
 
 from __future__ import annotations
@@ -290,6 +292,35 @@ class HoldWatch:
         return self.holds
 
 
+class GCWatch:
+    """How long each garbage collection held the loop's thread (``gc.callbacks``): collections run
+    inside whatever callback allocated, so they show up in its hold."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []     # (generation, ms)
+        self._t0 = 0.0
+        self.on = False
+
+    def install(self) -> None:
+        import gc
+
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.thread_time()
+        elif self.on:
+            self.pauses.append((info["generation"], (time.thread_time() - self._t0) * 1000))
+
+    def start(self) -> None:
+        self.pauses = []
+        self.on = True
+
+    def stop(self) -> list[tuple[int, float]]:
+        self.on = False
+        return self.pauses
+
+
 async def run(args: argparse.Namespace) -> dict:
     from controlplane.config import ControlPlaneConfig, WorkerSpec
     from controlplane.health import HealthConfig
@@ -349,6 +380,8 @@ async def run(args: argparse.Namespace) -> dict:
             await place(0.5, "warm")
             watch = StallWatch()
             holds = HoldWatch()
+            gcs = GCWatch()
+            gcs.install()
             if not args.uvloop:
                 holds.install()
             for r in range(args.rounds):
@@ -361,7 +394,9 @@ async def run(args: argparse.Namespace) -> dict:
                     frames0, _ = applied()
                     watch.start()
                     holds.start()
+                    gcs.start()
                     out = await place(args.seconds, f"r{r}{cell}")
+                    collected = gcs.stop()
                     held = holds.stop()
                     lateness = watch.stop()
                     frames1, blocks = applied()
@@ -376,6 +411,9 @@ async def run(args: argparse.Namespace) -> dict:
                         "hold_max_ms": round(max(held, default=0.0), 2),
                         "holds_over_5ms": sum(h > 5 for h in held),
                         "longest_hold": holds.longest,
+                        "gc_max_ms": round(max((ms for _, ms in collected), default=0.0), 2),
+                        "gc_total_ms": round(sum(ms for _, ms in collected), 1),
+                        "gc_full": sum(g == 2 for g, _ in collected),
                         "frames_applied": frames1 - frames0,
                         "frames_published": after["frames"] - before["frames"],
                         "events_published": after["events"] - before["events"],
@@ -385,7 +423,8 @@ async def run(args: argparse.Namespace) -> dict:
                     log(f"round {r + 1}/{args.rounds} {cell:6s}: placement p50 {c['p50_ms']:.2f} p99 "
                         f"{c['p99_ms']:.2f} max {c['max_ms']:.1f} ms (n={c['n']}); loop stall max "
                         f"{c['stall_max_ms']:.1f} p99 {c['stall_p99_ms']:.2f} ms; longest hold (CPU) "
-                        f"{c['hold_max_ms']:.1f} ms, {c['holds_over_5ms']} over 5 ms; frames applied "
+                        f"{c['hold_max_ms']:.1f} ms, {c['holds_over_5ms']} over 5 ms; gc max {c['gc_max_ms']:.1f} ms "
+                        f"({c['gc_full']} full, {c['gc_total_ms']:.0f} ms in all); frames applied "
                         f"{c['frames_applied']} of {c['frames_published']} published ({c['events_published']} events)"
                         + (f"; errors {c['errors'][:2]}" if c["errors"] else ""))
                     # drain what is still queued before the next cell
@@ -405,7 +444,7 @@ def summarize(result: dict) -> dict:
         out[cell] = {k: {"median": statistics.median(x[k] for x in rows), "min": min(x[k] for x in rows),
                          "max": max(x[k] for x in rows)}
                      for k in ("p50_ms", "p99_ms", "max_ms", "stall_max_ms", "stall_p99_ms", "hold_max_ms",
-                               "holds_over_5ms", "frames_applied",
+                               "holds_over_5ms", "gc_max_ms", "gc_total_ms", "gc_full", "frames_applied",
                                "events_published")} if rows else {}
     return out
 

@@ -85,7 +85,7 @@ class SlotBlocks:
 
     __slots__ = ("_index", "_r", "_seen", "_stop", "_w", "bit", "hashes", "extra", "live")
 
-    COMPACT_STEP = 2048     # entries looked at per compact() call (~0.3 ms here)
+    COMPACT_STEP = 1024     # entries looked at per compact() call (~0.15 ms here)
 
     def __init__(self, index: PrefixIndex, bit: int) -> None:
         self._index = index
