@@ -32,7 +32,10 @@ class Waiter:
     session: str
     future: asyncio.Future
     enqueued_at: float
-    prompt_tokens: int
+    # What it would compute where it was last held (HoldQueue.take_work); until it has been
+    # held once, its prompt's length. The queue's order weighs it.
+    work_tokens: int
+    held: bool = False      # a placement has held it at least once (its work_tokens is known)
 
 
 class PlacementQueue:
@@ -70,10 +73,18 @@ class PlacementQueue:
             return self.refusal(req, "the placement queue is full")
         self.start()
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[req.request_id] = Waiter(req, session, fut, time.monotonic(), req.prompt_tokens)
+        waiter = Waiter(req, session, fut, time.monotonic(), req.prompt_tokens)
+        self._noted(waiter)
+        self._waiting[req.request_id] = waiter
         self.counters["queued"] += 1
         self._wake.set()
         return fut
+
+    def _noted(self, waiter: Waiter) -> None:
+        """Take the work the stage noted when it last held ``waiter``."""
+        work = self.stage.take_work(waiter.req.request_id)
+        if work is not None:
+            waiter.work_tokens, waiter.held = work, True
 
     def refusal(self, req: pb.PlaceRequest, why: str) -> pb.Placement:
         return pb.Placement(seq=req.seq, request_id=req.request_id, error=pb.OVERLOADED, error_message=why,
@@ -132,15 +143,18 @@ class PlacementQueue:
                 assert placement is not None   # without hold, placing always answers (maybe a refusal)
                 self._resolve(waiter, placement, now)
             done += 1
-        attempts = 0
-        for waiter in stage.order(list(self._waiting.values()), now):
-            if attempts >= _ATTEMPTS_PER_ROUND:
-                break
+        ordered = stage.order(list(self._waiting.values()), now)
+        # The first in order, then those never tried yet (entered while others waited): their
+        # work is known only once a placement has held them, and until then their prompt's
+        # length may keep them out of the first few for good.
+        tries = ordered[:_ATTEMPTS_PER_ROUND]
+        tries += [w for w in ordered[_ATTEMPTS_PER_ROUND:] if not w.held][:_ATTEMPTS_PER_ROUND]
+        for waiter in tries:
             if waiter.req.request_id not in self._waiting:
                 continue   # cancelled while an earlier one was placed
-            attempts += 1
             placement = await self._place(waiter.req, waiter.session, True)
             if placement is None:
+                self._noted(waiter)
                 continue   # its engines are still busy; another model's may not be
             self._resolve(waiter, placement, now)
             done += 1

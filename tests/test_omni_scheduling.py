@@ -258,8 +258,8 @@ async def test_slo_filter_keeps_engines_predicted_to_meet_the_request_target():
 
 
 class W:
-    def __init__(self, prompt_tokens, enqueued_at):
-        self.prompt_tokens, self.enqueued_at = prompt_tokens, enqueued_at
+    def __init__(self, work_tokens, enqueued_at):
+        self.work_tokens, self.enqueued_at = work_tokens, enqueued_at
 
 
 def test_queue_order_prefers_short_prompts_then_long_waiters_and_starvation_overrides():
@@ -389,8 +389,10 @@ async def test_sequential_pd_releases_a_held_request_when_a_prefill_answers_not_
 def test_queue_running_cap_counts_a_prefill_engines_prompts_in_progress_not_kv_it_keeps():
     from controlplane.workers import Load, WorkerView
 
+    from controlplane.scheduling import PlacementContext
+
     q = HoldQueue(max_running=2)
-    ctx = type("Ctx", (), {"predictor": None})()
+    ctx = PlacementContext(request_id="r", model="m", leg="entry", prompt_tokens=1000)
     spec = WorkerSpec(id="p", url="http://p", role=Role.PREFILL, model="m")
     keeping = WorkerView(spec, Load(requests=5, tokens=5000, prefill_tokens=0, prefills=0))
     assert not q.should_hold(ctx, keeping)        # 5 prompts computed, KV waiting for their decodes

@@ -1,0 +1,126 @@
+"""The queue stage's hold rule and its runner's order, with a fake clock and a fake placer.
+
+What a held request waits for is its engine's work (``HoldQueue.should_hold``); what it is
+ordered by is its own work there, not its prompt's length; and a request its engine's prefix
+cache ties to is bound at once (``bind_affine``). The runner (``PlacementQueue``) is driven
+by a placement function that applies the real hold rule to one busy engine.
+"""
+
+from __future__ import annotations
+
+from controlplane.prediction import Predictor
+from controlplane.queueing import PlacementQueue
+from controlplane.scheduling import PlacementContext
+from controlplane.scheduling.queue import HoldQueue
+from controlplane.workers import Load, Role, WorkerSpec, WorkerView
+from protos import omni_proxy_pb2 as pb
+
+MS_PER_TOKEN = 1e-3
+
+
+def _predictor(*wids: str) -> Predictor:
+    predictor = Predictor()
+    for wid in wids:
+        model = predictor.model(wid)
+        for i in range(100):
+            model.observe_ttft(500 + 100 * i, 0.01 + MS_PER_TOKEN * (500 + 100 * i))
+    return predictor
+
+
+def _view(wid: str, prefill_tokens: int) -> WorkerView:
+    spec = WorkerSpec(id=wid, url=f"http://{wid}", role=Role.BOTH, model="m")
+    return WorkerView(spec, Load(requests=1 if prefill_tokens else 0, tokens=prefill_tokens,
+                                 prefill_tokens=prefill_tokens, prefills=1 if prefill_tokens else 0))
+
+
+def _ctx(predictor: Predictor, rid: str, tokens: int, now: float, match: dict[str, int] | None = None,
+         floor: int = 0) -> PlacementContext:
+    return PlacementContext(request_id=rid, model="m", leg="entry", prompt_tokens=tokens, predictor=predictor,
+                            now=now, match_blocks=dict(match or {}), floor_blocks=floor, block_size=16)
+
+
+def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
+    predictor = _predictor("a")
+    busy = _view("a", 3000)                        # 3 s of prefill ahead
+    q = HoldQueue(hold_s=0.15)
+    # A follow-up: a holds 500 of its 600 blocks, the least-matched candidate 0: 8 s of compute saved.
+    assert not q.should_hold(_ctx(predictor, "turn2", 9600, 100.0, {"a": 500, "b": 0}), busy)
+    assert q.take_work("turn2") is None
+    # A match every candidate has (a shared system prompt) ties it to no one: held.
+    assert q.should_hold(_ctx(predictor, "first", 9600, 100.0, {"a": 32, "b": 32}, floor=32), busy)
+    assert q.take_work("first") == 9600 - 32 * 16
+    # A few blocks more than the others (0.03 s of compute, under hold_s) tie it to no one either.
+    assert q.should_hold(_ctx(predictor, "near", 9600, 100.0, {"a": 2, "b": 0}), busy)
+    # The rule can be turned off: then it is held like any other.
+    assert HoldQueue(hold_s=0.15, bind_affine=False).should_hold(
+        _ctx(predictor, "turn2", 9600, 100.0, {"a": 500, "b": 0}), busy)
+
+
+def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():
+    predictor = _predictor("a")
+    q = HoldQueue(hold_s=0.15, bind_affine=False)
+    assert q.should_hold(_ctx(predictor, "doc", 8000, 50.0, {"a": 490}), _view("a", 3000))
+    assert q.take_work("doc") == 8000 - 490 * 16
+    assert q.take_work("doc") is None             # taken once
+    assert not q.should_hold(_ctx(predictor, "idle", 8000, 50.0), _view("b", 0))
+    assert q.take_work("idle") is None            # not held: nothing noted
+
+
+class _OneBusyEngine:
+    """A placer with one engine, busy until ``free`` is set; it records what it placed."""
+
+    def __init__(self, stage: HoldQueue, cached: dict[str, int]) -> None:
+        self.stage, self.cached, self.free, self.placed = stage, cached, False, []
+        self.predictor = _predictor("a")
+        self.now = 10.0
+
+    async def __call__(self, req: pb.PlaceRequest, session: str, may_hold: bool) -> pb.Placement | None:
+        ctx = _ctx(self.predictor, req.request_id, req.prompt_tokens, self.now,
+                   {"a": self.cached.get(req.request_id, 0)})
+        if may_hold and self.stage.should_hold(ctx, _view("a", 0 if self.free else 5000)):
+            return None
+        self.placed.append(req.request_id)
+        return pb.Placement(request_id=req.request_id)
+
+
+def _entry(rid: str, tokens: int) -> pb.PlaceRequest:
+    return pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=tokens, max_tokens=1)
+
+
+async def test_held_requests_go_in_order_of_their_work_not_their_prompts_length():
+    """A question on an 8,000-token document its engine holds computes 100 tokens; a new
+    1,000-token prompt computes all of it. Ordered by prompt length the question went last."""
+    stage = HoldQueue(hold_s=0.15, starvation_s=60.0, bind_affine=False)
+    placer = _OneBusyEngine(stage, cached={"question": 494})      # 7,904 of 8,000 tokens held
+    queue = PlacementQueue(stage, placer)
+    try:
+        futures = [queue.enqueue(_entry("question", 8000), "s"), queue.enqueue(_entry("new", 1000), "s")]
+        assert await queue.dispatch() == 0       # both tried and held: their work is known now
+        assert [w.work_tokens for w in queue._waiting.values()] == [96, 1000]
+        placer.free = True
+        assert await queue.dispatch() == 2
+        assert placer.placed == ["question", "new"]
+        assert all(f.done() for f in futures)    # type: ignore[union-attr]
+    finally:
+        await queue.stop()
+
+
+async def test_a_request_never_tried_is_tried_although_the_first_in_order_are_held():
+    """Requests that came while others waited are ordered by their prompt's length until a
+    placement has held them once; beyond the round's first eight they must still be tried,
+    or one whose engine is free waits behind eight held for a busy one."""
+    stage = HoldQueue(hold_s=0.15, starvation_s=60.0, bind_affine=False)
+    placer = _OneBusyEngine(stage, cached={})
+    queue = PlacementQueue(stage, placer)
+    try:
+        for i in range(8):
+            queue.enqueue(_entry(f"short{i}", 100), "s")
+        assert await queue.dispatch() == 0
+        queue.enqueue(_entry("long", 9000), "s")   # would be ninth in order
+        placer.free = True
+        placer.placed.clear()
+        stage.hold_s = 1e9                         # whatever is tried now is placed
+        await queue.dispatch()
+        assert "long" in placer.placed
+    finally:
+        await queue.stop()
