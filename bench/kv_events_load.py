@@ -4,6 +4,7 @@ while engines publish KV events at a high rate (issue 19, item 2).
     python bench/kv_events_load.py [--rounds 3] [--seconds 4] [--engines 8] [--rate 50]
                                    [--blocks 64] [--big-blocks 4096] [--big-every-s 1.0]
                                    [--concurrency 4] [--out DIR --name NAME]
+    python bench/kv_events_load.py --offline [--offline-seconds 15] [same stream options]
 
 What runs, all on 127.0.0.1:
 
@@ -29,6 +30,12 @@ p99 of its 1 ms timer's lateness, the longest CPU hold of one loop callback, the
 collections (longest, full ones, total: they run inside whichever callback allocated), and the
 KV frames and block events the control plane applied. Before/after comparisons run this file
 against two trees (``PYTHONPATH=<tree>``: the other tree's modules, this file's measuring), interleaved.
+
+``--offline`` starts nothing: the publisher's frames for ``--offline-seconds`` of its schedule go
+straight into a ``KVCache``'s subscribers on this process's loop, as fast as they are applied.
+Reported: the loop thread's CPU time for all of them (and per event), the longest CPU hold of one
+callback, holds over 2 and 5 ms, and the collections. CPU clocks make it far steadier than the live
+cells on a shared host; it measures the event path alone, not what placements see.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -77,17 +88,33 @@ def stored(hashes: list[int], parent: int | None) -> dict:
             "kv_cache_spec_kind": "full_attention"}
 
 
+class Capture:
+    """Stands in for an engine's PUB socket offline (``--offline``): keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.sent.append(frames)
+
+
 class FakeEngine:
-    """One engine's KV-event stream: new blocks continuing a document, evictions past capacity."""
+    """One engine's KV-event stream: new blocks continuing a document, evictions past capacity.
+    ``ctx`` None: frames are kept in a ``Capture`` instead of published."""
 
     def __init__(self, ctx, idx: int, seed: int, capacity: int) -> None:
-        import zmq
-
         self.capacity = capacity
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.bind("tcp://127.0.0.1:0")
-        self.port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        if ctx is None:
+            self.sock: Capture | zmq.Socket = Capture()
+            self.port = 0
+        else:
+            import zmq
+
+            sock = ctx.socket(zmq.PUB)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.bind("tcp://127.0.0.1:0")
+            self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            self.sock = sock
         self.rng = random.Random(seed * 7919 + idx)
         self.seq = 0
         self.held: deque[int] = deque()
@@ -437,6 +464,71 @@ async def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def offline_frames(args: argparse.Namespace) -> tuple[list[tuple[str, list[bytes]]], int]:
+    """The publisher's frames for ``--offline-seconds`` of its schedule, in publishing order, and
+    how many events they carry."""
+    engines = [FakeEngine(None, i, args.seed, args.capacity) for i in range(args.engines)]
+    docs = [doc_chain(args.seed, d) for d in range(DOCS)]
+    period, big_period = 1.0 / args.rate, args.big_every_s
+    next_big = [big_period * (i + 1) / len(engines) for i in range(len(engines))]
+    out: list[tuple[str, list[bytes]]] = []
+    for step in range(int(args.offline_seconds * args.rate)):
+        now = step * period
+        for i, eng in enumerate(engines):
+            big = big_period > 0 and now >= next_big[i]
+            if big:
+                next_big[i] += big_period
+            eng.step(docs, args.big_blocks if big else args.blocks)
+            assert isinstance(eng.sock, Capture)
+            out.append((f"w{i:02d}", eng.sock.sent.pop()))
+    return out, sum(e.events for e in engines)
+
+
+async def offline(args: argparse.Namespace) -> dict:
+    """The same frames straight into ``KVCache``'s subscribers (no sockets, no placements): the
+    CPU the control plane's loop spends on them and how long each callback holds it, measured
+    with the thread's CPU clock, so a busy host disturbs it much less than the live cells."""
+    import gc
+
+    from controlplane.kvcache.manager import KVCache, KVCacheConfig
+    from controlplane.kvcache.subscriber import KVEventSource, KVEventSubscriber
+
+    frames, events = offline_frames(args)
+    kv = KVCache(KVCacheConfig())
+    subs = {f"w{i:02d}": KVEventSubscriber(KVEventSource(f"w{i:02d}", "tcp://127.0.0.1:1"), kv._on_events,
+                                           kv._on_reset, budget=kv.budget) for i in range(args.engines)}
+    per: dict[str, list[list[bytes]]] = {}
+    for eng, f in frames:
+        per.setdefault(eng, []).append(f)
+
+    async def feed(eng: str) -> None:     # what KVEventSubscriber._run does with each message
+        sub = subs[eng]
+        for f in per[eng]:
+            await sub._on_message(f)
+            await sub.budget.spend()
+
+    gc.collect()
+    gc.freeze()                # as the control plane does once started (cli.settle_heap)
+    holds, gcs = HoldWatch(), GCWatch()
+    holds.install()
+    gcs.install()
+    holds.start()
+    gcs.start()
+    t0 = time.thread_time()
+    await asyncio.gather(*(feed(e) for e in per))
+    cpu = time.thread_time() - t0
+    held, collected = holds.stop(), gcs.stop()
+    counters = kv.counters()
+    return {"frames": len(frames), "events": events, "cpu_ms": round(cpu * 1000),
+            "cpu_us_per_event": round(cpu * 1e6 / max(events, 1), 2),
+            "malformed": sum(c.get("malformed", 0) for c in counters.values()),
+            "hold_max_ms": round(max(held, default=0.0), 2), "longest_hold": holds.longest,
+            "holds_over_2ms": sum(h > 2 for h in held), "holds_over_5ms": sum(h > 5 for h in held),
+            "gc_max_ms": round(max((ms for _, ms in collected), default=0.0), 2),
+            "gc_full": sum(g == 2 for g, _ in collected),
+            "gc_total_ms": round(sum(ms for _, ms in collected), 1), "indexed_blocks": kv.exact.size()}
+
+
 def summarize(result: dict) -> dict:
     out = {}
     for cell in ("quiet", "events"):
@@ -468,6 +560,9 @@ def main() -> int:
     ap.add_argument("--uvloop", action="store_true",
                     help="run the control plane on uvloop (no per-callback CPU clock: asyncio's loop is patched)")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--offline", action="store_true",
+                    help="no processes: the publisher's frames straight into the subscribers (CPU and holds)")
+    ap.add_argument("--offline-seconds", type=float, default=15.0, help="--offline: seconds of the schedule")
     ap.add_argument("--out", help="directory for NAME.json")
     ap.add_argument("--name", default="kv_events_load")
     args = ap.parse_args()
@@ -484,6 +579,14 @@ def main() -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if args.offline:
+        out = asyncio.run(offline(args))
+        out["load_avg"] = os.getloadavg()
+        print(json.dumps(out, indent=1))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{args.name}.json").write_text(json.dumps(out, indent=1))
+        return 0
     result = asyncio.run(run(args))
     result["args"] = {k: v for k, v in vars(args).items() if k not in ("publisher", "client", "ready_file", "target")}
     result["summary"] = summarize(result)

@@ -133,12 +133,26 @@ def _fields(ev: Any) -> tuple[str | None, dict[str, Any]]:
 
 def decode_event(ev: Any) -> KVEvent | None:
     """One event in either wire form; None for an unknown (ignored) event type."""
+    if type(ev) is dict:        # vLLM's current form: no copy of the fields needed
+        tag = ev.get("type")
+        if type(tag) is str:
+            return _build(tag, ev)
     tag, f = _fields(ev)
     return _build(tag, f)
 
 
 def _build(tag: str | None, f: dict[str, Any]) -> KVEvent | None:
     """The event named ``tag`` from its fields by name (both wire forms end up here)."""
+    if tag == "BlockRemoved":   # first: an eviction is one per block
+        hs = f.get("block_hashes")
+        if hs is None and "block_hashes" not in f:
+            raise MalformedEventError("BlockRemoved without block_hashes")
+        medium, group = f.get("medium"), f.get("group_idx")
+        if medium is not None and type(medium) is not str or group is not None and type(group) is not int:
+            medium, group = _opt(medium, str, "medium"), _opt(group, int, "group_idx")   # raises, or a subclass
+        if type(hs) is list and len(hs) == 1 and type(hs[0]) is int and 0 <= hs[0] <= MASK64:
+            return BlockRemoved((hs[0],), medium, group)
+        return BlockRemoved(_hashes(hs), medium, group)
     if tag == "BlockStored":
         if "block_hashes" not in f:
             raise MalformedEventError("BlockStored without block_hashes")
@@ -163,13 +177,6 @@ def _build(tag: str | None, f: dict[str, Any]) -> KVEvent | None:
             group_idx=_opt(f.get("group_idx"), int, "group_idx"),
             kv_cache_spec_kind=_opt(f.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind"),
         )
-    if tag == "BlockRemoved":
-        if "block_hashes" not in f:
-            raise MalformedEventError("BlockRemoved without block_hashes")
-        medium, group = f.get("medium"), f.get("group_idx")
-        if medium is not None and type(medium) is not str or group is not None and type(group) is not int:
-            medium, group = _opt(medium, str, "medium"), _opt(group, int, "group_idx")   # raises, or a subclass
-        return BlockRemoved(_hashes(f["block_hashes"]), medium, group)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
