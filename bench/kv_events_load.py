@@ -33,8 +33,9 @@ against two trees (``PYTHONPATH=<tree>``: the other tree's modules, this file's 
 
 ``--offline`` starts nothing: the publisher's frames for ``--offline-seconds`` of its schedule go
 straight into a ``KVCache``'s subscribers on this process's loop, as fast as they are applied.
-Reported: the loop thread's CPU time for all of them (and per event), the longest CPU hold of one
-callback, holds over 2 and 5 ms, and the collections. CPU clocks make it far steadier than the live
+Reported: the loop thread's CPU time for all of them (and per event), how late a 1 ms timer fired
+meanwhile (p50, p99: what a placement's callback waits behind a backlog of event work), the longest
+CPU hold of one callback, holds over 2 and 5 ms, and the collections. CPU clocks make it far steadier than the live
 cells on a shared host; it measures the event path alone, not what placements see.
 """
 
@@ -512,16 +513,20 @@ async def offline(args: argparse.Namespace) -> dict:
     holds, gcs = HoldWatch(), GCWatch()
     holds.install()
     gcs.install()
+    watch = StallWatch()
     holds.start()
     gcs.start()
+    watch.start()
     t0 = time.thread_time()
     await asyncio.gather(*(feed(e) for e in per))
     cpu = time.thread_time() - t0
+    late = watch.stop()
     held, collected = holds.stop(), gcs.stop()
     counters = kv.counters()
     return {"frames": len(frames), "events": events, "cpu_ms": round(cpu * 1000),
             "cpu_us_per_event": round(cpu * 1e6 / max(events, 1), 2),
             "malformed": sum(c.get("malformed", 0) for c in counters.values()),
+            "timer_late_p50_ms": round(pct(late, 0.5), 3), "timer_late_p99_ms": round(pct(late, 0.99), 2),
             "hold_max_ms": round(max(held, default=0.0), 2), "longest_hold": holds.longest,
             "holds_over_2ms": sum(h > 2 for h in held), "holds_over_5ms": sum(h > 5 for h in held),
             "gc_max_ms": round(max((ms for _, ms in collected), default=0.0), 2),

@@ -9,13 +9,15 @@ be applied whole and in order.
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import msgpack
 import pytest
 import zmq.asyncio
 
 from controlplane.kvcache.manager import KVCache, KVCacheConfig
-from controlplane.kvcache.subscriber import APPLY_SLICE, KVEventSource, KVEventSubscriber
+from controlplane.kvcache.subscriber import APPLY_SLICE, KVEventSource, KVEventSubscriber, LoopBudget
 from controlplane.workers import Role, WorkerSpec
 from tests.test_kvcache_subscriber import Publisher, batch, stored_map, until
 
@@ -94,3 +96,34 @@ async def test_a_malformed_event_late_in_a_big_batch_applies_none_of_it(ctx):
     finally:
         await sub.stop()
         pub.close()
+
+
+async def test_what_arrives_during_a_slice_runs_before_the_next_slice():
+    # A placement's request that arrives on a socket while a slice of event work holds the
+    # loop is polled at the next turn, behind the event task's own wake-up: LoopBudget.spend
+    # yields twice so that it runs right after this slice, not after the next one too.
+    budget = LoopBudget(slice_s=0.0005)
+    loop = asyncio.get_running_loop()
+    rsock, wsock = socket.socketpair()
+    rsock.setblocking(False)
+    order: list[str] = []
+
+    def readable() -> None:
+        rsock.recv(16)
+        order.append("request")
+
+    loop.add_reader(rsock.fileno(), readable)
+    try:
+        for k in range(3):
+            order.append(f"slice {k}")
+            wsock.send(b"x")                   # arrives while this slice holds the loop
+            until_t = time.perf_counter() + 0.002
+            while time.perf_counter() < until_t:
+                pass
+            await budget.spend()
+        assert order == ["slice 0", "request", "slice 1", "request", "slice 2", "request"], order
+        assert budget.yields == 3
+    finally:
+        loop.remove_reader(rsock.fileno())
+        rsock.close()
+        wsock.close()
