@@ -1,0 +1,121 @@
+"""The control plane's CPU per non-streamed request, in process, in microseconds.
+
+What one non-streamed request costs the control plane from a data plane's session: its
+placement (``DataPlaneMessage.place``, round robin over two healthy workers, the memory
+store) and its end (``EVENT_FINISHED``), through ``SchedulerService.Session`` as the
+session socket drives it: messages arrive in batches (``--batch`` placements and the
+previous batch's reports per incoming batch, as a loaded data plane sends them), and every
+answer is serialized as it would be written. No socket and no other process: what it
+measures is the control plane's own Python (``bench/overhead.py`` measures the processes).
+
+    python bench/session_cost.py [--requests 10000] [--repeats 5] [--batch 16]
+
+Prints the best of ``--repeats`` runs and every run, in microseconds of this thread's CPU
+time (``time.thread_time``) per request. To compare two trees, run it from each
+alternately (``PYTHONPATH=<tree> python <tree>/bench/session_cost.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from controlplane.compose import build  # noqa: E402
+from controlplane.config import ControlPlaneConfig  # noqa: E402
+from controlplane.workers import Health, HealthState, Role, WorkerSpec  # noqa: E402
+from protos import omni_proxy_pb2 as pb  # noqa: E402
+
+
+class _Session:
+    """One data plane's session on an in-process control plane."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seq = 0
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        self.finished: list[str] = []
+
+    async def start(self) -> None:
+        c = build(ControlPlaneConfig(policy="round_robin", http_port=0))
+        for wid in ("a", "b"):
+            spec = WorkerSpec(id=wid, url=f"http://127.0.0.1:1/{wid}", model="m", role=Role.BOTH)
+            await c.store.put_spec(spec)
+            c.fleet.put(spec)
+            c.fleet.set_state(wid, HealthState(health=Health.HEALTHY))
+        self.store = c.store
+        self.answers = c.scheduler.Session(self._messages(), None)
+        await self.answers.__anext__()    # the session's info
+
+    async def _messages(self):
+        yield pb.DataPlaneMessage(open=pb.SessionOpen(node_id="bench", batches=True))
+        while (msg := await self.incoming.get()) is not None:
+            yield msg
+
+    async def close(self) -> None:
+        self.incoming.put_nowait(None)
+        await self.answers.aclose()
+
+    async def run(self, n: int) -> None:
+        """``n`` requests: placed in batches, each batch's reports sent with the next one."""
+        done = 0
+        while done < n:
+            out = pb.DataPlaneMessage()
+            msgs = out.batch.messages
+            for rid in self.finished:
+                ev = msgs.add().event
+                ev.request_id, ev.kind, ev.latency_ms, ev.completion_tokens = rid, pb.EVENT_FINISHED, 1.0, 16
+            for _ in range(self.batch):
+                self.seq += 1
+                p = msgs.add().place
+                p.seq, p.request_id, p.model, p.leg = self.seq, f"r{self.seq}", "m", pb.LEG_ENTRY
+                p.prompt_tokens, p.max_tokens = 12, 16
+            # As read from the socket: decoded from its bytes.
+            self.incoming.put_nowait(pb.DataPlaneMessage.FromString(out.SerializeToString()))
+            self.finished = []
+            while len(self.finished) < self.batch:
+                answer = await self.answers.__anext__()
+                answer.SerializeToString()            # as written to the socket
+                body = answer.WhichOneof("body")
+                parts = answer.batch.messages if body == "batch" else [answer] if body == "placement" else []
+                for m in parts:
+                    if m.WhichOneof("body") == "placement":
+                        if m.placement.error:
+                            raise RuntimeError(m.placement.error_message)
+                        self.finished.append(m.placement.request_id)
+            done += self.batch
+
+
+async def measure(requests: int, repeats: int, batch: int) -> list[float]:
+    session = _Session(batch)
+    await session.start()
+    try:
+        await session.run(2000)    # warm-up
+        runs = []
+        for _ in range(repeats):
+            t = time.thread_time()
+            await session.run(requests)
+            runs.append((time.thread_time() - t) / requests * 1e6)
+        return runs
+    finally:
+        await session.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16, help="placements per incoming session batch")
+    args = ap.parse_args()
+    import uvloop   # as the control plane runs (a dependency)
+    runs = uvloop.run(measure(args.requests, args.repeats, args.batch))
+    print(f"control plane, per non-streamed request (place + finish, batches of {args.batch}): "
+          f"best {min(runs):.1f} us  (runs: {' '.join(f'{r:.1f}' for r in runs)})")
+
+
+if __name__ == "__main__":
+    main()
