@@ -405,6 +405,24 @@ async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_serve
         await wb.close()
 
 
+async def test_write_behind_goes_on_after_redis_flushes_its_scripts(redis_server):
+    """A write-behind reserve that Redis answers NOSCRIPT (SCRIPT FLUSH) is one failure, counted;
+    the next one loads the script again instead of failing forever."""
+    s = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True)
+    try:
+        await s.reserve(_rec("r0"), (Charge("w", "aggregated", 1),))
+        await s.reserve(_rec("r1"), (Charge("w", "aggregated", 1),))   # behind, loaded
+        assert (await s.loads(["w"]))["w"].requests == 2
+        await s.redis.script_flush()
+        await s.reserve(_rec("r2"), (Charge("w", "aggregated", 1),))
+        await wait_until(lambda: s.write_behind_failures == 1, timeout=5, what="the failed reserve to be counted")
+        await s.reserve(_rec("r3"), (Charge("w", "aggregated", 1),))
+        assert (await s.loads(["w"]))["w"].requests == 3 and s.write_behind_failures == 1
+        assert (await s.end("r3")).request_id == "r3"    # (the end's script: loaded again too)
+    finally:
+        await s.close()
+
+
 async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
     """A pooled connection that the server closed is reconnected transparently."""
     s = RedisStore(redis_server.url, key_prefix=_prefix())

@@ -110,14 +110,16 @@ local touched, touched_list = {}, {}
 local function addload(wid, r, t, p)
   local k = P .. 'load:' .. wid
   if not touched[wid] then touched[wid] = true; table.insert(touched_list, wid) end
-  if redis.call('EXISTS', k) == 0 and (r < 0 or p < 0) then return end
+  if (r < 0 or p < 0) and redis.call('EXISTS', k) == 0 then return end
   local pf = 0
   if p > 0 then pf = 1 elseif p < 0 then pf = -1 end
-  if r >= 0 and t >= 0 and p >= 0 then
-    redis.call('HINCRBY', k, 'requests', r)
-    redis.call('HINCRBY', k, 'tokens', t)
-    redis.call('HINCRBY', k, 'prefill_tokens', p)
-    redis.call('HINCRBY', k, 'prefills', pf)
+  if r >= 0 and t >= 0 and p >= 0 then   -- (a call from Lua is most of a script's time: none for a 0)
+    if r ~= 0 then redis.call('HINCRBY', k, 'requests', r) end
+    if t ~= 0 then redis.call('HINCRBY', k, 'tokens', t) end
+    if p ~= 0 then
+      redis.call('HINCRBY', k, 'prefill_tokens', p)
+      redis.call('HINCRBY', k, 'prefills', pf)
+    end
     return
   end
   local cur = redis.call('HMGET', k, 'requests', 'tokens', 'prefill_tokens', 'prefills')
@@ -137,12 +139,23 @@ local function drop(c)
   addload(c[1], -1, -c[3], p)
 end
 
-local function charges_of(rk)
-  local raw = redis.call('HGET', rk, 'charges')
+local function decode_charges(raw)
   if not raw then return {} end
   local list = cjson.decode(raw)
   if type(list) ~= 'table' then return {} end
   return list
+end
+
+local function charges_of(rk)
+  return decode_charges(redis.call('HGET', rk, 'charges'))
+end
+
+-- A field of a record read with HGETALL (field, value, field, value...): no second read.
+local function field(rec, name)
+  for j = 1, #rec, 2 do
+    if rec[j] == name then return rec[j + 1] end
+  end
+  return nil
 end
 
 local function encode(list)
@@ -150,11 +163,11 @@ local function encode(list)
   return cjson.encode(list)
 end
 
--- Forget a record everywhere but in the load hashes.
-local function unlink(rid, rk)
-  local f = redis.call('HMGET', rk, 'session', 'replica')
-  if f[1] and f[1] ~= '' then redis.call('SREM', P .. 'sess:' .. f[1], rid) end
-  if f[2] and f[2] ~= '' then redis.call('SREM', P .. 'rep:' .. f[2], rid) end
+-- Forget a record (its fields as HGETALL read them) everywhere but in the load hashes.
+local function unlink(rid, rk, rec)
+  local sess, rep = field(rec, 'session'), field(rec, 'replica')
+  if sess and sess ~= '' then redis.call('SREM', P .. 'sess:' .. sess, rid) end
+  if rep and rep ~= '' then redis.call('SREM', P .. 'rep:' .. rep, rid) end
   redis.call('SREM', P .. 'recs', rid)
   redis.call('ZREM', P .. 'orphans', rid)
   redis.call('DEL', rk)
@@ -176,15 +189,15 @@ local function end_record(rid)
   local rk = P .. 'rec:' .. rid
   local rec = redis.call('HGETALL', rk)
   if #rec == 0 then return false end
-  for _, c in ipairs(charges_of(rk)) do drop(c) end
-  unlink(rid, rk)
+  for _, c in ipairs(decode_charges(field(rec, 'charges'))) do drop(c) end
+  unlink(rid, rk, rec)
   return rec
 end
 """
 
 # ARGV: P, request id, replica, alive ttl ms, op token, n fields, fields..., n notes, notes...,
 #       n charges, (worker, leg, tokens, prefill_tokens) * n
-_RESERVE = _LUA_COMMON + r"""
+_RESERVE_BODY = _LUA_COMMON + r"""
 local rid, rep, ttl, op = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local rk = P .. 'rec:' .. rid
 local exists = redis.call('EXISTS', rk) == 1
@@ -221,8 +234,10 @@ for j = 0, nc - 1 do
   addload(c[1], 1, c[3], c[4])
 end
 redis.call('HSET', rk, 'charges', encode(list), 'op', op)
-return result(redis.call('HGETALL', rk))
 """
+_RESERVE = _RESERVE_BODY + "return result(redis.call('HGETALL', rk))\n"
+# Write-behind (see RedisStore.reserve): nobody reads the record, only the loads it changed.
+_RESERVE_BEHIND = _RESERVE_BODY + "return result(false)\n"
 
 # ARGV: P, request id, leg ('' = any), worker id ('' = any)
 _RELEASE = _LUA_COMMON + r"""
@@ -596,6 +611,8 @@ class RedisStore:
         exc = fut.exception()
         if exc is None and isinstance(fut.result(), hiredis_error):
             exc = fut.result()
+            if str(exc).startswith("NOSCRIPT") and self.wire is not None:
+                self.wire.unloaded(_RESERVE_BEHIND)   # Redis's script cache was flushed: EVAL it next time
         if exc is not None:
             self.write_behind_failures += 1
             log.warning("a write-behind reserve failed (%s: %s); Redis lacks that charge",
@@ -719,7 +736,7 @@ class RedisStore:
         for c in charges:
             args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
         if self.write_behind and self.wire is not None:   # (write-behind runs on the wire client)
-            fut = self.wire.script_nowait(_RESERVE, [], args)
+            fut = self.wire.script_nowait(_RESERVE_BEHIND, [], args)
             if fut is not None:
                 fut.add_done_callback(self._reserved_behind)
                 if self.loads_max_age_s:   # this replica sees its own charge at once

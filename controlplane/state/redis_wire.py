@@ -179,13 +179,29 @@ class WireClient:
     def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
         """Queue a script on the open connection without waiting: it leaves with the rest of
         this loop turn's commands, and its reply (or error) lands in the returned future, in
-        order with every later call. None when no connection is open (or the script was never
-        loaded on it): the caller then awaits ``script``."""
+        order with every later call. The first time on a connection it goes as EVAL (which
+        loads it: the EVALSHAs behind it find it). None when no connection is open: the caller
+        then awaits ``script``."""
         proto = self._proto
-        sha = self._shas.get(source)
-        if proto is None or proto.closed or sha is None or source not in self._loaded_on.get(id(proto), ()):
+        if proto is None or proto.closed:
             return None
-        return self._queue(proto, ("EVALSHA", sha, len(keys), *keys, *args))
+        loaded = self._loaded_on.setdefault(id(proto), set())
+        if source in loaded:
+            return self._queue(proto, ("EVALSHA", self._sha(source), len(keys), *keys, *args))
+        loaded.add(source)
+        return self._queue(proto, ("EVAL", source, len(keys), *keys, *args))
+
+    def unloaded(self, source: str) -> None:
+        """Redis answered NOSCRIPT to ``source`` (its script cache was flushed): the next
+        ``script_nowait`` sends it as EVAL again."""
+        for loaded in self._loaded_on.values():
+            loaded.discard(source)
+
+    def _sha(self, source: str) -> str:
+        sha = self._shas.get(source)
+        if sha is None:
+            sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
+        return sha
 
     def _queue(self, proto: _Protocol, args: tuple) -> asyncio.Future:
         if self._queued and self._queued_on is not proto:
@@ -288,9 +304,7 @@ class WireClient:
         raise AssertionError("unreachable")
 
     async def script(self, source: str, keys: list[str], args: list[Any]) -> Any:
-        sha = self._shas.get(source)
-        if sha is None:
-            sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
+        sha = self._sha(source)
         try:
             reply = await self.call("EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
