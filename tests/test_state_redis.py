@@ -408,6 +408,32 @@ async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_serve
         await wb.close()
 
 
+async def test_the_mirror_keeps_its_own_charges_still_on_their_way_to_redis(redis_server, monkeypatch):
+    """Write-behind reserves sent together: the reply to the first reports Redis's load
+    without the later ones, which this replica already counts; the mirror keeps counting them
+    (else a burst's placements would see fewer of their own charges than they made)."""
+    wb = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
+    try:
+        await wb.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
+        await wb.end("warm")
+        assert (await wb.loads(["w"]))["w"] == Load(0, 0, 0, 0)
+        seen: list[Load] = []
+        handle = wb._reserved_behind
+
+        def spy(fut: asyncio.Future) -> None:
+            handle(fut)
+            seen.append(wb._mirror["w"])
+        monkeypatch.setattr(wb, "_reserved_behind", spy)
+        for i in range(5):
+            await wb.reserve(_rec(f"r{i}"), (Charge("w", "aggregated", 10, 4),))
+        assert (await wb.loads(["w"]))["w"] == Load(5, 50, 20, 5)
+        await wait_until(lambda: len(seen) == 5, timeout=5, what="the replies")
+        assert seen == [Load(5, 50, 20, 5)] * 5, "the mirror forgot charges not yet in Redis"
+        assert wb._unconfirmed == {} and not wb._behind
+    finally:
+        await wb.close()
+
+
 async def test_write_behind_goes_on_after_redis_flushes_its_scripts(redis_server):
     """A write-behind reserve that Redis answers NOSCRIPT (SCRIPT FLUSH) is one failure, counted;
     the next one loads the script again instead of failing forever."""

@@ -72,6 +72,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -526,6 +527,12 @@ class RedisStore:
         self._mirror_at = float("-inf")
         self._watched: set[str] = set()
         self._refreshing: asyncio.Future | None = None
+        # This replica's write-behind charges sent but not yet answered, in order, and their sum
+        # per worker: a load that Redis reports (a script's reply, a refresh) lacks them, so the
+        # mirror adds them back, or it would forget this replica's newest charges until their
+        # replies came (placing more on a worker than the loads allow, in a burst).
+        self._behind: deque[tuple[Charge, ...]] = deque()
+        self._unconfirmed: dict[str, list[int]] = {}
         # Write-behind reserve (off by default): see reserve().
         self.write_behind = write_behind and self.wire is not None
         self.write_behind_failures = 0
@@ -615,6 +622,16 @@ class RedisStore:
         return RequestRecord(**kwargs)
 
     def _reserved_behind(self, fut: asyncio.Future) -> None:
+        if self.loads_max_age_s:   # (replies, and so these callbacks, come in the order sent)
+            unconfirmed = self._unconfirmed
+            for c in self._behind.popleft():
+                u = unconfirmed[c.worker_id]
+                u[0] -= 1
+                u[1] -= c.tokens
+                u[2] -= c.prefill_tokens
+                u[3] -= 1 if c.prefill_tokens > 0 else 0
+                if not u[0]:
+                    del unconfirmed[c.worker_id]
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -642,7 +659,14 @@ class RedisStore:
                 self._mirror_tick += 1
                 self._mirror_gen[wid] = self._mirror_tick
                 if wid in self._watched:
-                    self._mirror[wid] = _load(flat[i + 1:i + 5])
+                    self._mirror[wid] = self._with_unconfirmed(wid, _load(flat[i + 1:i + 5]))
+
+    def _with_unconfirmed(self, wid: str, load: Load) -> Load:
+        """A load as Redis reported it, plus this replica's charges still on their way there."""
+        u = self._unconfirmed.get(wid)
+        if u is None:
+            return load
+        return Load(load.requests + u[0], load.tokens + u[1], load.prefill_tokens + u[2], load.prefills + u[3])
 
     # ------------------------------------------------------------------ specs
 
@@ -749,7 +773,16 @@ class RedisStore:
             if fut is not None:
                 fut.add_done_callback(self._reserved_behind)
                 if self.loads_max_age_s:   # this replica sees its own charge at once
+                    self._behind.append(charges)
+                    unconfirmed = self._unconfirmed
                     for c in charges:
+                        u = unconfirmed.get(c.worker_id)
+                        if u is None:
+                            u = unconfirmed[c.worker_id] = [0, 0, 0, 0]
+                        u[0] += 1
+                        u[1] += c.tokens
+                        u[2] += c.prefill_tokens
+                        u[3] += 1 if c.prefill_tokens > 0 else 0
                         if c.worker_id in self._mirror:
                             self._mirror_tick += 1
                             self._mirror_gen[c.worker_id] = self._mirror_tick
@@ -833,7 +866,7 @@ class RedisStore:
         gen = self._mirror_gen
         for wid, load in fresh.items():
             if gen.get(wid, 0) <= tick:   # not changed by one of our own calls meanwhile
-                self._mirror[wid] = load
+                self._mirror[wid] = self._with_unconfirmed(wid, load)
         self._mirror_at = started
 
     async def _read_loads(self, ids: list[str]) -> dict[str, Load]:
