@@ -264,7 +264,7 @@ def bench_events(rounds: int, frames: int) -> dict:
         t0 = time.perf_counter()
         for engine, payload, _ in data:
             a = time.perf_counter()
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, tokens=False)   # as the subscriber does: token ids skipped
             t_dec += time.perf_counter() - a
             kv._on_events(engine, batch.data_parallel_rank, batch.events)
         dt = time.perf_counter() - t0
