@@ -268,3 +268,39 @@ def test_recent_shares_names_the_engines_below_half_their_share():
     for _ in range(12):                                            # the window is 4 per candidate: 12
         shares.record(False, "b", 3)
     assert shares.starved(False, ids, weights) == {"a", "c"}
+
+
+def _starved_choice(holder_prefill_tokens: int, doc_blocks: int) -> dict[str, float]:
+    """predicted_latency's scores for a question on a shared document (``doc_blocks`` blocks,
+    a shared prefix: common to no one but held by "holder") between its holder, with
+    ``holder_prefill_tokens`` still to compute, and an idle starved engine that lacks it."""
+    from controlplane.scheduling.latency import PredictedLatencyScorer
+
+    holder = WorkerView(WorkerSpec(id="holder", url="http://h", role=Role.BOTH, model="m"),
+                        Load(requests=2, tokens=2 * doc_blocks * BLOCK, prefill_tokens=holder_prefill_tokens,
+                             prefills=1 if holder_prefill_tokens else 0), HEALTHY)
+    idle = WorkerView(WorkerSpec(id="starved", url="http://s", role=Role.BOTH, model="m"), Load(), HEALTHY)
+    ctx = PlacementContext(request_id="q", model="m", leg="entry", roles=frozenset({Role.BOTH}),
+                           prompt_tokens=(doc_blocks + 2) * BLOCK, chain_blocks=doc_blocks + 2, block_size=BLOCK,
+                           match_blocks={"holder": doc_blocks, "starved": 0}, common_blocks=doc_blocks,
+                           floor_blocks=0, starved=frozenset({"starved"}), predictor=Predictor(), now=1.0)
+    scores = PredictedLatencyScorer().score(ctx, [holder, idle])
+    return dict(zip(["holder", "starved"], scores, strict=True))
+
+
+def test_a_starved_engine_takes_a_shared_document_within_the_target_or_the_best_ttft():
+    """The starved-candidate rule counts a shared prefix as held for a starved engine when its
+    own predicted TTFT, computing it, meets the TTFT target or the best candidate's: a long
+    document that an idle engine holds stays there (``longdoc`` at 4x: a 94k-token document
+    went to a starved engine that took 2 s to compute it), and a starved engine takes it when
+    every holder is slower still, even past the target (issue 17: on 40-66k-token shared
+    prefixes one engine got 0.46 of its fair share)."""
+    # 1500 blocks of 16: 24k tokens, 2.4 s at the priors' 10k tokens/s, past the 2 s target.
+    fast_holder = _starved_choice(holder_prefill_tokens=0, doc_blocks=1500)
+    assert fast_holder["holder"] == 1.0 and fast_holder["starved"] < 0.5, fast_holder
+    # The same document while the holder has 4 s of prompts ahead: the starved engine wins.
+    slow_holder = _starved_choice(holder_prefill_tokens=40_000, doc_blocks=1500)
+    assert slow_holder["starved"] == 1.0 and slow_holder["holder"] < 0.5, slow_holder
+    # 700 blocks, 1.1 s: within the target, an idle starved engine takes it as before.
+    within = _starved_choice(holder_prefill_tokens=0, doc_blocks=700)
+    assert within["starved"] >= within["holder"], within

@@ -141,10 +141,12 @@ class PredictedLatencyScorer:
     (every decode on the one decode engine of four that held an 8k-token system prompt).
     Counted as held for everyone, a document asked a few questions lost its engine to load,
     and each engine computed it again (the Mooncake window H at 2x: SLO 90 -> 85 %). A
-    starved candidate whose own predicted TTFT, computing the prefix, would miss the TTFT
-    target is judged by what it holds: a 94k-token document went to a starved engine that
-    took 2 s to compute it while an idle engine holding it would have answered in 0.1 s
-    (``longdoc`` at 4x).
+    starved candidate whose own predicted TTFT, computing the prefix, would miss both the
+    TTFT target and the best candidate's predicted TTFT is judged by what it holds: a 94k-token
+    document went to a starved engine that took 2 s to compute it while an idle engine holding
+    it would have answered in 0.1 s (``longdoc`` at 4x). Bounded by the target alone, a
+    starved engine never took a long shared prefix even when every holder would answer later
+    still (issue 17: 40-66k-token prefixes, one engine at 0.46 of its fair share).
 
     On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
     costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
@@ -185,6 +187,9 @@ class PredictedLatencyScorer:
         model = ctx.predictor.model
         match, bs, prompt = ctx.match_blocks.get, ctx.block_size, ctx.prompt_tokens
         common, floor, starved = ctx.common_blocks, ctx.floor_blocks, ctx.starved
+        # A starved candidate counts the shared prefix as held only if its own predicted TTFT
+        # meets the target or the best candidate's (class docstring).
+        bound = max(ttft_t, min(predict(ctx, w)[0] for w in workers)) if starved and common > floor else 0.0
         for w in workers:
             ttft, tpot = predict(ctx, w)
             spec = w.spec
@@ -192,7 +197,7 @@ class PredictedLatencyScorer:
             # the candidates' common match counts as held by everyone in the comparison, and a
             # shared prefix beyond it by the starved candidates (class docstring); predict()
             # keeps the real TTFT.
-            c = common if common > floor and spec.id in starved and ttft <= ttft_t else floor
+            c = common if common > floor and spec.id in starved and ttft <= bound else floor
             held = match(spec.id, 0)
             uncached = prompt - held * bs
             recompute = prompt - (held if held > c else c) * bs
