@@ -67,7 +67,10 @@ def ledger_charges(ctx: PlacementContext, charges: Sequence[tuple[WorkerView, st
         if wid in ranks:   # the rank's own load, released with the worker's (see rank_key)
             charge_list.append(dataclasses.replace(charge_list[-1], worker_id=rank_key(wid, ranks[wid])))
         if computes:
-            notes["work_ahead_tokens"] = w.load.prefill_tokens + uncached
+            pending = w.load.prefill_tokens
+            if pending and ctx.predictor is not None:    # what is left of it (EngineModel.pending_s)
+                pending = ctx.predictor.pending_tokens(wid, pending, now)
+            notes["work_ahead_tokens"] = pending + uncached
             notes["predicted_ttft_s"] = ctx.predicted.get(wid, (0.0, 0.0))[0]
             if record is not None:
                 notes["placed_at"] = now   # a prefill tried again elsewhere: timed from here
@@ -104,6 +107,11 @@ class PlacementCommit:
             request_id=ctx.request_id, model=ctx.model, prompt_tokens=ctx.prompt_tokens, max_tokens=ctx.max_tokens,
             session=session, flow=flow, created_at=now, placed_at=now, **notes)
         await self.store.reserve(template, tuple(charge_list), **notes)
+        if ctx.predictor is not None:
+            for w, charge_leg in charges:
+                if charge_leg != "decode" and not w.load.prefill_tokens:
+                    # Nothing was ahead: the engine computes from now (EngineModel.pending_s).
+                    ctx.predictor.progressed(w.spec.id, now)
         self.account(ctx, charges, charge_list, ranks, kv)
 
     def account(self, ctx: PlacementContext, charges: Sequence[tuple[WorkerView, str]],

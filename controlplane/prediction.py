@@ -4,7 +4,9 @@ Two straight lines per engine, refitted with every observation:
 
 * time to first token = a + b * (prefill tokens ahead of the request, its own included):
   ``b`` is the engine's seconds per uncached prompt token, ``a`` what a request pays even
-  with nothing ahead (a scheduling step, the data path);
+  with nothing ahead (a scheduling step, the data path). The tokens ahead are those placed
+  and not yet computed, less what the engine has computed since it last finished a prompt
+  (``EngineModel.pending_s``), when fitting as when predicting;
 * time per output token = c + d * (requests in the decode batch): the step time of
   continuous batching, growing with the batch;
 * a decode engine's KV pull (sequential PD) = e + f * (prompt tokens it does not hold in
@@ -134,6 +136,30 @@ class EngineModel:
     ttft_error: ErrorTrack = field(default_factory=ErrorTrack)
     tpot_error: ErrorTrack = field(default_factory=ErrorTrack)
     pull_error: ErrorTrack = field(default_factory=ErrorTrack)
+    # Since when the engine has been computing the prompts now ahead of it: its last prompt
+    # computed (a first token), or the placement that found none ahead. 0: not known.
+    busy_since: float = 0.0
+
+    def pending_s(self, prefill_tokens: int, now: float) -> float:
+        """Seconds of prefill still ahead of a new prompt: the uncached tokens placed and not
+        yet computed, at the learned seconds per token, less the time the engine has been
+        computing them since ``busy_since``.
+
+        The tokens are settled only at each prompt's first token, so the one being computed
+        counts whole until it is done. Counted whole, a question placed behind a document
+        half computed was predicted to wait for all of it: the engine holding a document
+        looked seconds busier than it was, and the TTFT line, fitted on such work against the
+        short waits really seen, learned a prefill speed up to twice the engine's, so a
+        document computed again elsewhere looked cheap (``longdoc`` at 8x: predicted 2.3 s,
+        it took 5.7 s, and 17 questions on that engine's own document waited behind it).
+        """
+        ahead = self.ttft.b * prefill_tokens
+        since = self.busy_since
+        if ahead > 0 and since and now > since:
+            ahead -= now - since
+            if ahead < 0:
+                ahead = 0.0
+        return ahead
 
     @classmethod
     def new(cls, d: PredictionDefaults) -> EngineModel:
@@ -201,6 +227,22 @@ class Predictor:
     def observe_pull(self, worker_id: str, pulled_tokens: float, seconds: float) -> None:
         line = self.model(worker_id).observe_pull(pulled_tokens, seconds)
         self._pool_pull = _pooled(self._pool_pull, line)
+
+    def progressed(self, worker_id: str, now: float) -> None:
+        """The engine finished a prompt, or started one with nothing ahead: the prompts left
+        ahead of the next one have been computed since ``now`` (``EngineModel.pending_s``).
+        Only engines already modelled (a DP rank's charge has no model of its own)."""
+        m = self._models.get(worker_id)
+        if m is not None:
+            m.busy_since = now
+
+    def pending_tokens(self, worker_id: str, prefill_tokens: int, now: float) -> int:
+        """``prefill_tokens`` less what the engine has computed of them by ``now``, in tokens at
+        its learned speed: the work ahead a TTFT observation is fitted against."""
+        m = self._models.get(worker_id)
+        if m is None or m.ttft.b <= 0:
+            return prefill_tokens
+        return round(m.pending_s(prefill_tokens, now) / m.ttft.b)
 
     def forget(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)

@@ -3,8 +3,9 @@
 For each candidate the prediction is (``controlplane.prediction``):
 
 * TTFT: the engine's learned line at (prefill tokens already placed there and not yet
-  computed + the tokens of this prompt it does not hold in its prefix cache). So a warm
-  cache and a short queue both count, in the same unit: seconds.
+  computed, less what it has computed of them since its last first token:
+  ``EngineModel.pending_s`` + the tokens of this prompt it does not hold in its prefix
+  cache). So a warm cache and a short queue both count, in the same unit: seconds.
 * TPOT: the engine's learned step time at its decode batch with this request added.
 
 PD pairs are judged together (sequential flow: D is still placed after P answers):
@@ -50,7 +51,7 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
         uncached = 0
     if ctx.leg != "decode" and role is not Role.DECODE:
         line = model.ttft
-        ttft = line.a + line.b * (w.load.prefill_tokens + uncached)
+        ttft = line.a + line.b * uncached + model.pending_s(w.load.prefill_tokens, ctx.now)
     elif role is Role.DECODE:
         line = model.pull      # what this decode engine pulls: the prompt less its own prefix
         ttft = line.a + line.b * uncached
