@@ -23,7 +23,7 @@ import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.kvcache.events import BlockStored, KVEventBatch, MalformedEventError, decode_batch
+from controlplane.kvcache.events import BlockRemoved, BlockStored, KVEventBatch, MalformedEventError, decode_batch
 from controlplane.kvcache.manager import KVCache, KVCacheConfig
 from controlplane.kvcache.subscriber import KVEventSource, KVEventSubscriber
 from tests.conftest import start_cluster
@@ -118,6 +118,17 @@ def batch_payload(draw) -> tuple[str, bytes]:
     return kind, packed
 
 
+def per_block(events) -> list:
+    """Events with every BlockRemoved split into one per hash (what merge_removals may join)."""
+    out: list = []
+    for e in events:
+        if isinstance(e, BlockRemoved):
+            out += [BlockRemoved((h,), e.medium, e.group_idx) for h in e.block_hashes]
+        else:
+            out.append(e)
+    return out
+
+
 def without_tokens(batch: KVEventBatch) -> KVEventBatch:
     return dataclasses.replace(batch, events=tuple(
         dataclasses.replace(e, token_ids=()) if isinstance(e, BlockStored) else e for e in batch.events))
@@ -146,7 +157,12 @@ def test_decoder_never_raises_anything_else():
             lean = decode_batch(payload, tokens=False)
         except MalformedEventError as exc:
             assert str(exc) and batch is None, exc
+            with pytest.raises(MalformedEventError):
+                decode_batch(payload, tokens=False, merge_removals=True)
         else:
+            merged = decode_batch(payload, tokens=False, merge_removals=True)
+            assert per_block(merged.events) == per_block(lean.events) and merged.ignored == lean.ignored
+            assert len(merged.events) <= len(lean.events)
             if batch is not None:
                 assert lean == without_tokens(batch)
                 TALLY.add("tokens=False", "same batch")

@@ -39,13 +39,13 @@ async def test_placement_lookup_answered_while_a_big_batch_is_applied(ctx):
     worker = WorkerSpec(id="w", url="http://w", role=Role.BOTH, model="m", kv_events=pub.endpoint)
     held = list(range(1, 65))              # what the worker holds before the big batch
     later = list(range(100_001, 100_033))  # stored by the big batch's last event
-    calls: list[int] = []                  # events per handler call
+    calls: list[int] = []                  # blocks per handler call
     first_slice = asyncio.Event()
     on_events = kv._on_events
 
     def counting(engine, dp, events):
         on_events(engine, dp, events)
-        calls.append(len(events))
+        calls.append(sum(len(e.block_hashes) for e in events))
         first_slice.set()
 
     kv._on_events = counting              # watch() hands this bound attribute to the subscriber
@@ -70,8 +70,8 @@ async def test_placement_lookup_answered_while_a_big_batch_is_applied(ctx):
         await until(lambda: kv.match(held + later, [worker]).get("w") == len(held) + len(later),
                     "the big batch applied", timeout=30.0)
         await probe
-        assert sum(calls) == len(big)                   # every event applied, once
-        assert len(calls) == -(-len(big) // APPLY_SLICE)  # in slices
+        assert sum(calls) == len(big) - 1 + len(later)  # every block applied, once
+        assert len(calls) > 1 and all(APPLY_SLICE <= c < APPLY_SLICE + 64 for c in calls[:-1])  # in slices
         assert seen["calls"] < len(calls), "the lookup waited for the whole batch"
         assert seen["depth"] == len(held)               # the batch's removals did not touch these
     finally:

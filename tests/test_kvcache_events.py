@@ -185,3 +185,20 @@ def test_tokens_skipped_refuse_the_same_payloads(payload):
         decode_batch(payload)
     with pytest.raises(MalformedEventError):
         decode_batch(payload, tokens=False)
+
+
+def test_merged_removals_are_runs_of_one_medium_and_group_in_order():
+    # vLLM's eviction: one BlockRemoved per block. merge_removals (the subscriber) joins a run
+    # of them (same medium and group, nothing else between) into one event, hashes in order.
+    rm = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0} for h in (5, 6, 7)]
+    cpu = {"type": "BlockRemoved", "block_hashes": [8, BIG], "medium": "CPU", "group_idx": 0}
+    stored = {"type": "BlockStored", "block_hashes": [9], "token_ids": list(range(16)), "block_size": 16}
+    payload = pack([1.0, [*rm, cpu, {"type": "Unknown"}, rm[0], stored, *rm[1:], ["BlockRemoved", [3], "GPU", 0]], 0])
+    b = decode_batch(payload, tokens=False, merge_removals=True)
+    assert b.events == (BlockRemoved((5, 6, 7), "GPU", 0), BlockRemoved((8, BIG), "CPU", 0),
+                        BlockRemoved((5,), "GPU", 0), BlockStored((9,), None, (), 16),
+                        BlockRemoved((6, 7), "GPU", 0), BlockRemoved((3,), "GPU", 0))
+    assert b.ignored == 1
+    with pytest.raises(MalformedEventError):      # checked as when decoded one by one
+        decode_batch(pack([1.0, [*rm, {"type": "BlockRemoved", "block_hashes": [1], "medium": 7}]]),
+                     merge_removals=True)

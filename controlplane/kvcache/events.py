@@ -19,6 +19,7 @@ structurally wrong raises :class:`MalformedEventError`; the caller counts it and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,20 @@ def _fields(ev: Any) -> tuple[str | None, dict[str, Any]]:
     raise MalformedEventError(f"event of type {type(ev).__name__}")
 
 
+def _removed(f: dict[str, Any]) -> tuple[Sequence[int], str | None, int | None]:
+    """A ``BlockRemoved``'s fields, checked: (hashes in the event form, medium, group_idx). The
+    hashes are the decoded list itself when it is one hash of vLLM's default form."""
+    hs = f.get("block_hashes")
+    if hs is None and "block_hashes" not in f:
+        raise MalformedEventError("BlockRemoved without block_hashes")
+    medium, group = f.get("medium"), f.get("group_idx")
+    if medium is not None and type(medium) is not str or group is not None and type(group) is not int:
+        medium, group = _opt(medium, str, "medium"), _opt(group, int, "group_idx")   # raises, or a subclass
+    if type(hs) is list and len(hs) == 1 and type(hs[0]) is int and 0 <= hs[0] <= MASK64:
+        return hs, medium, group
+    return _hashes(hs), medium, group
+
+
 def decode_event(ev: Any) -> KVEvent | None:
     """One event in either wire form; None for an unknown (ignored) event type."""
     if type(ev) is dict:        # vLLM's current form: no copy of the fields needed
@@ -144,15 +159,8 @@ def decode_event(ev: Any) -> KVEvent | None:
 def _build(tag: str | None, f: dict[str, Any]) -> KVEvent | None:
     """The event named ``tag`` from its fields by name (both wire forms end up here)."""
     if tag == "BlockRemoved":   # first: an eviction is one per block
-        hs = f.get("block_hashes")
-        if hs is None and "block_hashes" not in f:
-            raise MalformedEventError("BlockRemoved without block_hashes")
-        medium, group = f.get("medium"), f.get("group_idx")
-        if medium is not None and type(medium) is not str or group is not None and type(group) is not int:
-            medium, group = _opt(medium, str, "medium"), _opt(group, int, "group_idx")   # raises, or a subclass
-        if type(hs) is list and len(hs) == 1 and type(hs[0]) is int and 0 <= hs[0] <= MASK64:
-            return BlockRemoved((hs[0],), medium, group)
-        return BlockRemoved(_hashes(hs), medium, group)
+        hs, medium, group = _removed(f)
+        return BlockRemoved(tuple(hs), medium, group)
     if tag == "BlockStored":
         if "block_hashes" not in f:
             raise MalformedEventError("BlockStored without block_hashes")
@@ -207,14 +215,20 @@ class BatchReader:
     skipped in C (``Unpacker.skip``); whether they are a list is still checked, their items are
     not (as before, except that text inside them is no longer decoded). Everything else decodes
     exactly as with ``tokens=True``, which builds and keeps them.
+
+    ``merge_removals=True`` returns a run of ``BlockRemoved`` events of one medium and group read
+    by one :meth:`read` as one event with all their hashes, in order: vLLM sends one per evicted
+    block, and a Python object per block is most of what decoding them costs. Applied to an index
+    it is the same (removals commute with removals; the run ends at any other event).
     """
 
-    __slots__ = ("_dp", "_events", "_payload", "_skip_tokens", "_stored_until", "_tail", "_unpacker", "remaining",
-                 "ts")
+    __slots__ = ("_dp", "_events", "_merge", "_payload", "_skip_tokens", "_stored_until", "_tail", "_unpacker",
+                 "remaining", "ts")
 
-    def __init__(self, payload: bytes, *, tokens: bool = True) -> None:
+    def __init__(self, payload: bytes, *, tokens: bool = True, merge_removals: bool = False) -> None:
         self._payload = payload
         self._skip_tokens = not tokens
+        self._merge = merge_removals
         # No BlockStored's tag past this offset (one C search): the events after it are unpacked
         # whole without looking at them first.
         self._stored_until = payload.rfind(_STORED) + 1 if not tokens else 0
@@ -263,6 +277,9 @@ class BatchReader:
         """Decode up to ``limit`` more events into ``out``; returns how many were of unknown types."""
         ignored = 0
         u = self._unpacker
+        merge = self._merge
+        run: list[int] | None = None            # merge_removals: the hashes of the current run
+        run_of: tuple[Any, Any] = (None, None)  # its (medium, group_idx)
         for _ in range(min(limit, self.remaining)):
             self.remaining -= 1
             if u is not None:
@@ -270,7 +287,17 @@ class BatchReader:
                     if u.tell() < self._stored_until and self._stored_next(u):
                         d = self._fields_read(u)
                     else:
-                        d = decode_event(u.unpack())
+                        raw = u.unpack()
+                        if merge and type(raw) is dict and raw.get("type") == "BlockRemoved":
+                            hs, medium, group = _removed(raw)
+                            if run is not None and run_of == (medium, group):
+                                run += hs
+                            else:
+                                if run is not None:
+                                    out.append(BlockRemoved(tuple(run), *run_of))
+                                run, run_of = list(hs), (medium, group)
+                            continue
+                        d = decode_event(raw)
                         if self._skip_tokens and type(d) is BlockStored and d.token_ids:
                             d = dataclasses.replace(d, token_ids=())   # an unusual encoding
                 except MalformedEventError:
@@ -281,10 +308,15 @@ class BatchReader:
                 d = decode_event(next(self._events))
                 if self._skip_tokens and type(d) is BlockStored and d.token_ids:
                     d = dataclasses.replace(d, token_ids=())
+            if run is not None:
+                out.append(BlockRemoved(tuple(run), *run_of))
+                run = None
             if d is None:
                 ignored += 1
             else:
                 out.append(d)
+        if run is not None:
+            out.append(BlockRemoved(tuple(run), *run_of))
         return ignored
 
     def _stored_next(self, u: msgpack.Unpacker) -> bool:
@@ -370,10 +402,11 @@ class BatchReader:
         return dp
 
 
-def decode_batch(payload: bytes, *, tokens: bool = True) -> KVEventBatch:
+def decode_batch(payload: bytes, *, tokens: bool = True, merge_removals: bool = False) -> KVEventBatch:
     """Decode one PUB/replay payload. Raises MalformedEventError on anything structurally wrong.
-    ``tokens=False``: every ``token_ids`` left empty, never built (see :class:`BatchReader`)."""
-    reader = BatchReader(payload, tokens=tokens)
+    ``tokens=False``: every ``token_ids`` left empty, never built; ``merge_removals``: runs of
+    ``BlockRemoved`` as one event (see :class:`BatchReader`)."""
+    reader = BatchReader(payload, tokens=tokens, merge_removals=merge_removals)
     out: list[KVEvent] = []
     ignored = reader.read(out, reader.remaining)
     dp = reader.finish()

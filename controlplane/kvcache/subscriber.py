@@ -30,7 +30,7 @@ engine's entries are reset, since no engine buffer holds that much (vLLM keeps `
 
 **Never a long hold of the event loop.** The loop that applies events also answers placements,
 so the work is cut in slices: a batch is decoded a few events at a time (``BatchReader``) and
-applied a few hundred events at a time, and once a slice has held the loop ``slice_s`` (1 ms by
+applied about a thousand blocks at a time, and once a slice has held the loop ``slice_s`` (1 ms by
 default) the subscriber yields to it. Messages already waiting on the socket are no reason not
 to: pyzmq hands them over without a loop turn, so a backlog of frames (after a pause, or a
 burst of long prompts) used to be drained in one go, stalling every placement behind it. The
@@ -59,7 +59,7 @@ from types import MappingProxyType
 import zmq
 import zmq.asyncio
 
-from controlplane.kvcache.events import BatchReader, KVEvent, MalformedEventError
+from controlplane.kvcache.events import AllBlocksCleared, BatchReader, KVEvent, MalformedEventError
 from omni_runtime import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ FailedHandler = Callable[[str, BaseException], None]
 DEFAULT_MAX_REPLAY_GAP = 100_000   # messages; vLLM's replay buffer holds 10,000 by default
 DEFAULT_SLICE_S = 0.001            # longest the event loop is held before yielding (see LoopBudget)
 DECODE_SLICE = 32                  # events decoded between two looks at the clock
-APPLY_SLICE = 256                  # events handed to the handler at once
+APPLY_SLICE = 1024                 # blocks handed to the handler at once (a clear counts one)
 
 
 class LoopBudget:
@@ -299,7 +299,8 @@ class KVEventSubscriber:
         ignored = 0
         async with budget.turn:
             try:
-                reader = BatchReader(payload, tokens=False)   # never read here: not built
+                # token ids are never read here (not built); a run of one-block removals is one event
+                reader = BatchReader(payload, tokens=False, merge_removals=True)
                 while reader.remaining:
                     ignored += reader.read(events, DECODE_SLICE)
                     await budget.spend()
@@ -309,12 +310,21 @@ class KVEventSubscriber:
                 self._rlog.warning("kv events from %s: malformed payload: %s", engine, e)
                 return False
             self.counters.ignored_events += ignored
-            if len(events) <= APPLY_SLICE:
-                await _call(self.handler, engine, dp_rank, tuple(events))
+            n = len(events)
+            if not n:
+                await _call(self.handler, engine, dp_rank, ())
                 return True
-            for i in range(0, len(events), APPLY_SLICE):
-                await _call(self.handler, engine, dp_rank, tuple(events[i:i + APPLY_SLICE]))
-                await budget.spend()
+            i = 0
+            while i < n:        # slices of about APPLY_SLICE blocks: their cost, not the events'
+                j, blocks = i, 0
+                while j < n and blocks < APPLY_SLICE:
+                    ev = events[j]
+                    blocks += 1 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
+                    j += 1
+                await _call(self.handler, engine, dp_rank, tuple(events[i:j]))
+                i = j
+                if i < n:
+                    await budget.spend()
         return True
 
     async def _replay(self, engine: str, start: int, stop: int, *, must_cover: bool) -> None:
