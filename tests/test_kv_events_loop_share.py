@@ -127,3 +127,14 @@ async def test_what_arrives_during_a_slice_runs_before_the_next_slice():
         loop.remove_reader(rsock.fileno())
         rsock.close()
         wsock.close()
+
+
+async def test_slices_are_bounded_in_events_as_well_as_blocks():
+    # Slices are counted in blocks (a merged run of removals is many); an event without blocks
+    # still counts one, so thousands of them are never handed over, and applied, at once.
+    got: list[int] = []
+    sub = KVEventSubscriber(KVEventSource("w", "tcp://127.0.0.1:1"), lambda e, dp, evs: got.append(len(evs)),
+                            lambda e: None)
+    empty = {"type": "BlockStored", "block_hashes": [], "block_size": 16}
+    assert await sub._deliver("w", msgpack.packb([0.0, [empty] * 3000, 0], use_bin_type=True))
+    assert sum(got) == 3000 and max(got) <= APPLY_SLICE and len(got) == -(-3000 // APPLY_SLICE)

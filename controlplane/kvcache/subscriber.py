@@ -73,7 +73,7 @@ FailedHandler = Callable[[str, BaseException], None]
 DEFAULT_MAX_REPLAY_GAP = 100_000   # messages; vLLM's replay buffer holds 10,000 by default
 DEFAULT_SLICE_S = 0.001            # longest the event loop is held before yielding (see LoopBudget)
 DECODE_SLICE = 32                  # events decoded between two looks at the clock
-APPLY_SLICE = 1024                 # blocks handed to the handler at once (a clear counts one)
+APPLY_SLICE = 1024                 # blocks handed to the handler at once (an event without any counts one)
 
 
 class LoopBudget:
@@ -319,7 +319,7 @@ class KVEventSubscriber:
                 j, blocks = i, 0
                 while j < n and blocks < APPLY_SLICE:
                     ev = events[j]
-                    blocks += 1 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
+                    blocks += 1 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes) or 1
                     j += 1
                 await _call(self.handler, engine, dp_rank, tuple(events[i:j]))
                 i = j
