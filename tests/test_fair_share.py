@@ -268,6 +268,11 @@ def test_recent_shares_names_the_engines_below_half_their_share():
     for _ in range(12):                                            # the window is 4 per candidate: 12
         shares.record(False, "b", 3)
     assert shares.starved(False, ids, weights) == {"a", "c"}
+    # An engine still computing a prompt of its own is busy, not starved, however little of
+    # the mean work it has (longdoc: it took another document to compute behind its first).
+    assert shares.starved(False, ids, weights, work=[0, 0, 0]) == {"a", "c"}
+    assert shares.starved(False, ids, weights, work=[8_000, 0, 30_000]) == frozenset()
+    assert shares.starved(False, ids, weights, work=[0, 50_000, 100]) == {"a"}
 
 
 def _starved_choice(holder_prefill_tokens: int, doc_blocks: int) -> dict[str, float]:
