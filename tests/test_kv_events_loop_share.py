@@ -49,6 +49,9 @@ async def test_placement_lookup_answered_while_a_big_batch_is_applied(ctx):
         first_slice.set()
 
     kv._on_events = counting              # watch() hands this bound attribute to the subscriber
+    # A slice is spent after every step: applying 20,000 removals of blocks nobody holds takes
+    # about 1 ms here now, so with the default 1 ms slice the loop may not turn at all (flaky).
+    kv.budget = LoopBudget(slice_s=1e-6)
     await kv.watch(worker)
     try:
         await pub.wait_subscribed()
