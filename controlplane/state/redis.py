@@ -89,21 +89,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from hiredis import ReplyError as hiredis_error
 
 from controlplane.state import redis_wire
-from controlplane.state.base import Charge, RequestRecord, StoreUnavailable, with_charges
+from controlplane.state.base import Charge, RequestRecord, StoreUnavailable
 from controlplane.workers import IDLE, Load, Role, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "omni:"
-
-# Write-behind reserves and ends (no placement waits for them) leave for Redis together within
-# this long, not at the next loop turn: each write to Redis is a loopback send() that wakes
-# redis-server (and often hands it the CPU), the most expensive part of a request's ledger work.
-# Calls something waits for (a read, a settle, a release) go at the next turn, with whatever
-# is queued before them. Other replicas see a write-behind charge this much later, against the
-# load mirror's loads_max_age_s.
-LAZY_WRITE_S = 0.002
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError, asyncio.TimeoutError)
 
@@ -511,7 +503,7 @@ class RedisStore:
         # The ledger's hot calls (loads, reserve, release, end, settle, get) on a lean
         # pipelining connection; redis-py for the rest (see redis_wire). TLS: redis-py only.
         self.wire = (redis_wire.WireClient(url, timeout_s=socket_timeout_s,
-                                           connect_timeout_s=max(2.0, socket_timeout_s), lazy_s=LAZY_WRITE_S)
+                                           connect_timeout_s=max(2.0, socket_timeout_s))
                      if fast_path and redis_wire.supported(url) else None)
         # Load mirror (off at 0): loads() answers from memory; the copy is refreshed in the
         # background once it is loads_max_age_s old. Its own reserves and releases update the
@@ -564,12 +556,11 @@ class RedisStore:
             return await self.wire.script(source, keys or [], args)
         return await script(keys=keys or [], args=args)
 
-    async def _script_soon(self, script, source: str, args: list[Any], *, lazy: bool = False) -> Any:
+    async def _script_soon(self, script, source: str, args: list[Any]) -> Any:
         """A per-request ledger call (end, release, settle): sent with the rest of this loop
-        turn's (``WireClient.script_soon``: one write for every placement's and report's call),
-        or within ``LAZY_WRITE_S`` when ``lazy`` (see there)."""
+        turn's (``WireClient.script_soon``: one write for every placement's and report's call)."""
         if self.wire is not None:
-            return await self.wire.script_soon(source, [], args, lazy=lazy)
+            return await self.wire.script_soon(source, [], args)
         return await script(keys=[], args=args)
 
     @_unavailable
@@ -769,7 +760,7 @@ class RedisStore:
         for c in charges:
             args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
         if self.write_behind and self.wire is not None:   # (write-behind runs on the wire client)
-            fut = self.wire.script_nowait(_RESERVE_BEHIND, [], args, lazy=True)
+            fut = self.wire.script_nowait(_RESERVE_BEHIND, [], args)
             if fut is not None:
                 fut.add_done_callback(self._reserved_behind)
                 if self.loads_max_age_s:   # this replica sees its own charge at once
@@ -790,8 +781,6 @@ class RedisStore:
                             self._mirror[c.worker_id] = Load(cur.requests + 1, cur.tokens + c.tokens,
                                                              cur.prefill_tokens + c.prefill_tokens,
                                                              cur.prefills + (1 if c.prefill_tokens > 0 else 0))
-                if all(getattr(record, k) == v for k, v in notes.items()):   # a new request's template
-                    return with_charges(record, record.charges + tuple(charges))   # (a third of replace's cost)
                 return dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
         # None for a late reserve of a request that had already ended (see end(tombstone_s=))
         return self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
@@ -808,8 +797,7 @@ class RedisStore:
         still be on its way (one that timed out against a stalled Redis runs when Redis
         wakes up, perhaps after the end): ``ResilientStore`` passes it."""
         ttl_ms = str(max(0, int(tombstone_s * 1000)))
-        return self._ledger_reply(await self._script_soon(self._end, _END, [self.prefix, request_id, ttl_ms],
-                                                          lazy=True))
+        return self._ledger_reply(await self._script_soon(self._end, _END, [self.prefix, request_id, ttl_ms]))
 
     @_unavailable
     async def settle_prefill(self, request_id: str) -> RequestRecord | None:

@@ -102,8 +102,7 @@ class _Protocol(asyncio.Protocol):
 
 
 class WireClient:
-    def __init__(self, url: str, *, timeout_s: float = 1.0, connect_timeout_s: float = 2.0,
-                 lazy_s: float = 0.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 1.0, connect_timeout_s: float = 2.0) -> None:
         opts = parse_url(url)
         self.path = opts.get("path")
         self.host, self.port = opts.get("host", "localhost"), int(opts.get("port", 6379))
@@ -120,8 +119,6 @@ class WireClient:
         self._queued: list[bytes] = []
         self._queued_on: _Protocol | None = None
         self._queued_last: asyncio.Future | None = None
-        self._flush_at: asyncio.Handle | None = None
-        self.lazy_s = lazy_s
         self.writes = 0   # sends to Redis (for tests and benchmarks: commands per write)
         self.commands = 0
 
@@ -179,8 +176,7 @@ class WireClient:
             raise ResponseError(msg)
         return reply
 
-    def script_nowait(self, source: str, keys: list[str], args: list[Any], *,
-                      lazy: bool = False) -> asyncio.Future | None:
+    def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
         """Queue a script on the open connection without waiting: it leaves with the rest of
         this loop turn's commands, and its reply (or error) lands in the returned future, in
         order with every later call. The first time on a connection it goes as EVAL (which
@@ -191,9 +187,9 @@ class WireClient:
             return None
         loaded = self._loaded_on.setdefault(id(proto), set())
         if source in loaded:
-            return self._queue(proto, ("EVALSHA", self._sha(source), len(keys), *keys, *args), lazy)
+            return self._queue(proto, ("EVALSHA", self._sha(source), len(keys), *keys, *args))
         loaded.add(source)
-        return self._queue(proto, ("EVAL", source, len(keys), *keys, *args), lazy)
+        return self._queue(proto, ("EVAL", source, len(keys), *keys, *args))
 
     def unloaded(self, source: str) -> None:
         """Redis answered NOSCRIPT to ``source`` (its script cache was flushed): the next
@@ -207,21 +203,14 @@ class WireClient:
             sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
         return sha
 
-    def _queue(self, proto: _Protocol, args: tuple, lazy: bool) -> asyncio.Future:
+    def _queue(self, proto: _Protocol, args: tuple) -> asyncio.Future:
         if self._queued and self._queued_on is not proto:
             self.flush()   # (commands for a connection that broke: their futures have failed)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         proto.waiters.append(fut)
         if not self._queued:
             self._queued_on = proto
-            if lazy and self.lazy_s > 0:
-                self._flush_at = loop.call_later(self.lazy_s, self.flush)
-            else:
-                self._flush_at = loop.call_soon(self.flush)
-        elif not lazy and isinstance(self._flush_at, asyncio.TimerHandle):
-            self._flush_at.cancel()   # someone waits for this one: at the next turn
-            self._flush_at = loop.call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         self._queued.append(hiredis.pack_command(args))
         self._queued_last = fut
         return fut
@@ -231,9 +220,6 @@ class WireClient:
         queued, proto, last = self._queued, self._queued_on, self._queued_last
         if not queued:
             return
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
         self._queued, self._queued_on, self._queued_last = [], None, None
         if proto is None or proto.closed or last is None:
             return   # the connection broke meanwhile: it failed their futures
@@ -245,9 +231,9 @@ class WireClient:
             self.timeout_s, proto.abort, TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
         last.add_done_callback(lambda _: timer.cancel())
 
-    async def script_soon(self, source: str, keys: list[str], args: list[Any], *, lazy: bool = False) -> Any:
+    async def script_soon(self, source: str, keys: list[str], args: list[Any]) -> Any:
         """``script``, sent with this loop turn's other queued commands (one write for all)."""
-        fut = self.script_nowait(source, keys, args, lazy=lazy)
+        fut = self.script_nowait(source, keys, args)
         if fut is None:
             return await self.script(source, keys, args)
         return await self._queued_reply(fut, lambda: self.script(source, keys, args))
@@ -257,7 +243,7 @@ class WireClient:
         proto = self._proto
         if proto is None or proto.closed:
             return await self.call(*args)
-        return await self._queued_reply(self._queue(proto, args, False), lambda: self.call(*args))
+        return await self._queued_reply(self._queue(proto, args), lambda: self.call(*args))
 
     async def _queued_reply(self, fut: asyncio.Future, again) -> Any:
         try:
