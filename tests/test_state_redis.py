@@ -860,3 +860,15 @@ async def test_spec_sync_polls_a_store_without_pubsub():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_records_fast_encoding_matches_the_generic_one():
+    """``RedisStore._encode_record`` (every reserve) writes each field as ``_encode_fields`` does."""
+    from controlplane.state.redis import _RECORD_FIELDS
+
+    s = RedisStore("redis://127.0.0.1:1/0", fast_path=False)
+    for rec in (_rec("r1", flow=2, placed_at=1000.5, predicted_ttft_s=0.25, work_ahead_tokens=7, decode_batch=3,
+                     decode_placed_at=1001.0, pull_tokens=9),
+                _rec("r2", session="", created_at=0.0)):
+        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f != "charges"}
+        assert s._encode_record(rec) == s._encode_fields(fields)

@@ -406,6 +406,9 @@ _FLOAT_FIELDS = frozenset({"predicted_ttft_s"}) | _TIME_FIELDS
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerSpec))
 _LOAD_FIELDS = ("requests", "tokens", "prefill_tokens", "prefills")
+# (field, 1: a time, 2: a float, 3: an int, 0: text) for every record field but the charges
+_FIELD_KINDS = tuple((f, 1 if f in _TIME_FIELDS else 2 if f in _FLOAT_FIELDS else 3 if f in _INT_FIELDS else 0)
+                     for f in _RECORD_FIELDS if f != "charges")
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:
@@ -574,6 +577,22 @@ class RedisStore:
 
     def _from_wall(self, t: float) -> float:
         return t - self._wall_offset if t else 0.0
+
+    def _encode_record(self, record: RequestRecord) -> list[str | bytes]:
+        """Every field but the charges, as ``_encode_fields`` writes them, without building a
+        dict of them and checking each name first (every placement's reserve runs it)."""
+        out: list[str | bytes] = []
+        off = self._wall_offset
+        for key, kind in _FIELD_KINDS:
+            value = getattr(record, key)
+            if kind == 1:
+                value = repr(float(value) + off if value else 0.0)
+            elif kind == 2:
+                value = repr(float(value))
+            elif kind == 3:
+                value = str(int(value))
+            out += (key, value)
+        return out
 
     def _encode_fields(self, fields: dict[str, Any]) -> list[str | bytes]:
         out: list[str | bytes] = []
@@ -747,10 +766,9 @@ class RedisStore:
 
     @_unavailable
     async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
-        fields = {f: getattr(record, f) for f in _RECORD_FIELDS if f != "charges"}
         args: list[Any] = [self.prefix, record.request_id, self.replica_id, self.replica_ttl_ms,
                            f"{self.replica_id}:{next(self._ops)}"]
-        enc = self._encode_fields(fields)
+        enc = self._encode_record(record)
         # A template's own charges are kept but not added to any load, as MemoryStore does.
         enc += ("charges", _charges_json(record.charges))
         args += [len(enc) // 2, *enc]
