@@ -136,7 +136,9 @@ def probe(url: str, prompt: str | list[int] = [1, 2, 3]) -> str | None:   # noqa
                 return None
         except urllib.error.HTTPError as exc:
             text = exc.read().decode(errors="replace")[:300]
-            if exc.code < 500:
+            # smg answers 404 "No worker available for model" until it has read its workers'
+            # model: not yet ready, not a refusal of the request's shape
+            if exc.code < 500 and not (exc.code == 404 and "No worker available" in text):
                 return f"HTTP {exc.code}: {text}"
         except (urllib.error.URLError, OSError):
             pass
