@@ -64,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--peer-policies", default="cache_aware,round_robin",
                    help="passed to slo_replay (in PD, vllm-router's own PD mode whatever the policy)")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--no-replay", action="store_true", help="passed to slo_replay: skip the assignment replay")
     p.add_argument("--no-peer-replay", action="store_true", help="passed to slo_replay: replay only our assignments")
     p.add_argument("--time-scale", default="0.5")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
@@ -84,6 +85,8 @@ def run_case(case: str, args) -> int:
         argv += ["--no-peer-replay"]
     if args.git_ref:
         argv += ["--git-ref", args.git_ref]
+    if args.no_replay:
+        argv += ["--no-replay"]
     if args.profiles:
         argv += ["--profiles", str(args.profiles)]
     print(f"== {case}: python bench/slo_replay.py {' '.join(shlex.quote(a) for a in argv)}", flush=True)
