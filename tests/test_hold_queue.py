@@ -15,7 +15,7 @@ from controlplane.scheduling.queue import HoldQueue
 from controlplane.workers import Load, Role, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
 
-MS_PER_TOKEN = 1e-3
+S_PER_TOKEN = 1e-4     # 0.1 ms a token: a 10,000-token prompt's prefill takes 1 s
 
 
 def _predictor(*wids: str) -> Predictor:
@@ -23,7 +23,7 @@ def _predictor(*wids: str) -> Predictor:
     for wid in wids:
         model = predictor.model(wid)
         for i in range(100):
-            model.observe_ttft(500 + 100 * i, 0.01 + MS_PER_TOKEN * (500 + 100 * i))
+            model.observe_ttft(500 + 100 * i, 0.01 + S_PER_TOKEN * (500 + 100 * i))
     return predictor
 
 
@@ -41,19 +41,30 @@ def _ctx(predictor: Predictor, rid: str, tokens: int, now: float, match: dict[st
 
 def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
     predictor = _predictor("a")
-    busy = _view("a", 3000)                        # 3 s of prefill ahead
+    busy = _view("a", 3000)                        # 0.3 s of prefill ahead
     q = HoldQueue(hold_s=0.15)
-    # A follow-up: a holds 500 of its 600 blocks, the least-matched candidate 0: 8 s of compute saved.
+    # A follow-up: a holds 500 of its 600 blocks, the least-matched candidate 0: 0.8 s of compute saved.
     assert not q.should_hold(_ctx(predictor, "turn2", 9600, 100.0, {"a": 500, "b": 0}), busy)
     assert q.take_work("turn2") is None
     # A match every candidate has (a shared system prompt) ties it to no one: held.
     assert q.should_hold(_ctx(predictor, "first", 9600, 100.0, {"a": 32, "b": 32}, floor=32), busy)
     assert q.take_work("first") == 9600 - 32 * 16
-    # A few blocks more than the others (0.03 s of compute, under hold_s) tie it to no one either.
+    # A few blocks more than the others (3 ms of compute, under hold_s) tie it to no one either.
     assert q.should_hold(_ctx(predictor, "near", 9600, 100.0, {"a": 2, "b": 0}), busy)
     # The rule can be turned off: then it is held like any other.
     assert HoldQueue(hold_s=0.15, bind_affine=False).should_hold(
         _ctx(predictor, "turn2", 9600, 100.0, {"a": 500, "b": 0}), busy)
+
+
+def test_a_request_whose_own_prefill_is_long_is_bound_at_once():
+    """Where a long new prompt lands decides for seconds how long the requests tied to that
+    engine's cache wait; late binding could save it only the gap between engines' free times."""
+    predictor = _predictor("a")
+    busy = _view("a", 3000)
+    q = HoldQueue(hold_s=0.15, bind_long_s=1.0)
+    assert not q.should_hold(_ctx(predictor, "document", 12000, 100.0), busy)       # 1.2 s of its own
+    assert q.should_hold(_ctx(predictor, "question", 8000, 100.0), busy)            # 0.8 s: held
+    assert HoldQueue(hold_s=0.15, bind_long_s=0.0).should_hold(_ctx(predictor, "document", 12000, 100.0), busy)
 
 
 def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():

@@ -414,7 +414,7 @@ def test_a_held_engine_is_released_when_its_admitted_prefills_are_predicted_done
     for i in range(100):
         model.observe_ttft(500 + 100 * i, 0.01 + 1e-3 * (500 + 100 * i))     # 1 ms a token
     spec = WorkerSpec(id="a", url="http://a", role=Role.BOTH, model="m")
-    q = HoldQueue(hold_s=0.15)
+    q = HoldQueue(hold_s=0.15, bind_long_s=0.0)   # (a 2 s prompt of its own would be bound: test_hold_queue)
 
     def ctx(now: float) -> PlacementContext:
         return PlacementContext(request_id="r", model="m", leg="entry", prompt_tokens=2000, predictor=predictor,

@@ -150,9 +150,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     "predicted_latency": {"filters": [{"name": "slo"}], "scorers": [{"name": "predicted_latency"}],
                           "picker": "near_best"},
     # The same with late binding in the control plane's queue (Omni's request holding). Opt-in:
-    # holding still costs attainment on some shapes (a shared system prompt at 8x, sequential
-    # PD at saturation; docs/benchmarks/workloads_notes.md), and the default must never lose
-    # to the same policy without it.
+    # holding still costs attainment on long-document QA (docs/benchmarks/pd_queue.md), and
+    # the default must never lose to the same policy without it.
     "predicted_latency_queued": {"filters": [{"name": "slo"}], "scorers": [{"name": "predicted_latency"}],
                                  "picker": "near_best", "queue": {"name": "omni"}},
 }

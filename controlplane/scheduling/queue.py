@@ -36,6 +36,9 @@ class HoldQueue:
     # Bind at once a request whose chosen engine holds more of its prompt than the others
     # would, by more than hold_s of compute (see should_hold); False: hold it like any other.
     bind_affine: bool = True
+    # Bind at once a request whose own prefill on its chosen engine is predicted to take
+    # longer than this (0: off; see should_hold).
+    bind_long_s: float = 1.0
     name: str = "omni"
     # per worker: when its admitted prefills are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
@@ -45,7 +48,7 @@ class HoldQueue:
     def __post_init__(self) -> None:
         if self.on_timeout not in ("place", "reject"):
             raise ValueError(f"on_timeout must be place or reject, got {self.on_timeout!r}")
-        for key in ("max_wait_s", "hold_s", "starvation_s"):
+        for key in ("max_wait_s", "hold_s", "starvation_s", "bind_long_s"):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"{key} must be >= 0")
         if self.max_size < 1:
@@ -81,7 +84,8 @@ class HoldQueue:
         # (work this queue did not admit, placed before it saw the engine or by another
         # replica, is taken as started now)
         busy_until = self._busy_until.get(wid, now + backlog)
-        if backlog > self.hold_s and busy_until - now > self.hold_s and not self._affine(ctx, wid, line.b):
+        if backlog > self.hold_s and busy_until - now > self.hold_s and not self._affine(ctx, wid, line.b) \
+                and not self._long(ctx, wid, line.b):
             return self._held(ctx, wid)
         if len(self._busy_until) >= 65536 and wid not in self._busy_until:
             self._busy_until.clear()
@@ -104,6 +108,21 @@ class HoldQueue:
             return False
         ahead = ctx.match_blocks.get(wid, 0) - ctx.floor_blocks
         return ahead > 0 and ahead * ctx.block_size * s_per_token > self.hold_s
+
+    def _long(self, ctx: PlacementContext, wid: str, s_per_token: float) -> bool:
+        """The request's own prefill on the chosen engine is predicted to take more than
+        ``bind_long_s``: it is bound now, where the policy weighs it against the ledger as it
+        stands.
+
+        Late binding can save such a prompt at most the gap between the engines' free times,
+        a fraction of its own prefill, while where it lands decides for seconds how long every
+        request tied to that engine's cache waits. Held, the first question on each long
+        document (8-12k simulated tokens, 2 of 120 requests held at 4x) went to whichever
+        engine freed first, often the one holding a hot document, whose next questions were
+        then copied elsewhere: long-document QA held met the SLO 73.3-75.8 % against 80.8 %
+        unheld at 4x; with this rule 80.8 % (docs/benchmarks/pd_queue.md).
+        """
+        return self.bind_long_s > 0 and ctx.uncached_tokens(wid) * s_per_token > self.bind_long_s
 
     def _held(self, ctx: PlacementContext, wid: str) -> bool:
         """Note the held request's work on the engine it waits for (``take_work``)."""
