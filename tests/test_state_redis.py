@@ -431,6 +431,33 @@ async def test_the_mirror_keeps_its_own_charges_still_on_their_way_to_redis(redi
         await wb.close()
 
 
+async def test_a_placing_replica_sees_others_charges_in_a_refresh_riding_its_writes(redis_server):
+    """While a replica writes reserves, its load copy is refreshed in the same writes once it
+    is RIDE_REFRESH_S old, whatever ``loads_max_age_s`` says (here an hour): another
+    replica's charge shows up without a send of its own."""
+    prefix = _prefix()
+    a = RedisStore(redis_server.url, key_prefix=prefix, write_behind=True, loads_max_age_s=3600.0)
+    b = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await a.reserve(_rec("a0"), (Charge("x", "aggregated", 1),))
+        assert (await a.loads(["w", "x"]))["w"] == IDLE
+        await b.reserve(_rec("b1"), (Charge("w", "aggregated", 10),))
+        assert a.wire is not None
+        writes, placed = a.wire.writes, itertools.count(1)
+
+        async def seen() -> bool:
+            await a.reserve(_rec(f"a{next(placed)}"), (Charge("x", "aggregated", 1),))
+            return (await a.loads(["w"]))["w"].requests == 1
+        await wait_until(seen, timeout=5, what="the other replica's charge in this one's copy")
+        n = next(placed) - 1
+        a.wire.flush()   # (the last reserve's write)
+        assert a.wire.writes - writes == n, "the refresh was sent on its own"
+        assert (await a.loads(["x"]))["x"].requests == n + 1   # its own charges: exact
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_write_behind_goes_on_after_redis_flushes_its_scripts(redis_server):
     """A write-behind reserve that Redis answers NOSCRIPT (SCRIPT FLUSH) is one failure, counted;
     the next one loads the script again instead of failing forever."""

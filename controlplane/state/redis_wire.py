@@ -203,17 +203,37 @@ class WireClient:
             sha = self._shas[source] = hashlib.sha1(source.encode()).hexdigest()
         return sha
 
-    def _queue(self, proto: _Protocol, args: tuple) -> asyncio.Future:
+    def _queue(self, proto: _Protocol, args: tuple, many: list[tuple] | None = None) -> asyncio.Future:
         if self._queued and self._queued_on is not proto:
             self.flush()   # (commands for a connection that broke: their futures have failed)
         fut = asyncio.get_running_loop().create_future()
-        proto.waiters.append(fut)
+        if many is None:
+            proto.waiters.append(fut)
+        else:
+            proto.waiters.append([fut, len(many), []])
         if not self._queued:
             self._queued_on = proto
             asyncio.get_running_loop().call_soon(self.flush)
-        self._queued.append(hiredis.pack_command(args))
+        if many is None:
+            self._queued.append(hiredis.pack_command(args))
+        else:
+            self._queued += [hiredis.pack_command(c) for c in many]
         self._queued_last = fut
         return fut
+
+    def pipeline_nowait(self, commands: list[tuple]) -> asyncio.Future | None:
+        """Queue several commands with this loop turn's others; their replies, as a list, land
+        in the returned future (error replies in it as ``hiredis.ReplyError``). None when no
+        connection is open."""
+        proto = self._proto
+        if proto is None or proto.closed or not commands:
+            return None
+        return self._queue(proto, (), commands)
+
+    @property
+    def queued(self) -> bool:
+        """Whether commands wait to leave at the next turn (a write that happens anyway)."""
+        return bool(self._queued)
 
     def flush(self) -> None:
         """Send the commands queued this loop turn now (in one write)."""
