@@ -31,6 +31,17 @@ from controlplane.workers import Health, HealthState, Role, WorkerSpec  # noqa: 
 from protos import omni_proxy_pb2 as pb  # noqa: E402
 
 
+
+async def control_plane(*worker_ids: str):
+    """A control plane built in process (round robin) with healthy workers of these ids."""
+    c = build(ControlPlaneConfig(policy="round_robin", http_port=0))
+    for wid in worker_ids:
+        spec = WorkerSpec(id=wid, url=f"http://127.0.0.1:1/{wid}", model="m", role=Role.BOTH)
+        await c.store.put_spec(spec)
+        c.fleet.put(spec)
+        c.fleet.set_state(wid, HealthState(health=Health.HEALTHY))
+    return c
+
 class _Session:
     """One data plane's session on an in-process control plane."""
 
@@ -41,12 +52,7 @@ class _Session:
         self.finished: list[str] = []
 
     async def start(self) -> None:
-        c = build(ControlPlaneConfig(policy="round_robin", http_port=0))
-        for wid in ("a", "b"):
-            spec = WorkerSpec(id=wid, url=f"http://127.0.0.1:1/{wid}", model="m", role=Role.BOTH)
-            await c.store.put_spec(spec)
-            c.fleet.put(spec)
-            c.fleet.set_state(wid, HealthState(health=Health.HEALTHY))
+        c = await control_plane("a", "b")
         self.store = c.store
         self.answers = c.scheduler.Session(self._messages(), None)
         await self.answers.__anext__()    # the session's info

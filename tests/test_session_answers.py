@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane.compose import build
-from controlplane.config import ControlPlaneConfig
-from controlplane.workers import Health, HealthState, Role, WorkerSpec
+from bench.session_cost import control_plane
 from protos import omni_proxy_pb2 as pb
 
 
 async def test_answers_queued_together_leave_as_one_batch_of_the_same_placements():
-    c = build(ControlPlaneConfig(policy="round_robin", http_port=0))
-    for wid in ("a", "b"):
-        spec = WorkerSpec(id=wid, url=f"http://127.0.0.1:1/{wid}", model="m", role=Role.BOTH)
-        await c.store.put_spec(spec)
-        c.fleet.put(spec)
-        c.fleet.set_state(wid, HealthState(health=Health.HEALTHY))
+    c = await control_plane("a", "b")
     incoming: asyncio.Queue = asyncio.Queue()
 
     async def messages():
