@@ -270,7 +270,7 @@ def slo_headers(args) -> dict[str, str]:
     default targets are 2 s of wall time, twice the measured SLO at the default time scale, yet
     with them (one run each, 2026-11-27) longdoc 16x went 45.8 -> 53.3 % while the
     heterogeneous fleet at 3x/4x went 78.3/58.7 -> 72.3/51.3 % and PD 2:2 at 3x 96.0 -> 89.0 %:
-    with an SLO named, the ``slo`` filter and the queue stage act on it, and lose."""
+    with an SLO named, the ``slo`` filter and the scorer's targets act on it, and lose."""
     if not args.slo_headers:
         return {}
     return {"X-SLO-TTFT-Ms": f"{args.slo_ttft_ms * args.time_scale:g}",

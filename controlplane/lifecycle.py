@@ -69,7 +69,7 @@ class Lifecycle:
         if kind == pb.EVENT_FIRST_TOKEN:
             record = await store.get(event.request_id)
             if record is not None:
-                self._progressed(record)
+                self.predictor.prompts_computed(record.charges, time.monotonic())   # (pending_s)
                 self._learn_ttft(record, event)
                 self._learn_pull(record, event)
                 self._note_success(record)
@@ -83,7 +83,8 @@ class Lifecycle:
         elif kind in _ENDINGS:
             record = await store.end(event.request_id)
             if record is not None:
-                self._progressed(record)     # (a prompt not settled at a first token: done now)
+                # (a prompt not settled at a first token: done now)
+                self.predictor.prompts_computed(record.charges, time.monotonic())
                 if kind == pb.EVENT_FINISHED:
                     # A non-streamed answer sends no first-token report: its end is its success.
                     self._note_success(record)
@@ -97,15 +98,6 @@ class Lifecycle:
             return
         if self.queue is not None:
             self.queue.kick()
-
-    def _progressed(self, record: RequestRecord) -> None:
-        """The engines that were computing this request's prompt are done with it: what is
-        ahead of their next prompts is computed from now (``EngineModel.pending_s``)."""
-        now = 0.0
-        for charge in record.charges:
-            if charge.prefill_tokens > 0:
-                now = now or time.monotonic()
-                self.predictor.progressed(charge.worker_id, now)
 
     def _learn_ttft(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
         """A real time to first token teaches the engine that computed the prompt (sequential

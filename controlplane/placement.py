@@ -255,10 +255,7 @@ class Placer:
         time would teach P's line D's queue and pull.
         """
         if any(c.prefill_tokens for c in record.charges):
-            now = time.monotonic()
-            for c in record.charges:
-                if c.prefill_tokens:
-                    self.predictor.progressed(c.worker_id, now)   # P is done with it (pending_s)
+            self.predictor.prompts_computed(record.charges, time.monotonic())   # P is done with it (pending_s)
             record = await self.store.settle_prefill(req.request_id) or record
         first = not req.exclude_workers and not any(c.leg == "decode" for c in record.charges)
         if first and record.work_ahead_tokens > 0 and record.placed_at > 0:

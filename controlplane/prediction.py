@@ -31,7 +31,19 @@ received no request at all).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class ComputedCharge(Protocol):
+    """What :meth:`Predictor.prompts_computed` reads of a ledger charge (state.base.Charge)."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def prefill_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -235,6 +247,13 @@ class Predictor:
         m = self._models.get(worker_id)
         if m is not None:
             m.busy_since = now
+
+    def prompts_computed(self, charges: Iterable[ComputedCharge], now: float) -> None:
+        """A request's prompt is computed (its first token, or its end): every engine that was
+        computing it (a charge with prefill tokens) has :meth:`progressed` from ``now``."""
+        for c in charges:
+            if c.prefill_tokens > 0:
+                self.progressed(c.worker_id, now)
 
     def pending_tokens(self, worker_id: str, prefill_tokens: int, now: float) -> int:
         """``prefill_tokens`` less what the engine has computed of them by ``now``, in tokens at

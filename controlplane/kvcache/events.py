@@ -298,16 +298,14 @@ class BatchReader:
                                 run, run_of = list(hs), (medium, group)
                             continue
                         d = decode_event(raw)
-                        if self._skip_tokens and type(d) is BlockStored and d.token_ids:
-                            d = dataclasses.replace(d, token_ids=())   # an unusual encoding
                 except MalformedEventError:
                     raise
                 except Exception as e:  # noqa: BLE001 - msgpack raises unrelated types
                     raise MalformedEventError(f"not msgpack: {e.__class__.__name__}") from None
             else:
                 d = decode_event(next(self._events))
-                if self._skip_tokens and type(d) is BlockStored and d.token_ids:
-                    d = dataclasses.replace(d, token_ids=())
+            if self._skip_tokens and type(d) is BlockStored and d.token_ids:
+                d = dataclasses.replace(d, token_ids=())   # read whole: a map envelope, an unusual encoding
             if run is not None:
                 out.append(BlockRemoved(tuple(run), *run_of))
                 run = None

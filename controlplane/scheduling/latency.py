@@ -190,9 +190,9 @@ class PredictedLatencyScorer:
         common, floor, starved = ctx.common_blocks, ctx.floor_blocks, ctx.starved
         # A starved candidate counts the shared prefix as held only if its own predicted TTFT
         # meets the target or the best candidate's (class docstring).
-        bound = max(ttft_t, min(predict(ctx, w)[0] for w in workers)) if starved and common > floor else 0.0
-        for w in workers:
-            ttft, tpot = predict(ctx, w)
+        predicted = [predict(ctx, w) for w in workers]   # (each candidate once)
+        bound = max(ttft_t, min(p[0] for p in predicted)) if starved and common > floor else 0.0
+        for w, (ttft, tpot) in zip(workers, predicted, strict=True):
             spec = w.spec
             # ctx.uncached_tokens inline, and the tokens to recompute (per candidate per placement):
             # the candidates' common match counts as held by everyone in the comparison, and a

@@ -37,6 +37,18 @@ from redis.exceptions import NoScriptError, ResponseError
 _UNAVAILABLE_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
 
 
+def _error_of(reply: hiredis.ReplyError) -> Exception:
+    """What an error reply raises: a Redis that cannot serve now is a ``ConnectionError`` (the
+    store's resilience takes it as away), an unknown script ``NoScriptError``, else
+    ``ResponseError`` (the command itself is wrong)."""
+    msg = str(reply)
+    if msg.startswith(_UNAVAILABLE_REPLIES):
+        return ConnectionError(f"redis cannot serve: {msg[:200]}")
+    if msg.startswith("NOSCRIPT"):
+        return NoScriptError(msg)
+    return ResponseError(msg)
+
+
 def supported(url: str) -> bool:
     """Plain TCP or unix-socket URLs; TLS (rediss://) stays on redis-py."""
     try:
@@ -168,12 +180,7 @@ class WireClient:
         finally:
             timer.cancel()
         if isinstance(reply, hiredis.ReplyError):
-            msg = str(reply)
-            if msg.startswith(_UNAVAILABLE_REPLIES):
-                raise ConnectionError(f"redis cannot serve: {msg[:200]}")
-            if msg.startswith("NOSCRIPT"):
-                raise NoScriptError(msg)
-            raise ResponseError(msg)
+            raise _error_of(reply)
         return reply
 
     def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
@@ -272,12 +279,10 @@ class WireClient:
             # As ``call``: once more on a new connection (never after a timeout).
             return await again()
         if isinstance(reply, hiredis.ReplyError):
-            msg = str(reply)
-            if msg.startswith("NOSCRIPT"):   # Redis restarted between loading and this call
+            error = _error_of(reply)
+            if isinstance(error, NoScriptError):   # Redis restarted between loading and this call
                 return await again()
-            if msg.startswith(_UNAVAILABLE_REPLIES):
-                raise ConnectionError(f"redis cannot serve: {msg[:200]}")
-            raise ResponseError(msg)
+            raise error
         return reply
 
     async def pipeline(self, commands: list[tuple]) -> list[Any]:
@@ -303,10 +308,7 @@ class WireClient:
                 timer.cancel()
             for reply in replies:
                 if isinstance(reply, hiredis.ReplyError):
-                    msg = str(reply)
-                    if msg.startswith(_UNAVAILABLE_REPLIES):
-                        raise ConnectionError(f"redis cannot serve: {msg[:200]}")
-                    raise ResponseError(msg)
+                    raise _error_of(reply)
             return replies
         raise AssertionError("unreachable")
 
