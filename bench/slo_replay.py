@@ -679,6 +679,10 @@ def write_markdown(path: Path, report: dict) -> None:
              "request-to-engine assignment sent straight to fresh engines. Least fair share: the "
              "fewest requests any engine got, over the mean of its equals (same role and speed); "
              "1 is an even split, below 0.5 an engine starved.", ""]
+    if cfg.get("reused_peers"):
+        src = cfg["reused_peers"]
+        lines += [f"The peers' runs are reused from an earlier report ({src['generated']}, commit "
+                  f"{(src.get('commit') or '?')[:10]}; not interleaved with ours): `{src['command']}`", ""]
     for mode in cfg["modes"]:
         rows = [r for r in report["summary"] if r["mode"] == mode]
         if not rows:
@@ -827,6 +831,9 @@ def parse_args(argv=None):
     p.add_argument("--peer-policies", default="cache_aware,round_robin",
                    help="policies of every peer; PEER:POLICY for one peer only (smg:cache_aware)")
     p.add_argument("--no-peers", action="store_true", help="only our policies")
+    p.add_argument("--reuse-peers", type=Path, default=None, metavar="JSON",
+                   help="run only our policies and take the peers' runs (same modes and rates) from this "
+                        "earlier report of the same case; the report says so and where they came from")
     p.add_argument("--no-replay", dest="replay", action="store_false", help="skip the assignment replay")
     p.add_argument("--no-peer-replay", dest="peer_replay", action="store_false",
                    help="replay only our policies' assignments (the peers' decisions are measured through them)")
@@ -892,6 +899,8 @@ def main(argv=None) -> int:
         except TraceMissing as exc:
             parser.error(str(exc))
     args.out = args.out.resolve()
+    if args.reuse_peers:
+        args.reuse_peers = args.reuse_peers.resolve()
     if args.keep_logs:
         args.keep_logs = args.keep_logs.resolve()
     with code_from(args.git_ref) as code:
@@ -932,6 +941,24 @@ def code_from(git_ref: str | None):
             shutil.rmtree(snapshot, ignore_errors=True)
 
 
+def reused_peer_runs(path: Path, modes: list[str], rates: list[float]) -> dict[str, Any]:
+    """The peers' runs of an earlier report, for a rerun of our policies alone.
+
+    Peers do not change between our commits, so when only our side changed a case can be
+    rerun in a fraction of the time; the report names the run they came from (its date,
+    commit and command), since they were not interleaved with ours."""
+    old = json.loads(path.read_text())
+    runs = [r for r in old["runs"] if not r["target"].startswith("ours:") and r["mode"] in modes
+            and r["rate"] in rates]
+    missing = sorted({(m, r) for m in modes for r in rates} - {(x["mode"], x["rate"]) for x in runs})
+    if missing:
+        raise SystemExit(f"--reuse-peers {path}: no peer runs for (mode, rate) {missing}")
+    return {"runs": runs, "targets": list(dict.fromkeys(r["target"] for r in runs)),
+            "peer_versions": old["config"].get("peer_versions", {}),
+            "source": {"generated": old["generated"], "commit": old["code"].get("commit"),
+                       "command": old["command"]}}
+
+
 def _main(parser, args, trace: Path, code: dict) -> int:
     if args.workload:
         try:
@@ -963,7 +990,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
 
     targets = [Target("ours", p) for p in args.policies.split(",") if p.strip()]
     skipped_peer: dict[str, str] = {}
-    if not args.no_peers:
+    reused = reused_peer_runs(args.reuse_peers, modes, rates) if args.reuse_peers else None
+    if not args.no_peers and reused is None:
         peer_names = [x for x in args.peers.split(",") if x.strip()]
         for peer in peer_names:
             if peer not in peerlib.PEER_PACKAGES:
@@ -1027,6 +1055,9 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                         + (f" stages {res['stages']}" if res.get("stages") else "")
                         + f" ({time.time() - t_run:.0f}s)")
 
+    if reused is not None:
+        runs += reused["runs"]
+        targets += [Target(*name.split(":", 1)) for name in reused["targets"]]
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else (1.0 if 1.0 in rates else rates[len(rates) // 2])
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -1041,7 +1072,9 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                    "slo_tpot_ms": args.slo_tpot_ms, "max_output": args.max_output,
                    "agg_engines": args.agg_engines, "prefill_engines": args.prefill_engines,
                    "decode_engines": args.decode_engines, "cost": cost.describe(),
-                   "peer_versions": dict(peerlib.PEER_PACKAGES) if not args.no_peers else {}},
+                   "peer_versions": (reused["peer_versions"] if reused is not None else
+                                     dict(peerlib.PEER_PACKAGES) if not args.no_peers else {}),
+                   "reused_peers": None if reused is None else reused["source"]},
         "summary": aggregate(runs),
         "runs": runs,
     }
