@@ -470,12 +470,17 @@ async def slow_down(session: aiohttp.ClientSession, engines: list[Engine], offse
         r.raise_for_status()
 
 
-def fair_share(per_engine: list[dict], speeds: list[float]) -> float | None:
+def fair_share(per_engine: list[dict], speeds: list[float], key: str = "requests") -> float | None:
     """The smallest share any engine got of its fair share among its equals (same role and
-    speed, at least two of them): 1.0 is an even split, 0.0 an engine that got nothing."""
+    speed, at least two of them): 1.0 is an even split, 0.0 an engine that got nothing.
+
+    ``key`` is what is shared: ``requests``, or ``tokens`` (the prompt tokens a prefill or
+    aggregated engine was asked for, the output tokens a decode engine produced). Request
+    counts understate a fair split when requests differ in size (chat beside summaries of
+    long documents): an engine given few long requests is not starved."""
     groups: dict[tuple[str, float], list[int]] = {}
     for pe, speed in zip(per_engine, speeds, strict=False):
-        groups.setdefault((pe["role"], speed), []).append(pe["requests"])
+        groups.setdefault((pe["role"], speed), []).append(pe[key])
     shares = [min(v) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1 and sum(v) != 0]
     return round(min(shares), 3) if shares else None
 
@@ -494,6 +499,12 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
     hits = queries = 0
     per_engine = []
     assignment = watcher.assignment()
+    produced = [0] * len(engines)
+    for o in ok:
+        legs = assignment.get(o.idx, {})
+        engine = legs.get("decode", legs.get("both"))
+        if engine is not None:
+            produced[engine] += o.tokens
     for i, e in enumerate(engines):
         h = after[i].get("prefix_cache_hits_tokens", 0) - base[i].get("prefix_cache_hits_tokens", 0)
         q = after[i].get("prefix_cache_queries_tokens", 0) - base[i].get("prefix_cache_queries_tokens", 0)
@@ -503,6 +514,7 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
             "engine": e.name, "role": e.role,
             "requests": sum(1 for a in assignment.values() if a.get(e.role) == i),
             "hit_rate": round(h / q, 4) if q else None, "query_tokens": q,
+            "tokens": produced[i] if e.role == "decode" else q,
             "waiting_mean": round(statistics.mean(watcher.waiting[i]), 2) if watcher.waiting[i] else None,
             "waiting_max": max(watcher.waiting[i]) if watcher.waiting[i] else None,
             "running_mean": round(statistics.mean(watcher.running[i]), 2) if watcher.running[i] else None})
@@ -525,6 +537,7 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
         "wall_s": round(wall, 1), "per_engine": per_engine, "errors": errors,
         "min_fair_share": fair_share(per_engine, engine_speeds(args, len(engines))),
+        "min_token_share": fair_share(per_engine, engine_speeds(args, len(engines)), "tokens"),
         "ttft_ms_all": [r(x, 1) for x in sorted(ttft)],
         "assignment": {str(k): v for k, v in sorted(assignment.items())},
     }
@@ -638,8 +651,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
                if x.get("followup_affinity", {}).get("same_engine") is not None]
         row["followup_same_engine"] = round(statistics.mean(aff), 3) if aff else None
         row["ok_share"] = round(sum(x["ok"] for x in rs) / max(sum(x["requests"] for x in rs), 1), 4)
-        shares = [x["min_fair_share"] for x in rs if x.get("min_fair_share") is not None]
-        row["min_fair_share"] = min(shares) if shares else None
+        for key in ("min_fair_share", "min_token_share"):
+            shares = [x[key] for x in rs if x.get(key) is not None]
+            row[key] = min(shares) if shares else None
         rows.append(row)
     return rows
 

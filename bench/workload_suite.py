@@ -108,7 +108,10 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
              "Per case and rate multiplier: SLO attainment % (mean over repeats) through each router; "
              f"`ours` is our default policy ({DEFAULT_POLICY}); `best peer` the best of the peers' policies; "
              "`replay` our default's assignment sent straight to fresh engines. `fair`: the least "
-             "fair share any equal engine got over all targets' runs (below 0.5: an engine starved). "
+             "fair share of requests any equal engine got over all targets' runs (below 0.5: an engine starved); "
+             "`fair tokens`: the same in tokens (prompt tokens asked of a prefill or aggregated engine, output "
+             "tokens of a decode engine), which is what an engine's share of the work is when requests differ "
+             "in size. "
              "Each case's own page has every target, TTFT/TPOT percentiles and the plots.", ""]
     for case in cases:
         path = out / f"workload_{case}.json"
@@ -123,8 +126,8 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
             ran += f"; peers' runs from {src['generated']} at {(src.get('commit') or '?')[:10]}"
         lines += [f"## {case}", "", f"[details](workload_{case}.md) - `{' '.join(CASES.get(case, []))}` ({ran})", "",
                   "| rate | ours | other policies | best peer | ours - best peer | replay (ours) | fair (ours) "
-                  "| fair (all) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| fair tokens (ours) | fair (all) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         rates = sorted({r["rate"] for r in summary})
         for rate in rates:
             at = [r for r in summary if r["rate"] == rate]
@@ -147,6 +150,7 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
                 f"| {rate:g} | {pct(ours) if ours else '-'} | {', '.join(others) or '-'} | {best_cell} | {lead} | "
                 f"{pct(replay) if replay else '-'} | "
                 f"{ours.get('min_fair_share') if ours and ours.get('min_fair_share') is not None else '-'} | "
+                f"{ours.get('min_token_share') if ours and ours.get('min_token_share') is not None else '-'} | "
                 f"{min(fair_all) if fair_all else '-'} |")
         lines.append("")
     path = out / "workloads.md"

@@ -21,7 +21,7 @@ def _run(target: str, rate: float, slo: float, mode: str = "agg") -> dict:
             "slo_attainment": slo, "ttft_p50_ms": 100, "ttft_p90_ms": 200, "ttft_p99_ms": 300, "tpot_p50_ms": 10,
             "tpot_p90_ms": 20, "e2e_p50_ms": 500, "e2e_p90_ms": 900, "output_tok_s": 50.0, "prefix_hit_rate": 0.5,
             "per_engine": [{"engine": "e0", "requests": 5}, {"engine": "e1", "requests": 5}], "errors": {},
-            "min_fair_share": 1.0}
+            "min_fair_share": 1.0, "min_token_share": None}
 
 
 def _earlier(tmp_path: Path) -> Path:
@@ -72,5 +72,15 @@ def test_pages_say_the_peers_were_reused(tmp_path):
     page = workload_suite.summarize(out, list(workload_suite.CASES), "python bench/workload_suite.py --z").read_text()
     section = page.split("## system_prompt")[1].split("## ")[0]
     assert "run 2026-02-02 00:00 UTC at fedcba9876; peers' runs from 2026-01-01 00:00 UTC at 0123456789" in section
-    assert "| 2 | 95.0 | - | 80.0 (vllm-router:cache_aware) | +15.0 |" in section
+    assert "| 2 | 95.0 | - | 80.0 (vllm-router:cache_aware) | +15.0 | - | 1.0 | - | 1.0 |" in section
     assert "## agent\n\nnot run" in page   # every case is listed, run or not
+
+
+def test_fair_share_in_requests_and_in_tokens():
+    # Two equal aggregated engines: one took 3 long requests, the other 9 short ones.
+    per_engine = [{"role": "both", "requests": 3, "tokens": 30_000}, {"role": "both", "requests": 9, "tokens": 27_000},
+                  {"role": "decode", "requests": 12, "tokens": 400}]
+    assert slo_replay.fair_share(per_engine, [1.0, 1.0, 1.0]) == 0.5              # 3 of a mean of 6
+    assert slo_replay.fair_share(per_engine, [1.0, 1.0, 1.0], "tokens") == 0.947  # 27k of a mean of 28.5k
+    # a slower engine is not the equal of the others; a lone decode engine has no equals
+    assert slo_replay.fair_share(per_engine, [1.0, 0.5, 1.0], "tokens") is None
