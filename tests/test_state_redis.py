@@ -34,14 +34,25 @@ def _prefix() -> str:
     return f"t{next(_prefixes)}-{random.getrandbits(32):08x}:"
 
 
-@pytest.fixture(params=["memory", "redis", "redis-py", "redis-mirror", "redis-local"])
+@pytest.fixture(params=["memory", "redis-default", "redis", "redis-py", "redis-mirror", "redis-local"])
 async def store(request, redis_server):
-    """The reference; the Redis store (hot calls on its own wire client); the Redis store
-    with every call through redis-py (as with rediss:// URLs); with a load mirror
-    (a long max age: loads must then follow this store's own calls exactly, from replies);
-    and the local ledger (``ledger = "local"``, tests/test_state_local_ledger.py)."""
+    """The reference; the store ``[state] backend = "redis"`` makes with every other setting
+    at its default (as deployed: write-behind reserves, a load mirror, behind the local
+    fallback ledger); the Redis store (hot calls on its own wire client, each call answered
+    by Redis); the Redis store with every call through redis-py (as with rediss:// URLs);
+    with a load mirror (a long max age: loads must then follow this store's own calls
+    exactly, from replies); and the local ledger (``ledger = "local"``,
+    tests/test_state_local_ledger.py)."""
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param == "redis-default":
+        s = make_store(ControlPlaneConfig.from_dict(
+            {"state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": _prefix()}}))
+        try:
+            yield s
+        finally:
+            await s.close()
         return
     if request.param == "redis-local":
         from controlplane.state.local import LocalLedgerStore
@@ -85,14 +96,38 @@ async def test_reserve_charges_every_worker_and_keeps_the_record(store):
     assert await store.loads([]) == {}
 
 
+def _writes_behind(store) -> bool:
+    """A store whose reserve answers before Redis does (``write_behind``, the default)."""
+    return bool(getattr(getattr(store, "shared", store), "write_behind", False))
+
+
 async def test_a_later_leg_adds_charges_and_replaces_notes(store):
     await store.reserve(_rec("r1", work_ahead_tokens=5), (Charge("p", "prefill", 100, 60),))
-    rec = await store.reserve(_rec("r1", work_ahead_tokens=999), (Charge("d", "decode", 120),),
-                              decode_batch=3, predicted_ttft_s=0.125)
+    answer = await store.reserve(_rec("r1", work_ahead_tokens=999), (Charge("d", "decode", 120),),
+                                 decode_batch=3, predicted_ttft_s=0.125)
+    rec = await store.get("r1")
+    if _writes_behind(store):
+        # It answers before Redis: the record it was given, charged and noted (Ledger.reserve).
+        # What the ledger holds is the merge, as in every store.
+        assert (answer.work_ahead_tokens, answer.decode_batch, [c.leg for c in answer.charges]) == \
+            (999, 3, ["decode"])
+    else:
+        assert _norm(answer) == _norm(rec)
     assert [c.leg for c in rec.charges] == ["prefill", "decode"]
     assert (rec.work_ahead_tokens, rec.decode_batch, rec.predicted_ttft_s) == (5, 3, 0.125)
     assert rec.created_at == pytest.approx(1000.25, abs=1e-6)
     assert (await store.loads(["d"]))["d"] == Load(1, 120, 0, 0)
+
+
+async def test_a_record_built_holding_its_charges_is_charged_once(store):
+    """``charged``: the commit step builds a new request's record with its charges (one
+    constructor call per placement); the store charges them once and keeps them once."""
+    charges = (Charge("p", "prefill", 100, 60), Charge("d", "decode", 120))
+    rec = await store.reserve(dataclasses.replace(_rec("r1"), charges=charges), charges, charged=True)
+    assert rec.charges == charges and (await store.get("r1")).charges == charges
+    assert await store.loads(["p", "d"]) == {"p": Load(1, 100, 60, 1), "d": Load(1, 120, 0, 0)}
+    assert (await store.end("r1")).charges == charges
+    assert await store.loads(["p", "d"]) == {"p": IDLE, "d": IDLE}
 
 
 async def test_release_by_leg_or_worker_keeps_the_record(store):
@@ -190,10 +225,18 @@ async def test_specs_round_trip(store):
     assert [s.id for s in await store.specs()] == ["b"]
 
 
-async def test_same_results_as_memory_for_random_operations(redis_server):
-    """A seeded random mix of every ledger call: RedisStore answers exactly as MemoryStore."""
+@pytest.mark.parametrize("setting", ["answered", "default"])
+async def test_same_results_as_memory_for_random_operations(redis_server, setting):
+    """A seeded random mix of every ledger call: RedisStore answers exactly as MemoryStore,
+    each call answered by Redis, and as ``make_store`` builds it by default (write-behind
+    reserves, whose answers are the caller's record: the stored one is compared instead)."""
     rng = random.Random(7)
-    mem, red = MemoryStore(), RedisStore(redis_server.url, key_prefix=_prefix())
+    mem = MemoryStore()
+    red = RedisStore(redis_server.url, key_prefix=_prefix()) if setting == "answered" else make_store(
+        ControlPlaneConfig.from_dict({"state": {"backend": "redis", "redis_url": redis_server.url,
+                                                "key_prefix": _prefix()}}))
+    behind = _writes_behind(red)
+    assert behind == (setting == "default")
     workers, sessions = [f"w{i}" for i in range(4)], ["s1", "s2", "s3"]
     try:
         for step in range(400):
@@ -207,6 +250,8 @@ async def test_same_results_as_memory_for_random_operations(redis_server):
                 notes = {"decode_batch": rng.randrange(9)} if rng.random() < 0.5 else {}
                 call = ("reserve", _rec(rid, session=rng.choice(sessions), created_at=float(step)), charges)
                 results = [await s.reserve(call[1], charges, **notes) for s in (mem, red)]
+                if behind:
+                    results = [await s.get(rid) for s in (mem, red)]
             elif op == "release":
                 kw = rng.choice([{"leg": "prefill"}, {"worker_id": rng.choice(workers)}, {}])
                 results = [await s.release(rid, **kw) for s in (mem, red)]

@@ -770,12 +770,14 @@ class RedisStore:
     # ------------------------------------------------------------------ ledger
 
     @_unavailable
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord | None:
         args: list[Any] = [self.prefix, record.request_id, self.replica_id, self.replica_ttl_ms,
                            f"{self.replica_id}:{next(self._ops)}"]
         enc = self._encode_record(record)
-        # A template's own charges are kept but not added to any load, as MemoryStore does.
-        enc += ("charges", _charges_json(record.charges))
+        # A template's own charges are kept but not added to any load, as MemoryStore does
+        # (``charged``: they are ``charges``, added by the script).
+        enc += ("charges", b"[]" if charged else _charges_json(record.charges))
         args += [len(enc) // 2, *enc]
         enc = self._encode_fields(notes)
         args += [len(enc) // 2, *enc]
@@ -806,6 +808,8 @@ class RedisStore:
                             self._mirror[c.worker_id] = Load(cur.requests + 1, cur.tokens + c.tokens,
                                                              cur.prefill_tokens + c.prefill_tokens,
                                                              cur.prefills + (1 if c.prefill_tokens > 0 else 0))
+                if charged:
+                    return record
                 return dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
         # None for a late reserve of a request that had already ended (see end(tombstone_s=))
         return self._ledger_reply(await self._script(self._reserve, _RESERVE, args))

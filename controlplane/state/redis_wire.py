@@ -340,6 +340,11 @@ class WireClient:
     async def close(self) -> None:
         self.flush()   # what callers queued (write-behind reserves) still goes out
         proto, self._proto = self._proto, None
+        if proto is not None and proto.waiters and not proto.closed:
+            # Their replies too (within the reply timeout): a write-behind reserve that
+            # closing cut off would count as failed, and Redis may well have applied it.
+            last = proto.waiters[-1]
+            await asyncio.wait([last[0] if type(last) is list else last], timeout=self.timeout_s)
         self._loaded_on.clear()
         if proto is not None and proto.transport is not None:
             proto.transport.close()

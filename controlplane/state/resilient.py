@@ -160,17 +160,18 @@ class ResilientStore:
 
     # ------------------------------------------------------------------ ledger
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord | None:
         rid = record.request_id
         if rid not in self._local_ids:
             if self._shared_now(rid):
                 try:
-                    return await self.shared.reserve(record, charges, **notes)
+                    return await self.shared.reserve(record, charges, charged=charged, **notes)
                 except StoreUnavailable as exc:
                     self._lost(exc)
             self._local_ids.add(rid)
             self.local_reservations += 1
-        return await self.local.reserve(record, charges, **notes)
+        return await self.local.reserve(record, charges, charged=charged, **notes)
 
     async def _either(self, method: str, request_id: str, **kw):
         if request_id in self._local_ids:
