@@ -29,7 +29,7 @@ from controlplane.fleet import Fleet
 from controlplane.placement_stats import PlacementStats
 from controlplane.scheduling import PlacementContext
 from controlplane.state import Charge, RequestRecord, StateStore
-from controlplane.workers import WorkerSpec, WorkerView
+from controlplane.workers import Load, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
 
 
@@ -131,8 +131,8 @@ class PlacementCommit:
                 # listener has told the fleet already).
                 c = next(c for c in charge_list if c.worker_id == wid)
                 load = worker.load
-                fleet.note_load(wid, dataclasses.replace(load, requests=load.requests + 1,
-                                                         tokens=load.tokens + c.tokens))
+                fleet.note_load(wid, Load(load.requests + 1, load.tokens + c.tokens, load.prefill_tokens,
+                                          load.prefills))
             fleet.placements[wid] += 1
             stats.placed[(wid, charge_leg)] += 1
             if chain and kv is not None and charge_leg != "decode":

@@ -935,12 +935,27 @@ async def test_spec_sync_polls_a_store_without_pubsub():
 
 
 def test_a_records_fast_encoding_matches_the_generic_one():
-    """``RedisStore._encode_record`` (every reserve) writes each field as ``_encode_fields`` does."""
-    from controlplane.state.redis import _RECORD_FIELDS
+    """``RedisStore._encode_record`` (every reserve) writes each field as ``_encode_fields`` does,
+    leaving out those at their zero value; ``_record`` reads every field back in its place
+    (a record whose every field differs), and a missing field as its zero value."""
+    from controlplane.state.base import with_charges
+    from controlplane.state.redis import _RECORD_FIELDS, _charges_json
+    from tests.test_ledger_records import _distinct_record
 
     s = RedisStore("redis://127.0.0.1:1/0", fast_path=False)
     for rec in (_rec("r1", flow=2, placed_at=1000.5, predicted_ttft_s=0.25, work_ahead_tokens=7, decode_batch=3,
                      decode_placed_at=1001.0, pull_tokens=9),
                 _rec("r2", session="", created_at=0.0)):
-        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f != "charges"}
+        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f != "charges" and getattr(rec, f)}
         assert s._encode_record(rec) == s._encode_fields(fields)
+    distinct = _distinct_record()
+    zero = with_charges(RequestRecord("", "", 0, 0), ())
+
+    def rounded(r):   # (times go through the wall clock: equal to within a microsecond)
+        return dataclasses.replace(_norm(r), decode_placed_at=round(r.decode_placed_at, 5))
+
+    for rec in (distinct, zero):
+        flat = s._encode_record(rec) + ["charges", _charges_json(rec.charges).decode()]
+        assert rounded(s._record(flat)) == rounded(rec)
+        assert rounded(s._record(dict(zip(flat[::2], flat[1::2], strict=True)))) == rounded(rec)
+    assert len(s._encode_record(zero)) == 0

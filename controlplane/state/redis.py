@@ -584,14 +584,20 @@ class RedisStore:
         return t - self._wall_offset if t else 0.0
 
     def _encode_record(self, record: RequestRecord) -> list[str | bytes]:
-        """Every field but the charges, as ``_encode_fields`` writes them, without building a
-        dict of them and checking each name first (every placement's reserve runs it)."""
+        """Every field but the charges that is not at its zero value, as ``_encode_fields``
+        writes them, without building a dict of them and checking each name first (every
+        placement's reserve runs it). A new record is written with these alone: a field
+        missing in Redis reads as its zero value, in ``_record`` and in every script, so
+        the fields a new request leaves at 0 cost no argument, no encoding and no hash
+        entry."""
         out: list[str | bytes] = []
         off = self._wall_offset
         for key, kind in _FIELD_KINDS:
             value = getattr(record, key)
+            if not value:
+                continue
             if kind == 1:
-                value = repr(float(value) + off if value else 0.0)
+                value = repr(float(value) + off)
             elif kind == 2:
                 value = repr(float(value))
             elif kind == 3:
@@ -614,27 +620,35 @@ class RedisStore:
         return out
 
     def _record(self, flat: list[str] | dict[str, str] | None) -> RequestRecord | None:
+        """A record as HGETALL (or a script) returned it; a missing field is at its zero
+        value. One positional constructor call (every report's end decodes one): the
+        field order is ``RequestRecord``'s (tests/test_state_redis.py checks the round trip
+        of a record whose every field differs)."""
         if not flat:
             return None
-        data = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=False))
-        kwargs: dict[str, Any] = {}
-        for key in _RECORD_FIELDS:
-            raw = data.get(key)
-            if raw is None:
-                continue
-            if key == "charges":
-                items = orjson.loads(raw)
-                kwargs[key] = tuple(Charge(str(w), str(leg), int(t), int(p)) for w, leg, t, p in items) \
-                    if isinstance(items, list) else ()
-            elif key in _TIME_FIELDS:
-                kwargs[key] = self._from_wall(float(raw))
-            elif key in _FLOAT_FIELDS:
-                kwargs[key] = float(raw)
-            elif key in _INT_FIELDS:
-                kwargs[key] = int(raw)
-            else:
-                kwargs[key] = raw
-        return RequestRecord(**kwargs)
+        if isinstance(flat, dict):
+            data = flat
+        else:
+            it = iter(flat)
+            data = dict(zip(it, it, strict=False))
+        g = data.get
+        off = self._wall_offset
+        raw = g("charges")
+        charges: tuple[Charge, ...] = ()
+        if raw:
+            items = orjson.loads(raw)
+            if isinstance(items, list):
+                charges = tuple(Charge(str(w), str(leg), int(t), int(p)) for w, leg, t, p in items)
+
+        def wall(key: str) -> float:   # a wall-clock time back to this replica's monotonic clock
+            t = float(g(key) or 0.0)
+            return t - off if t else 0.0
+
+        return RequestRecord(g("request_id", ""), g("model", ""), int(g("prompt_tokens") or 0),
+                             int(g("max_tokens") or 0), g("session", ""), int(g("flow") or 0), charges,
+                             wall("created_at"), wall("orphaned_at"), wall("placed_at"),
+                             float(g("predicted_ttft_s") or 0.0), int(g("work_ahead_tokens") or 0),
+                             int(g("decode_batch") or 0), wall("decode_placed_at"), int(g("pull_tokens") or 0))
 
     def _reserved_behind(self, fut: asyncio.Future) -> None:
         if self.loads_max_age_s:   # (replies, and so these callbacks, come in the order sent)
