@@ -8,7 +8,8 @@ Two straight lines per engine, refitted with every observation:
   and not yet computed, less what the engine has computed since it last finished a prompt
   (``EngineModel.pending_s``), when fitting as when predicting;
 * time per output token = c + d * (requests in the decode batch): the step time of
-  continuous batching, growing with the batch;
+  continuous batching, growing with the batch; beyond the batches it has seen, at no more
+  than the prior's slope (``OnlineLine.bounded_slope``);
 * a decode engine's KV pull (sequential PD) = e + f * (prompt tokens it does not hold in
   its own prefix cache): from P's answer to D's first token, so ``f`` is the transfer's
   seconds per token and ``e`` D's first step. Its prior is ``kv_pull_s_per_token``, 5 us
@@ -56,6 +57,16 @@ class OnlineLine:
     that cannot tell intercept from slope (every prompt the same length) therefore teach
     the slope while the intercept stays near its prior: prefill time is mostly
     proportional to tokens, not a constant.
+
+    With ``bounded_slope``, beyond the largest x among recent samples (``x_hi``, fading like
+    them) the line goes on at no more than the prior's slope: a slope fitted where the data
+    are is a correlation there, not a rule for loads never seen. The decode step's line
+    needs it: on an aggregated engine the TPOT is mostly the prefill chunks sharing its
+    steps, which grow with the load as the batch does, so its first samples (batch 1-10,
+    TPOT 8-30 ms) fitted 1.5-2.5 ms a request, and an engine with 100 requests was predicted
+    a TPOT of 0.25 s (it had 0.03 s), took no new request for the rest of the run, and the
+    other engines' queues grew to 4 s (bench/workload_suite.py ``hetero`` at 3x;
+    docs/benchmarks/workloads_notes.md).
     """
 
     prior_a: float
@@ -64,6 +75,8 @@ class OnlineLine:
     half_life: float = 64.0     # observations after which a sample counts half
     prior_weight_a: float = 1.0
     prior_weight_b: float = 0.5
+    bounded_slope: bool = False
+    x_hi: float = 0.0           # the largest x among recent samples (``bounded_slope``)
     sw: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -80,6 +93,8 @@ class OnlineLine:
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             return
         keep = 0.5 ** (1.0 / self.half_life)
+        hi = self.x_hi * keep
+        self.x_hi = x if x > hi else hi
         self.sw = self.sw * keep + 1.0
         self.sx = self.sx * keep + x
         self.sy = self.sy * keep + y
@@ -104,6 +119,9 @@ class OnlineLine:
         self.a, self.b = a, b
 
     def __call__(self, x: float) -> float:
+        if self.bounded_slope and x > self.x_hi:
+            b, hi = self.b, self.x_hi
+            return self.a + b * hi + (b if b < self.prior_b else self.prior_b) * (x - hi)
         return self.a + self.b * x
 
     def adopt(self, a: float, b: float) -> None:
@@ -176,7 +194,7 @@ class EngineModel:
     @classmethod
     def new(cls, d: PredictionDefaults) -> EngineModel:
         return cls(ttft=OnlineLine(d.ttft_base_s, d.prefill_s_per_token, 8192.0, d.half_life),
-                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life),
+                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life, bounded_slope=True),
                    pull=OnlineLine(d.tpot_base_s, d.kv_pull_s_per_token, 8192.0, d.half_life))
 
     def observe_ttft(self, work_tokens: float, ttft_s: float) -> OnlineLine:

@@ -58,8 +58,7 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
     else:
         ttft = 0.0
     if role is not Role.PREFILL:
-        line = model.tpot
-        tpot = line.a + line.b * (w.load.requests + 1)
+        tpot = model.tpot(w.load.requests + 1)     # (its slope bounded beyond the batches seen)
     else:
         tpot = 0.0
     got = ctx.predicted[wid] = (ttft, tpot)
