@@ -22,16 +22,24 @@ context mix). They start from priors given by config, kept as two pseudo-observa
 that fade like any other sample, so the first predictions are sane and a few real ones
 take over. Each model also tracks its own relative error, exported on /metrics.
 
-An engine nobody has observed yet predicts what the observed engines do on average, not
-the static priors: otherwise, once the others have learned that they are faster than the
-priors say, the unobserved engine always looks slower, is never chosen, and so never gets
-the observation that would correct it (seen in bench/slo_replay.py: one engine of four
-received no request at all).
+An engine nobody has observed yet predicts what the observed engines do, not the static
+priors: otherwise, once the others have learned that they are faster than the priors say,
+the unobserved engine always looks slower, is never chosen, and so never gets the
+observation that would correct it (seen in bench/slo_replay.py: one engine of four
+received no request at all). What they do is the median of their current fits (each
+line's intercept and slope), one vote per engine: a typical engine of the fleet, which
+neither the busiest engine's many samples nor one slow engine (a 0.5x engine among 1x ones)
+decides. The static priors (``PredictionDefaults``) serve only until the first engine's
+first sample: 10k uncached tokens a second is a guess for an ~8B model on one GPU, twice
+what bench/slo_replay.py's simulated engines do in the tokens and seconds the control plane
+sees, and no fixed figure is right for every model and GPU; the fleet's own samples replace
+it within the first requests.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -216,19 +224,16 @@ class EngineModel:
 class Predictor:
     """One model per worker id, made on first use."""
 
-    # How fast the fleet average follows the observed engines' fits (per observation).
-    POOL_RATE = 0.1
-
     def __init__(self, defaults: PredictionDefaults | None = None) -> None:
         self.defaults = defaults or PredictionDefaults()
         self._models: dict[str, EngineModel] = {}
-        # The observed engines' fits, averaged over observations: (a, b) per line, None before any.
+        # The observed engines' median fit (a, b) per line, None before any (module docstring).
         self._pool_ttft: tuple[float, float] | None = None
         self._pool_tpot: tuple[float, float] | None = None
         self._pool_pull: tuple[float, float] | None = None
 
     def model(self, worker_id: str) -> EngineModel:
-        """The engine's model; one not observed yet follows the fleet's average (module docstring)."""
+        """The engine's model; one not observed yet follows the fleet's median (module docstring)."""
         m = self._models.get(worker_id)
         if m is None:
             m = self._models[worker_id] = EngineModel.new(self.defaults)
@@ -241,22 +246,22 @@ class Predictor:
         return m
 
     def observe_ttft(self, worker_id: str, work_tokens: float, ttft_s: float) -> None:
-        line = self.model(worker_id).observe_ttft(work_tokens, ttft_s)
-        self._pool_ttft = _pooled(self._pool_ttft, line)
+        self.model(worker_id).observe_ttft(work_tokens, ttft_s)
+        self._pool_ttft = self._median("ttft")
 
     def observe_tpot(self, worker_id: str, batch: float, tpot_s: float) -> None:
-        line = self.model(worker_id).observe_tpot(batch, tpot_s)
-        self._pool_tpot = _pooled(self._pool_tpot, line)
+        self.model(worker_id).observe_tpot(batch, tpot_s)
+        self._pool_tpot = self._median("tpot")
 
     def fleet_tpot(self, batch: float) -> float:
-        """The observed engines' average TPOT at ``batch`` (the priors' before any observation):
+        """The observed engines' median TPOT line at ``batch`` (the priors' before any observation):
         what a decode engine not chosen yet is expected to do."""
         a, b = self._pool_tpot or (self.defaults.tpot_base_s, self.defaults.tpot_s_per_request)
         return a + b * batch
 
     def observe_pull(self, worker_id: str, pulled_tokens: float, seconds: float) -> None:
-        line = self.model(worker_id).observe_pull(pulled_tokens, seconds)
-        self._pool_pull = _pooled(self._pool_pull, line)
+        self.model(worker_id).observe_pull(pulled_tokens, seconds)
+        self._pool_pull = self._median("pull")
 
     def progressed(self, worker_id: str, now: float) -> None:
         """The engine finished a prompt, or started one with nothing ahead: the prompts left
@@ -281,18 +286,17 @@ class Predictor:
             return prefill_tokens
         return round(m.pending_s(prefill_tokens, now) / m.ttft.b)
 
+    def _median(self, kind: str) -> tuple[float, float] | None:
+        """The median intercept and slope of one line (``ttft``, ``tpot`` or ``pull``) over the
+        engines that have observed it: what an engine not observed yet starts from. Once per
+        observation, over the engines' models (tens)."""
+        lines = [line for m in self._models.values() if (line := getattr(m, kind)).n]
+        if not lines:
+            return None
+        return statistics.median(x.a for x in lines), statistics.median(x.b for x in lines)
+
     def forget(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)
 
     def items(self) -> list[tuple[str, EngineModel]]:
         return list(self._models.items())
-
-
-def _pooled(pool: tuple[float, float] | None, line: OnlineLine) -> tuple[float, float] | None:
-    """The running average of observed fits, moved toward ``line`` (if it learned anything)."""
-    if line.n == 0:
-        return pool
-    if pool is None:
-        return line.a, line.b
-    r = Predictor.POOL_RATE
-    return pool[0] + r * (line.a - pool[0]), pool[1] + r * (line.b - pool[1])

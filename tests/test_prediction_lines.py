@@ -80,3 +80,24 @@ def test_a_busy_decoder_with_no_prefill_ahead_wins_over_a_queue_of_prompts():
     scores = PredictedLatencyScorer().score(c, [a, b])
     assert scores[0] == 1.0 and scores[1] < 0.8
 
+
+def test_an_unobserved_engine_starts_from_the_fleets_median_line():
+    """One vote per engine: neither the busiest engine's samples nor the one slow engine decide."""
+    p = Predictor()
+    for i in range(200):                      # a: slow (4e-4 s a token), and the busiest by far
+        x = 500 + 50 * (i % 40)
+        p.observe_ttft("slow", x, 0.01 + 4e-4 * x)
+    for wid in ("b", "c"):                    # b, c: 2e-4 s a token, a few samples each
+        for i in range(8):
+            x = 500 + 250 * i
+            p.observe_ttft(wid, x, 0.01 + 2e-4 * x)
+    fresh = p.model("new")
+    assert fresh.ttft.n == 0
+    assert fresh.ttft.b == pytest.approx(p.model("b").ttft.b) == pytest.approx(2e-4, rel=0.15)
+    assert fresh.ttft(4000) == pytest.approx(p.model("c").ttft(4000), rel=0.05)
+
+
+def test_before_any_sample_every_engine_has_the_static_priors():
+    p = Predictor(PredictionDefaults(prefill_s_per_token=3e-4, ttft_base_s=0.05))
+    assert p.model("a").ttft(1000) == pytest.approx(0.35)
+    assert p.fleet_tpot(1) == pytest.approx(p.defaults.tpot_base_s + p.defaults.tpot_s_per_request)

@@ -150,7 +150,7 @@ class PredictedLatencyScorer:
 
     On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
     costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
-    pair with (``ctx.pair``; the fleet's average TPOT at batch 1, ``Predictor.fleet_tpot``,
+    pair with (``ctx.pair``; the fleet's median TPOT line at batch 1, ``Predictor.fleet_tpot``,
     when no pair was predicted). Counted as 0, every prefill engine looked cheaper than every
     aggregated one by a whole TPOT term, so the aggregated engines got nothing (the demo's 2
     aggregated engines: 0 of 16 requests).
