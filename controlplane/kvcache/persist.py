@@ -111,11 +111,11 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
     # Consistent copies, each without awaiting: the event-fed index's keys and values in LRU
     # order, its slots' owners and the sequence numbers of the same moment; then (after a
     # yield, halving the longest stall) the routed index with its routing buckets.
-    e_keys, e_vals, e_owner = list(exact._holders), list(exact._holders.values()), list(exact._key_of)
+    (e_keys, e_vals), e_owner = exact.entries(), list(exact._key_of)
     seqs = _seqs(kv)
     wall = time.time() if now is None else now
     await asyncio.sleep(0)
-    a_keys, a_vals, a_owner = list(approx._holders), list(approx._holders.values()), list(approx._key_of)
+    (a_keys, a_vals), a_owner = approx.entries(), list(approx._key_of)
     offset = wall - time.monotonic()
     buckets = [(number, start + offset) for number, start, _ in kv.routed.expiry]
     bucket_pos = {number: i for i, (number, _) in enumerate(buckets)}
