@@ -16,17 +16,32 @@ Each worker slot is one (worker_id, dp_rank): DP ranks have separate KV caches a
 separately. What each slot holds is kept as an append-only ``array('Q')`` of hashes (8 bytes an
 entry, compacted when stale entries outnumber live ones) so AllBlocksCleared / drop_worker stay
 proportional to that worker's blocks, not to the whole index; whether an entry is live is always
-read from ``holders``. This, a plain dict in LRU order instead of an OrderedDict, and parent
+read from ``holders``. This, plain dicts in LRU order instead of an OrderedDict, and parent
 links only on request (``keep_parents``; lookup never needs them because the chain hash already
 commits to the whole prefix) keep an entry near 100 bytes (bench/placement.py measures it).
 
+Growing without stalls: ``holders`` is not one dict but 2**k shards picked by a hash's low bits
+(256 at the default cap of 2,000,000 blocks, about 8,000 blocks a shard at the cap; one below
+8,192). CPython rebuilds a dict whole when it grows, and when it has churned (a delete leaves a
+slot that only a rebuild reclaims, and an LRU refresh is a delete plus an insert): one dict of a
+million blocks held the event loop, and every placement behind it, ~210 ms per rebuild; a shard's
+rebuild is 1/256 of that (bench/kvindex_growth.py, docs/benchmarks/kv_events_load.md). Picking a
+shard per block costs about as much as the probe itself, so the walk picks them in C (the
+hashes' low bytes through one itemgetter) and keeps the picks of 64-block chain segments it has
+walked (a conversation's next turn, a shared system prompt walk the same segments again), and
+counts runs of blocks with equal holders in C (itertools.groupby) so its Python loop turns once
+per change of holders, not once per block.
+
 Bounding memory: the engines evict on their own and say so with BlockRemoved, so the cap is a
-safety net for lost removals (seq gaps without replay, engines that vanish). Eviction is LRU over
-blocks: the dict's insertion order, refreshed by re-inserting. Within one BlockStored run the
-deepest block is made the *least* recent and the parent the most recent, so eviction takes leaves
-before their ancestors and the index stays prefix-closed as far as possible (an orphaned child
-could never be matched anyway). Large caps evict in batches of 1/256 of the cap, so the scan for
-the oldest entries is paid once per batch. Lookups are read-only by default so they stay cheap;
+safety net for lost removals (seq gaps without replay, engines that vanish). Each shard keeps at
+most 1/2**k of the cap (so the index at most the cap) and evicts LRU over its own blocks: its
+insertion order, refreshed by re-inserting. Hashes spread evenly over the shards, so per shard is
+close to LRU over the index, and an eviction step touches one shard, never the whole index.
+Within one BlockStored run the deepest block is made the *least* recent and the parent the most
+recent, so eviction takes leaves before their ancestors and the index stays prefix-closed as far
+as possible (an orphaned child could never be matched anyway). Large caps evict in batches of
+1/256 of a shard's cap, so the scan for the oldest entries is paid once per batch. Lookups are
+read-only by default so they stay cheap;
 pass ``touch=True`` (or call :meth:`touch`) to refresh a matched prefix, since vLLM does not
 re-announce blocks it reuses from its prefix cache.
 
@@ -468,9 +483,12 @@ class PrefixIndex:
         self._clock += len(hashes)
         if mine.due():
             mine.compact()
-        for d in full:
-            if len(d) > cap:
-                self._evict(d)
+        if full:
+            lost = 0
+            for d in full:
+                if len(d) > cap:
+                    lost |= self._evict(d)
+            self._compact_one(lost & ~(1 << slot))      # ``mine`` had its step above
         if len(self._intern) > _INTERN_MAX:
             self._intern.clear()
 
@@ -525,20 +543,29 @@ class PrefixIndex:
             m ^= low
         return held
 
-    def _evict(self, shard: dict[int, int]) -> None:
+    def _evict(self, shard: dict[int, int]) -> int:
         """``shard`` is over its cap: drop its oldest blocks, 1/256 of the cap more than needed
-        so the scan for the oldest is paid once per batch; then a compaction step for the slots
-        that lost blocks. One step touches one shard, never the whole index."""
+        so the scan for the oldest is paid once per batch. One step touches one shard, never
+        the whole index. Returns the mask of the slots that lost blocks (see _compact_one)."""
         cap = self._cap
         n = min(len(shard), len(shard) - cap + (cap >> 8))
         lost = 0
         for h in list(islice(shard, n)):
             lost |= self._drop_block(h)
             self._evicted += 1
+        return lost
+
+    def _compact_one(self, lost: int) -> None:
+        """One compaction step for the first slot in ``lost`` with stale entries to drop: the
+        others compact on their own stores and removals, or on a later eviction (one step per
+        store, however many shards it made evict, keeps a store's cost bounded)."""
         blocks_of = self._blocks_of
         while lost:
             low = lost & -lost
-            blocks_of[low.bit_length() - 1].compact()
+            mine = blocks_of[low.bit_length() - 1]
+            if mine.due():
+                mine.compact()
+                return
             lost ^= low
 
     # ---- queries -------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ The body is the concatenation of ``array('Q')`` runs; the header lists them in o
 ``[kind, worker_id, dp_rank, bucket, count]`` (kind "e" exact, "a" routed; bucket: the index
 of its routing time bucket in ``header["buckets"]``, a list of wall-clock start times, or -1),
 plus the hashing settings and the subscribers' sequence numbers. A run lists one slot's blocks
-in the index's LRU order (oldest first), so loading keeps the order eviction follows. The size
+shard by shard, each shard in its LRU order (oldest first), so loading into an index of the same
+``max_blocks`` (hence shards) keeps the order eviction follows. The size
 is bounded by the index's own bound: at most ``max_blocks`` distinct blocks per index, 8 bytes
 per (block, slot) pair.
 
