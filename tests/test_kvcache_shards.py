@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig
+from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, SlotBlocks
 from tests.test_kvcache_index import consistent
 
 WORKERS = [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
@@ -150,3 +150,30 @@ def test_a_cached_segment_is_used_only_for_the_same_hashes():
     idx.apply("w", 0, [stored([1])])
     assert idx.match_depths(b) == {("w", 0): 200}
     assert idx.match_depths(a) == {("w", 0): 200}
+
+
+def test_a_slot_compacts_in_steps_and_frees_what_it_kept_in_steps():
+    """A compaction remembers the hashes it kept (to drop repeats) in 256 sets, and frees them a
+    few per later call: one set of every live hash was resized and freed whole."""
+    idx = PrefixIndex(PrefixIndexConfig(shards=16))
+    run = list(range(10_000, 20_000))
+    idx.apply("w", 0, [stored(run)])
+    idx.apply("w", 0, [BlockRemoved(block_hashes=(h,)) for h in run[:7000]])
+    idx.apply("w", 0, [stored(run[:10])])                  # stored again: twice in the array now
+    mine = idx._blocks_of[0]
+    steps = 0
+    while mine._seen is not None or not steps:
+        mine.compact()
+        steps += 1
+        if mine._seen is not None:
+            assert max(len(s) for s in mine._seen) < 100   # spread by low byte
+    assert steps >= 3                                      # 10,010 entries, 1,024 a step
+    assert len(mine._trash) == 256 and mine.due()
+    while mine._trash:
+        before = len(mine._trash)
+        mine.compact()
+        assert before - len(mine._trash) == min(before, SlotBlocks.FREE_STEP)
+    assert not mine.due()
+    assert sorted(mine) == sorted(run[7000:] + run[:10]) and len(mine) == 3010
+    assert len(mine.hashes) <= 3020        # those stored again while compacting may stay twice
+    consistent(idx)
