@@ -521,6 +521,89 @@ async def test_write_behind_goes_on_after_redis_flushes_its_scripts(redis_server
         await s.close()
 
 
+async def test_a_write_behind_end_answers_from_this_replicas_copy(redis_server):
+    """``write_behind``: the end of a request this replica reserved answers at once (Redis
+    stopped meanwhile) with the record as this replica's own calls left it, and the load copy
+    drops its charges at once; Redis applies the end when it runs again."""
+    prefix = _prefix()
+    s = RedisStore(redis_server.url, key_prefix=prefix, write_behind=True, loads_max_age_s=3600.0)
+    other = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await s.reserve(_rec("r1"), (Charge("w", "aggregated", 10, 4),))
+        assert (await s.settle_prefill("r1")).charges[0].prefill_tokens == 0    # (awaited: Redis's record)
+        await s.reserve(_rec("r2"), (Charge("w", "aggregated", 5, 5),))
+        assert (await s.loads(["w"]))["w"] == Load(2, 15, 5, 1)
+        redis_server.pause()
+        try:
+            ended = await asyncio.wait_for(s.end("r1"), 0.5)
+            assert ended.request_id == "r1" and ended.charges == (Charge("w", "aggregated", 10, 0),)
+            assert (await asyncio.wait_for(s.loads(["w"]), 0.5))["w"] == Load(1, 5, 5, 1)
+        finally:
+            redis_server.resume()
+
+        async def applied() -> bool:
+            return (await other.loads(["w"]))["w"] == Load(1, 5, 5, 1)
+        await wait_until(applied, timeout=5, what="Redis to apply the end")
+        await wait_until(lambda: not s._behind, timeout=5, what="the end's reply")
+        assert s.write_behind_failures == 0 and s._unconfirmed == {}
+        assert (await s.loads(["w"]))["w"] == Load(1, 5, 5, 1)
+        assert await s.end("r1") is None                      # (not its copy any more: Redis answers)
+    finally:
+        await s.close()
+        await other.close()
+
+
+async def test_write_behind_calls_that_cancel_out_are_each_confirmed(redis_server):
+    """A reserve and the end of the same request both on their way, behind another call: the
+    copy's count of this replica's unanswered calls stays right through every reply (their
+    amounts cancel out before the last reply comes)."""
+    s = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        await s.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
+        await s.end("warm")
+        await wait_until(lambda: not s._behind, timeout=5, what="the warm-up's replies")
+        await s.reserve(_rec("x"), (Charge("w", "aggregated", 3),))
+        await s.reserve(_rec("a"), (Charge("w", "aggregated", 10, 4),))
+        await s.end("a")                      # (one loop turn: all three on their way together)
+        assert len(s._behind) == 3 and (await s.loads(["w"]))["w"] == Load(1, 3, 0, 0)
+        await wait_until(lambda: not s._behind, timeout=5, what="the replies")
+        assert errors == [] and s._unconfirmed == {} and s.write_behind_failures == 0
+        assert (await s.loads(["w"]))["w"] == Load(1, 3, 0, 0)
+    finally:
+        loop.set_exception_handler(handler)
+        await s.close()
+
+
+async def test_a_write_behind_end_redis_did_not_take_is_replayed(redis_server):
+    """The default store: a write-behind end that Redis refuses (its script cache flushed:
+    NOSCRIPT) is handed to the ResilientStore, which replays it; the load leaves Redis, and
+    no outage is declared for an error reply."""
+    prefix = _prefix()
+    store = make_store(ControlPlaneConfig.from_dict(
+        {"state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}}))
+    other = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await store.reserve(_rec("r0"), (Charge("w", "aggregated", 1),))
+        await store.end("r0")                                 # (the end's script loaded, behind)
+        await store.reserve(_rec("r1"), (Charge("w", "aggregated", 10),))
+
+        async def in_redis(load: Load) -> bool:
+            return (await other.loads(["w"]))["w"] == load
+        await wait_until(lambda: in_redis(Load(1, 10, 0, 0)), timeout=5, what="the reserve in Redis")
+        await store.shared.redis.script_flush()
+        assert (await store.end("r1")).request_id == "r1"
+        await wait_until(lambda: store.shared.write_behind_failures == 1, timeout=5, what="the end to fail")
+        await wait_until(lambda: in_redis(IDLE), timeout=10, what="the end replayed")
+        assert store.replayed == 1 and store.pending == 0 and store.outages == 0 and store.available
+    finally:
+        await store.close()
+        await other.close()
+
+
 async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
     """A pooled connection that the server closed is reconnected transparently."""
     s = RedisStore(redis_server.url, key_prefix=_prefix())

@@ -37,7 +37,7 @@ from redis.exceptions import NoScriptError, ResponseError
 _UNAVAILABLE_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
 
 
-def _error_of(reply: hiredis.ReplyError) -> Exception:
+def error_of(reply: hiredis.ReplyError) -> Exception:
     """What an error reply raises: a Redis that cannot serve now is a ``ConnectionError`` (the
     store's resilience takes it as away), an unknown script ``NoScriptError``, else
     ``ResponseError`` (the command itself is wrong)."""
@@ -180,7 +180,7 @@ class WireClient:
         finally:
             timer.cancel()
         if isinstance(reply, hiredis.ReplyError):
-            raise _error_of(reply)
+            raise error_of(reply)
         return reply
 
     def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
@@ -279,7 +279,7 @@ class WireClient:
             # As ``call``: once more on a new connection (never after a timeout).
             return await again()
         if isinstance(reply, hiredis.ReplyError):
-            error = _error_of(reply)
+            error = error_of(reply)
             if isinstance(error, NoScriptError):   # Redis restarted between loading and this call
                 return await again()
             raise error
@@ -308,7 +308,7 @@ class WireClient:
                 timer.cancel()
             for reply in replies:
                 if isinstance(reply, hiredis.ReplyError):
-                    raise _error_of(reply)
+                    raise error_of(reply)
             return replies
         raise AssertionError("unreachable")
 
