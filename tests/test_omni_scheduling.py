@@ -16,6 +16,7 @@ from controlplane.lifecycle import Lifecycle
 from controlplane.placement import PlacementStats, Placer
 from controlplane.prediction import EngineModel, OnlineLine, PredictionDefaults, Predictor
 from controlplane.scheduling import build_profile
+from controlplane.scheduling.latency import SLOFilter
 from controlplane.scheduling.queue import HoldQueue
 from controlplane.state import MemoryStore
 from controlplane.state.base import Charge, RequestRecord
@@ -254,12 +255,36 @@ async def test_slo_filter_keeps_engines_predicted_to_meet_the_request_target():
     assert seen == {"a", "b"}
 
 
+async def test_a_named_slo_does_not_move_a_follow_up_off_its_conversation():
+    """a holds 3,008 of a 4,000-token follow-up's tokens behind 4,000 queued; b is idle. A
+    450 ms TTFT target: a is predicted to miss it (0.51 s), b to meet it (0.41 s) by computing
+    all 4,000 tokens again, which the prompt queued there would wait for too. The default
+    policy keeps the follow-up where the scorer puts it (the ``slo`` filter moved it to b)."""
+    plane = await make(policy="predicted_latency")
+    teach(plane, "a", 1e-4)
+    teach(plane, "b", 1e-4)
+    await plane.store.reserve(RequestRecord(request_id="queued", model="m", prompt_tokens=4000, max_tokens=1),
+                              (Charge("a", "aggregated", 4000, prefill_tokens=4000),))
+    chain = list(range(1, 251))
+    plane.placer.kv = KVCache(KVCacheConfig())
+    plane.placer.kv.placed(plane.fleet.get("a"), chain[:188], 0)
+    p = await plane.placer.place(entry("follow", tokens=4000, block_hashes=chain, ttft_slo_ms=450, explain=True),
+                                 dry_run=True)
+    assert p.decode.worker_id == "a", p.explanation
+    assert "dropped by slo" not in p.explanation
+    # Opt-in, the filter still does what it says.
+    plane.placer.profile.filters = [SLOFilter()]
+    p = await plane.placer.place(entry("follow2", tokens=4000, block_hashes=chain, ttft_slo_ms=450, explain=True),
+                                 dry_run=True)
+    assert p.decode.worker_id == "b" and "a dropped by slo" in p.explanation, p.explanation
+
+
 # ---------------------------------------------------------------------------- queue stage
 
 
 class W:
-    def __init__(self, work_tokens, enqueued_at, scale=1.0):
-        self.work_tokens, self.enqueued_at, self.scale = work_tokens, enqueued_at, scale
+    def __init__(self, work_tokens, enqueued_at):
+        self.work_tokens, self.enqueued_at = work_tokens, enqueued_at
 
 
 def test_queue_order_prefers_short_prompts_then_long_waiters_and_starvation_overrides():
@@ -402,10 +427,9 @@ def test_queue_running_cap_counts_a_prefill_engines_prompts_in_progress_not_kv_i
 
 
 def test_a_held_engine_is_released_when_its_admitted_prefills_are_predicted_done():
-    """The ledger counts a prompt's prefill until its first token is reported; the work ahead
-    the queue holds by (EngineModel.pending_s) also counts the time since the engine started
-    it, so the next request reaches the engine as its prefill ends, not after (held, the
-    engine ran its queue dry between prompts)."""
+    """The ledger counts a prompt's prefill until its first token is reported; the queue also
+    counts the time since it admitted it, so the next request reaches the engine as its
+    prefill ends, not after (held, the engine ran its queue dry between prompts)."""
     from controlplane.prediction import Predictor
     from controlplane.scheduling import PlacementContext
     from controlplane.workers import Load, WorkerView
@@ -425,13 +449,12 @@ def test_a_held_engine_is_released_when_its_admitted_prefills_are_predicted_done
     assert 101.8 < done < 102.2
     idle = WorkerView(spec, Load())
     assert not q.should_hold(ctx(100.0), idle)            # admitted: ~2 s of prefill from t=100
-    predictor.progressed("a", 100.0)                      # (the commit's word: nothing was ahead)
     busy = WorkerView(spec, Load(requests=1, tokens=2000, prefill_tokens=2000, prefills=1))
     assert q.should_hold(ctx(100.5), busy)                # ~1.5 s of it left
     assert q.should_hold(ctx(done - 0.2), busy)           # 0.2 s left: still more than hold_s
     # 0.1 s left, no first token reported yet (the ledger still counts 2 s): released now.
     assert not q.should_hold(ctx(done - 0.1), busy)
-    # Work whose start the predictor has not seen counts whole.
+    # Work this queue did not admit (another replica's) counts from when it is first seen.
     other = WorkerView(dataclasses.replace(spec, id="b"), busy.load)
     predictor.model("b").ttft = model.ttft
     assert q.should_hold(ctx(200.0), other)

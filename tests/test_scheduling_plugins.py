@@ -196,3 +196,17 @@ def test_a_profile_sets_its_shared_prefix_rule():
     assert build_profile("predicted_latency").shared.branches == 2
     with pytest.raises(ValueError, match="bad options for shared"):
         build_profile("p", {"p": {"shared": {"nope": 1}}})
+
+
+def test_near_best_picker_prefers_engines_predicted_to_meet_the_request_slo_within_its_band():
+    from controlplane.prediction import Predictor
+    p = NearBestPicker(rng=random.Random(3))
+    predicted = {"a": (1.5, 0.02), "b": (0.8, 0.02)}     # a misses a 1 s TTFT target, b meets it
+    cands = [Candidate(worker("a", reqs=1), score=1.0), Candidate(worker("b", reqs=5), score=0.97)]
+    slo = ctx(ttft_slo_s=1.0, predictor=Predictor(), predicted=dict(predicted))
+    assert p.pick(slo, cands).worker.id == "b"          # within the band: the one that meets it
+    none = ctx(predictor=Predictor(), predicted=dict(predicted))
+    assert p.pick(none, cands).worker.id == "a"         # no target named: load decides
+    # Beyond the band the scorer's choice stands, target or not.
+    far = [Candidate(worker("a", reqs=1), score=1.0), Candidate(worker("b", reqs=5), score=0.8)]
+    assert p.pick(ctx(ttft_slo_s=1.0, predictor=Predictor(), predicted=dict(predicted)), far).worker.id == "a"

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from controlplane.scheduling.base import Candidate, PlacementContext
+from controlplane.scheduling.latency import misses_slo
 from controlplane.scheduling.scorers import effective_requests
 
 
@@ -46,6 +47,12 @@ class NearBestPicker:
     system prompt at 8x, 55-64 % of follow-ups stayed against vllm-router's 79 %, with
     fewer prefix hits (docs/benchmarks/workloads_notes.md). A prompt that matches nothing
     beyond the common prefix (a new conversation) is decided by load as before.
+
+    Before load, when the request names its own SLO (``X-SLO-*`` headers) and the scorer
+    predicted the candidates: the ones predicted to meet it (``latency.misses_slo``). Only
+    within the band, and after the conversation's engine: a candidate the scorer finds
+    clearly costlier (it would recompute a conversation, or its queue is longer) is not taken
+    for the one request's targets, as the ``slo`` filter did (docs/benchmarks/workloads_notes.md).
     """
 
     tolerance: float = 0.05
@@ -64,7 +71,9 @@ class NearBestPicker:
         if len(near) == 1:
             return near[0]
         common, match = ctx.common_blocks, ctx.match_blocks.get
+        slo = bool(ctx.ttft_slo_s or ctx.tpot_slo_s) and bool(ctx.predicted)
         keys = [(common - match(c.worker.id, 0) if match(c.worker.id, 0) > common else 0,
+                 slo and misses_slo(ctx, c.worker),
                  effective_requests(c.worker, ctx), c.worker.load.prefill_tokens) for c in near]
         least = min(keys)
         top = [c for c, key in zip(near, keys, strict=False) if key == least]

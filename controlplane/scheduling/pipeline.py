@@ -146,14 +146,15 @@ POLICIES: dict[str, dict[str, Any]] = {
                   "scorers": [{"name": "prefix_cache", "weight": 1.0}, {"name": "least_load", "weight": 1e-6}],
                   "picker": "max_score"},
     # Omni scheduling: predicted TTFT (queue + uncached prefill, learned per engine) and
-    # TPOT, requests' SLO headers honoured; every request bound to an engine on arrival.
-    "predicted_latency": {"filters": [{"name": "slo"}], "scorers": [{"name": "predicted_latency"}],
-                          "picker": "near_best"},
+    # TPOT, against the request's SLO headers if it names them (the scorer's targets, and the
+    # picker's first preference among near-equal engines: no ``slo`` filter, see SLOFilter);
+    # every request bound to an engine on arrival.
+    "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
     # The same with late binding in the control plane's queue (Omni's request holding). Opt-in:
     # holding still costs attainment on long-document QA (docs/benchmarks/pd_queue.md), and
     # the default must never lose to the same policy without it.
-    "predicted_latency_queued": {"filters": [{"name": "slo"}], "scorers": [{"name": "predicted_latency"}],
-                                 "picker": "near_best", "queue": {"name": "omni"}},
+    "predicted_latency_queued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
+                                 "queue": {"name": "omni"}},
 }
 
 
