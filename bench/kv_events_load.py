@@ -403,7 +403,7 @@ async def run(args: argparse.Namespace) -> dict:
 
             def applied() -> tuple[int, int]:
                 c = plane.kv.counters()
-                return sum(v.get("received", 0) for v in c.values()), len(plane.kv.exact._holders)
+                return sum(v.get("received", 0) for v in c.values()), plane.kv.exact.size()
 
             await place(0.5, "warm")
             watch = StallWatch()

@@ -8,11 +8,17 @@ previous batch's reports per incoming batch, as a loaded data plane sends them),
 answer is serialized as it would be written. No socket and no other process: what it
 measures is the control plane's own Python (``bench/overhead.py`` measures the processes).
 
-    python bench/session_cost.py [--requests 10000] [--repeats 5] [--batch 16]
+    python bench/session_cost.py [--requests 10000] [--repeats 5] [--batch 16] \
+        [--store memory|redis] [--policy round_robin] [--workers 2]
 
 Prints the best of ``--repeats`` runs and every run, in microseconds of this thread's CPU
 time (``time.thread_time``) per request. To compare two trees, run it from each
 alternately (``PYTHONPATH=<tree> python <tree>/bench/session_cost.py``).
+
+``--store redis``: the store ``[state] backend = "redis"`` makes with every other setting at
+its default (what each replica of a scaled-out control plane runs), against a redis-server
+this benchmark starts on loopback TCP (``tests/redis_fixtures``) and stops. The CPU counted
+is still the control plane's thread alone: redis-server's share is not in it.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from protos import omni_proxy_pb2 as pb  # noqa: E402
 
 
 
-async def control_plane(*worker_ids: str):
-    """A control plane built in process (round robin) with healthy workers of these ids."""
-    c = build(ControlPlaneConfig(policy="round_robin", http_port=0))
+async def control_plane(*worker_ids: str, policy: str = "round_robin", redis_url: str = ""):
+    """A control plane built in process with healthy workers of these ids; on the default
+    Redis store at ``redis_url`` when given, else in memory."""
+    state = {"state": {"backend": "redis", "redis_url": redis_url}} if redis_url else {}
+    c = build(ControlPlaneConfig.from_dict({"policy": policy, "http_port": 0, **state}))
     for wid in worker_ids:
         spec = WorkerSpec(id=wid, url=f"http://127.0.0.1:1/{wid}", model="m", role=Role.BOTH)
         await c.store.put_spec(spec)
@@ -45,14 +53,16 @@ async def control_plane(*worker_ids: str):
 class _Session:
     """One data plane's session on an in-process control plane."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, *, policy: str = "round_robin", workers: int = 2, redis_url: str = "") -> None:
         self.batch = batch
+        self.policy, self.redis_url = policy, redis_url
+        self.worker_ids = ["a", "b"] if workers == 2 else [f"w{i:02d}" for i in range(workers)]
         self.seq = 0
         self.incoming: asyncio.Queue = asyncio.Queue()
         self.finished: list[str] = []
 
     async def start(self) -> None:
-        c = await control_plane("a", "b")
+        c = await control_plane(*self.worker_ids, policy=self.policy, redis_url=self.redis_url)
         self.store = c.store
         self.answers = c.scheduler.Session(self._messages(), None)
         await self.answers.__anext__()    # the session's info
@@ -65,6 +75,8 @@ class _Session:
     async def close(self) -> None:
         self.incoming.put_nowait(None)
         await self.answers.aclose()
+        if self.redis_url:
+            await self.store.close()
 
     async def run(self, n: int) -> None:
         """``n`` requests: placed in batches, each batch's reports sent with the next one."""
@@ -96,8 +108,8 @@ class _Session:
             done += self.batch
 
 
-async def measure(requests: int, repeats: int, batch: int) -> list[float]:
-    session = _Session(batch)
+async def measure(requests: int, repeats: int, batch: int, **session_args) -> list[float]:
+    session = _Session(batch, **session_args)
     await session.start()
     try:
         await session.run(2000)    # warm-up
@@ -116,11 +128,26 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16, help="placements per incoming session batch")
+    ap.add_argument("--store", choices=["memory", "redis"], default="memory")
+    ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--workers", type=int, default=2, help="healthy workers (ids a, b when 2)")
     args = ap.parse_args()
     import uvloop   # as the control plane runs (a dependency)
-    runs = uvloop.run(measure(args.requests, args.repeats, args.batch))
-    print(f"control plane, per non-streamed request (place + finish, batches of {args.batch}): "
-          f"best {min(runs):.1f} us  (runs: {' '.join(f'{r:.1f}' for r in runs)})")
+    redis = None
+    if args.store == "redis":
+        from tests.redis_fixtures import RedisServer
+
+        redis = RedisServer(tcp=True)
+        redis.start()
+    try:
+        runs = uvloop.run(measure(args.requests, args.repeats, args.batch, policy=args.policy, workers=args.workers,
+                                  redis_url=redis.url if redis is not None else ""))
+    finally:
+        if redis is not None:
+            redis.close()
+    print(f"control plane ({args.store} store, {args.policy}, {args.workers} workers), per non-streamed request "
+          f"(place + finish, batches of {args.batch}): best {min(runs):.1f} us  "
+          f"(runs: {' '.join(f'{r:.1f}' for r in runs)})")
 
 
 if __name__ == "__main__":

@@ -471,12 +471,17 @@ async def slow_down(session: aiohttp.ClientSession, engines: list[Engine], offse
         r.raise_for_status()
 
 
-def fair_share(per_engine: list[dict], speeds: list[float]) -> float | None:
+def fair_share(per_engine: list[dict], speeds: list[float], key: str = "requests") -> float | None:
     """The smallest share any engine got of its fair share among its equals (same role and
-    speed, at least two of them): 1.0 is an even split, 0.0 an engine that got nothing."""
+    speed, at least two of them): 1.0 is an even split, 0.0 an engine that got nothing.
+
+    ``key`` is what is shared: ``requests``, or ``tokens`` (the prompt tokens a prefill or
+    aggregated engine was asked for, the output tokens a decode engine produced). Request
+    counts understate a fair split when requests differ in size (chat beside summaries of
+    long documents): an engine given few long requests is not starved."""
     groups: dict[tuple[str, float], list[int]] = {}
     for pe, speed in zip(per_engine, speeds, strict=False):
-        groups.setdefault((pe["role"], speed), []).append(pe["requests"])
+        groups.setdefault((pe["role"], speed), []).append(pe[key])
     shares = [min(v) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1 and sum(v) != 0]
     return round(min(shares), 3) if shares else None
 
@@ -495,6 +500,12 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
     hits = queries = 0
     per_engine = []
     assignment = watcher.assignment()
+    produced = [0] * len(engines)
+    for o in ok:
+        legs = assignment.get(o.idx, {})
+        engine = legs.get("decode", legs.get("both"))
+        if engine is not None:
+            produced[engine] += o.tokens
     for i, e in enumerate(engines):
         h = after[i].get("prefix_cache_hits_tokens", 0) - base[i].get("prefix_cache_hits_tokens", 0)
         q = after[i].get("prefix_cache_queries_tokens", 0) - base[i].get("prefix_cache_queries_tokens", 0)
@@ -504,6 +515,7 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
             "engine": e.name, "role": e.role,
             "requests": sum(1 for a in assignment.values() if a.get(e.role) == i),
             "hit_rate": round(h / q, 4) if q else None, "query_tokens": q,
+            "tokens": produced[i] if e.role == "decode" else q,
             "waiting_mean": round(statistics.mean(watcher.waiting[i]), 2) if watcher.waiting[i] else None,
             "waiting_max": max(watcher.waiting[i]) if watcher.waiting[i] else None,
             "running_mean": round(statistics.mean(watcher.running[i]), 2) if watcher.running[i] else None})
@@ -526,6 +538,7 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
         "wall_s": round(wall, 1), "per_engine": per_engine, "errors": errors,
         "min_fair_share": fair_share(per_engine, engine_speeds(args, len(engines))),
+        "min_token_share": fair_share(per_engine, engine_speeds(args, len(engines)), "tokens"),
         "ttft_ms_all": [r(x, 1) for x in sorted(ttft)],
         "assignment": {str(k): v for k, v in sorted(assignment.items())},
     }
@@ -639,8 +652,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
                if x.get("followup_affinity", {}).get("same_engine") is not None]
         row["followup_same_engine"] = round(statistics.mean(aff), 3) if aff else None
         row["ok_share"] = round(sum(x["ok"] for x in rs) / max(sum(x["requests"] for x in rs), 1), 4)
-        shares = [x["min_fair_share"] for x in rs if x.get("min_fair_share") is not None]
-        row["min_fair_share"] = min(shares) if shares else None
+        for key in ("min_fair_share", "min_token_share"):
+            shares = [x[key] for x in rs if x.get(key) is not None]
+            row[key] = min(shares) if shares else None
         rows.append(row)
     return rows
 
@@ -680,6 +694,10 @@ def write_markdown(path: Path, report: dict) -> None:
              "request-to-engine assignment sent straight to fresh engines. Least fair share: the "
              "fewest requests any engine got, over the mean of its equals (same role and speed); "
              "1 is an even split, below 0.5 an engine starved.", ""]
+    if cfg.get("reused_peers"):
+        src = cfg["reused_peers"]
+        lines += [f"The peers' runs are reused from an earlier report ({src['generated']}, commit "
+                  f"{(src.get('commit') or '?')[:10]}; not interleaved with ours): `{src['command']}`", ""]
     for mode in cfg["modes"]:
         rows = [r for r in report["summary"] if r["mode"] == mode]
         if not rows:
@@ -828,6 +846,9 @@ def parse_args(argv=None):
     p.add_argument("--peer-policies", default="cache_aware,round_robin",
                    help="policies of every peer; PEER:POLICY for one peer only (smg:cache_aware)")
     p.add_argument("--no-peers", action="store_true", help="only our policies")
+    p.add_argument("--reuse-peers", type=Path, default=None, metavar="JSON",
+                   help="run only our policies and take the peers' runs (same modes and rates) from this "
+                        "earlier report of the same case; the report says so and where they came from")
     p.add_argument("--no-replay", dest="replay", action="store_false", help="skip the assignment replay")
     p.add_argument("--no-peer-replay", dest="peer_replay", action="store_false",
                    help="replay only our policies' assignments (the peers' decisions are measured through them)")
@@ -893,6 +914,8 @@ def main(argv=None) -> int:
         except TraceMissing as exc:
             parser.error(str(exc))
     args.out = args.out.resolve()
+    if args.reuse_peers:
+        args.reuse_peers = args.reuse_peers.resolve()
     if args.keep_logs:
         args.keep_logs = args.keep_logs.resolve()
     with code_from(args.git_ref) as code:
@@ -933,6 +956,24 @@ def code_from(git_ref: str | None):
             shutil.rmtree(snapshot, ignore_errors=True)
 
 
+def reused_peer_runs(path: Path, modes: list[str], rates: list[float]) -> dict[str, Any]:
+    """The peers' runs of an earlier report, for a rerun of our policies alone.
+
+    Peers do not change between our commits, so when only our side changed a case can be
+    rerun in a fraction of the time; the report names the run they came from (its date,
+    commit and command), since they were not interleaved with ours."""
+    old = json.loads(path.read_text())
+    runs = [r for r in old["runs"] if not r["target"].startswith("ours:") and r["mode"] in modes
+            and r["rate"] in rates]
+    missing = sorted({(m, r) for m in modes for r in rates} - {(x["mode"], x["rate"]) for x in runs})
+    if missing:
+        raise SystemExit(f"--reuse-peers {path}: no peer runs for (mode, rate) {missing}")
+    return {"runs": runs, "targets": list(dict.fromkeys(r["target"] for r in runs)),
+            "peer_versions": old["config"].get("peer_versions", {}),
+            "source": {"generated": old["generated"], "commit": old["code"].get("commit"),
+                       "command": old["command"]}}
+
+
 def _main(parser, args, trace: Path, code: dict) -> int:
     if args.workload:
         try:
@@ -964,7 +1005,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
 
     targets = [Target("ours", p) for p in args.policies.split(",") if p.strip()]
     skipped_peer: dict[str, str] = {}
-    if not args.no_peers:
+    reused = reused_peer_runs(args.reuse_peers, modes, rates) if args.reuse_peers else None
+    if not args.no_peers and reused is None:
         peer_names = [x for x in args.peers.split(",") if x.strip()]
         for peer in peer_names:
             if peer not in peerlib.PEER_PACKAGES:
@@ -1028,6 +1070,9 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                         + (f" stages {res['stages']}" if res.get("stages") else "")
                         + f" ({time.time() - t_run:.0f}s)")
 
+    if reused is not None:
+        runs += reused["runs"]
+        targets += [Target(*name.split(":", 1)) for name in reused["targets"]]
     cdf_rate = args.cdf_rate if args.cdf_rate is not None else (1.0 if 1.0 in rates else rates[len(rates) // 2])
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -1042,7 +1087,9 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                    "slo_tpot_ms": args.slo_tpot_ms, "max_output": args.max_output,
                    "agg_engines": args.agg_engines, "prefill_engines": args.prefill_engines,
                    "decode_engines": args.decode_engines, "cost": cost.describe(),
-                   "peer_versions": dict(peerlib.PEER_PACKAGES) if not args.no_peers else {}},
+                   "peer_versions": (reused["peer_versions"] if reused is not None else
+                                     dict(peerlib.PEER_PACKAGES) if not args.no_peers else {}),
+                   "reused_peers": None if reused is None else reused["source"]},
         "summary": aggregate(runs),
         "runs": runs,
     }

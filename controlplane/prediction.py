@@ -8,7 +8,8 @@ Two straight lines per engine, refitted with every observation:
   and not yet computed, less what the engine has computed since it last finished a prompt
   (``EngineModel.pending_s``), when fitting as when predicting;
 * time per output token = c + d * (requests in the decode batch): the step time of
-  continuous batching, growing with the batch;
+  continuous batching, growing with the batch; beyond the batches it has seen, at no more
+  than the prior's slope (``OnlineLine.bounded_slope``);
 * a decode engine's KV pull (sequential PD) = e + f * (prompt tokens it does not hold in
   its own prefix cache): from P's answer to D's first token, so ``f`` is the transfer's
   seconds per token and ``e`` D's first step. Its prior is ``kv_pull_s_per_token``, 5 us
@@ -21,16 +22,24 @@ context mix). They start from priors given by config, kept as two pseudo-observa
 that fade like any other sample, so the first predictions are sane and a few real ones
 take over. Each model also tracks its own relative error, exported on /metrics.
 
-An engine nobody has observed yet predicts what the observed engines do on average, not
-the static priors: otherwise, once the others have learned that they are faster than the
-priors say, the unobserved engine always looks slower, is never chosen, and so never gets
-the observation that would correct it (seen in bench/slo_replay.py: one engine of four
-received no request at all).
+An engine nobody has observed yet predicts what the observed engines do, not the static
+priors: otherwise, once the others have learned that they are faster than the priors say,
+the unobserved engine always looks slower, is never chosen, and so never gets the
+observation that would correct it (seen in bench/slo_replay.py: one engine of four
+received no request at all). What they do is the median of their current fits (each
+line's intercept and slope), one vote per engine: a typical engine of the fleet, which
+neither the busiest engine's many samples nor one slow engine (a 0.5x engine among 1x ones)
+decides. The static priors (``PredictionDefaults``) serve only until the first engine's
+first sample: 10k uncached tokens a second is a guess for an ~8B model on one GPU, twice
+what bench/slo_replay.py's simulated engines do in the tokens and seconds the control plane
+sees, and no fixed figure is right for every model and GPU; the fleet's own samples replace
+it within the first requests.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -56,6 +65,16 @@ class OnlineLine:
     that cannot tell intercept from slope (every prompt the same length) therefore teach
     the slope while the intercept stays near its prior: prefill time is mostly
     proportional to tokens, not a constant.
+
+    With ``bounded_slope``, beyond the largest x among recent samples (``x_hi``, fading like
+    them) the line goes on at no more than the prior's slope: a slope fitted where the data
+    are is a correlation there, not a rule for loads never seen. The decode step's line
+    needs it: on an aggregated engine the TPOT is mostly the prefill chunks sharing its
+    steps, which grow with the load as the batch does, so its first samples (batch 1-10,
+    TPOT 8-30 ms) fitted 1.5-2.5 ms a request, and an engine with 100 requests was predicted
+    a TPOT of 0.25 s (it had 0.03 s), took no new request for the rest of the run, and the
+    other engines' queues grew to 4 s (bench/workload_suite.py ``hetero`` at 3x;
+    docs/benchmarks/workloads_notes.md).
     """
 
     prior_a: float
@@ -64,6 +83,8 @@ class OnlineLine:
     half_life: float = 64.0     # observations after which a sample counts half
     prior_weight_a: float = 1.0
     prior_weight_b: float = 0.5
+    bounded_slope: bool = False
+    x_hi: float = 0.0           # the largest x among recent samples (``bounded_slope``)
     sw: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -80,6 +101,8 @@ class OnlineLine:
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             return
         keep = 0.5 ** (1.0 / self.half_life)
+        hi = self.x_hi * keep
+        self.x_hi = x if x > hi else hi
         self.sw = self.sw * keep + 1.0
         self.sx = self.sx * keep + x
         self.sy = self.sy * keep + y
@@ -104,6 +127,9 @@ class OnlineLine:
         self.a, self.b = a, b
 
     def __call__(self, x: float) -> float:
+        if self.bounded_slope and x > self.x_hi:
+            b, hi = self.b, self.x_hi
+            return self.a + b * hi + (b if b < self.prior_b else self.prior_b) * (x - hi)
         return self.a + self.b * x
 
     def adopt(self, a: float, b: float) -> None:
@@ -176,7 +202,7 @@ class EngineModel:
     @classmethod
     def new(cls, d: PredictionDefaults) -> EngineModel:
         return cls(ttft=OnlineLine(d.ttft_base_s, d.prefill_s_per_token, 8192.0, d.half_life),
-                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life),
+                   tpot=OnlineLine(d.tpot_base_s, d.tpot_s_per_request, 32.0, d.half_life, bounded_slope=True),
                    pull=OnlineLine(d.tpot_base_s, d.kv_pull_s_per_token, 8192.0, d.half_life))
 
     def observe_ttft(self, work_tokens: float, ttft_s: float) -> OnlineLine:
@@ -198,19 +224,16 @@ class EngineModel:
 class Predictor:
     """One model per worker id, made on first use."""
 
-    # How fast the fleet average follows the observed engines' fits (per observation).
-    POOL_RATE = 0.1
-
     def __init__(self, defaults: PredictionDefaults | None = None) -> None:
         self.defaults = defaults or PredictionDefaults()
         self._models: dict[str, EngineModel] = {}
-        # The observed engines' fits, averaged over observations: (a, b) per line, None before any.
+        # The observed engines' median fit (a, b) per line, None before any (module docstring).
         self._pool_ttft: tuple[float, float] | None = None
         self._pool_tpot: tuple[float, float] | None = None
         self._pool_pull: tuple[float, float] | None = None
 
     def model(self, worker_id: str) -> EngineModel:
-        """The engine's model; one not observed yet follows the fleet's average (module docstring)."""
+        """The engine's model; one not observed yet follows the fleet's median (module docstring)."""
         m = self._models.get(worker_id)
         if m is None:
             m = self._models[worker_id] = EngineModel.new(self.defaults)
@@ -223,22 +246,22 @@ class Predictor:
         return m
 
     def observe_ttft(self, worker_id: str, work_tokens: float, ttft_s: float) -> None:
-        line = self.model(worker_id).observe_ttft(work_tokens, ttft_s)
-        self._pool_ttft = _pooled(self._pool_ttft, line)
+        self.model(worker_id).observe_ttft(work_tokens, ttft_s)
+        self._pool_ttft = self._median("ttft")
 
     def observe_tpot(self, worker_id: str, batch: float, tpot_s: float) -> None:
-        line = self.model(worker_id).observe_tpot(batch, tpot_s)
-        self._pool_tpot = _pooled(self._pool_tpot, line)
+        self.model(worker_id).observe_tpot(batch, tpot_s)
+        self._pool_tpot = self._median("tpot")
 
     def fleet_tpot(self, batch: float) -> float:
-        """The observed engines' average TPOT at ``batch`` (the priors' before any observation):
+        """The observed engines' median TPOT line at ``batch`` (the priors' before any observation):
         what a decode engine not chosen yet is expected to do."""
         a, b = self._pool_tpot or (self.defaults.tpot_base_s, self.defaults.tpot_s_per_request)
         return a + b * batch
 
     def observe_pull(self, worker_id: str, pulled_tokens: float, seconds: float) -> None:
-        line = self.model(worker_id).observe_pull(pulled_tokens, seconds)
-        self._pool_pull = _pooled(self._pool_pull, line)
+        self.model(worker_id).observe_pull(pulled_tokens, seconds)
+        self._pool_pull = self._median("pull")
 
     def progressed(self, worker_id: str, now: float) -> None:
         """The engine finished a prompt, or started one with nothing ahead: the prompts left
@@ -263,18 +286,17 @@ class Predictor:
             return prefill_tokens
         return round(m.pending_s(prefill_tokens, now) / m.ttft.b)
 
+    def _median(self, kind: str) -> tuple[float, float] | None:
+        """The median intercept and slope of one line (``ttft``, ``tpot`` or ``pull``) over the
+        engines that have observed it: what an engine not observed yet starts from. Once per
+        observation, over the engines' models (tens)."""
+        lines = [line for m in self._models.values() if (line := getattr(m, kind)).n]
+        if not lines:
+            return None
+        return statistics.median(x.a for x in lines), statistics.median(x.b for x in lines)
+
     def forget(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)
 
     def items(self) -> list[tuple[str, EngineModel]]:
         return list(self._models.items())
-
-
-def _pooled(pool: tuple[float, float] | None, line: OnlineLine) -> tuple[float, float] | None:
-    """The running average of observed fits, moved toward ``line`` (if it learned anything)."""
-    if line.n == 0:
-        return pool
-    if pool is None:
-        return line.a, line.b
-    r = Predictor.POOL_RATE
-    return pool[0] + r * (line.a - pool[0]), pool[1] + r * (line.b - pool[1])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from bench.session_cost import _Session, measure
+from controlplane.state.redis import RedisStore
+from tests.conftest import wait_until
 
 
 async def test_session_cost_places_and_ends_every_request():
@@ -20,5 +22,24 @@ async def test_its_session_leaves_no_load_behind():
         assert sum(v.requests for v in (await session.store.loads(["a", "b"])).values()) == 4
         await session.run(4)
         assert sum(v.requests for v in (await session.store.loads(["a", "b"])).values()) == 4
+    finally:
+        await session.close()
+
+
+async def test_on_the_default_redis_store_too(redis_server):
+    """``--store redis``: the same session on the store a scaled-out replica runs; every request
+    it ended leaves Redis's loads (what is left is the last batch's, reported with the next).
+    Its ends are answered by Redis after the session's answers: waited for."""
+    session = _Session(batch=4, policy="least_load", workers=4, redis_url=redis_server.url)
+    await session.start()
+    try:
+        await session.run(16)
+        redis = RedisStore(redis_server.url, key_prefix=session.store.shared.prefix)   # (Redis itself, no copy)
+        try:
+            async def last_batch_held() -> bool:
+                return sum(v.requests for v in (await redis.loads(session.worker_ids)).values()) == 4
+            await wait_until(last_batch_held, timeout=10, what="the ended requests to leave Redis's loads")
+        finally:
+            await redis.close()
     finally:
         await session.close()

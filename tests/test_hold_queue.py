@@ -8,6 +8,9 @@ by a placement function that applies the real hold rule to one busy engine.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from controlplane import queueing
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import PlacementContext
@@ -34,9 +37,10 @@ def _view(wid: str, prefill_tokens: int) -> WorkerView:
 
 
 def _ctx(predictor: Predictor, rid: str, tokens: int, now: float, match: dict[str, int] | None = None,
-         floor: int = 0) -> PlacementContext:
+         floor: int = 0, ttft_slo_s: float = 0.0) -> PlacementContext:
     return PlacementContext(request_id=rid, model="m", leg="entry", prompt_tokens=tokens, predictor=predictor,
-                            now=now, match_blocks=dict(match or {}), floor_blocks=floor, block_size=16)
+                            now=now, match_blocks=dict(match or {}), floor_blocks=floor, block_size=16,
+                            ttft_slo_s=ttft_slo_s)
 
 
 def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
@@ -56,6 +60,25 @@ def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
         _ctx(predictor, "turn2", 9600, 100.0, {"a": 500, "b": 0}), busy)
 
 
+def test_the_work_ahead_is_the_predictions_and_runs_down_while_the_engine_computes():
+    """What holds a request is the prediction's work ahead (``EngineModel.pending_s``): the
+    ledger's tokens stand still until a prompt's first token, the work ahead does not."""
+    predictor = _predictor("a")
+    busy = _view("a", 3000)                        # 0.3 s of prefill placed and not yet computed
+    q = HoldQueue(hold_s=0.15, bind_affine=False)
+    predictor.progressed("a", 100.0)               # computing it since t=100
+    assert q.should_hold(_ctx(predictor, "early", 2000, 100.1), busy)       # ~0.2 s left: held
+    assert not q.should_hold(_ctx(predictor, "later", 2000, 100.2), busy)   # ~0.1 s left: bound
+    # An engine whose progress is not known yet counts its tokens whole, at any time.
+    other = _predictor("b")
+    assert q.should_hold(_ctx(other, "whole", 2000, 1e6), _view("b", 3000))
+    # The same tokens on an engine learned twice as fast hold nothing.
+    fast = Predictor()
+    for i in range(100):
+        fast.model("c").observe_ttft(500 + 100 * i, 0.01 + S_PER_TOKEN / 2 * (500 + 100 * i))
+    assert not q.should_hold(_ctx(fast, "fast", 2000, 100.0), _view("c", 2500))
+
+
 def test_a_request_whose_own_prefill_is_long_is_bound_at_once():
     """Where a long new prompt lands decides for seconds how long the requests tied to that
     engine's cache wait; late binding could save it only the gap between engines' free times."""
@@ -65,6 +88,9 @@ def test_a_request_whose_own_prefill_is_long_is_bound_at_once():
     assert not q.should_hold(_ctx(predictor, "document", 12000, 100.0), busy)       # 1.2 s of its own
     assert q.should_hold(_ctx(predictor, "question", 8000, 100.0), busy)            # 0.8 s: held
     assert HoldQueue(hold_s=0.15, bind_long_s=0.0).should_hold(_ctx(predictor, "document", 12000, 100.0), busy)
+    # bind_long_s is given for a 2 s TTFT target: with a 1 s target, 0.8 s of its own is long.
+    assert not q.should_hold(_ctx(predictor, "question", 8000, 100.0, ttft_slo_s=1.0), busy)
+    assert q.should_hold(_ctx(predictor, "question", 8000, 100.0, ttft_slo_s=4.0), busy)
 
 
 def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():
@@ -133,5 +159,35 @@ async def test_a_request_never_tried_is_tried_although_the_first_in_order_are_he
         stage.hold_s = 1e9                         # whatever is tried now is placed
         await queue.dispatch()
         assert "long" in placer.placed
+    finally:
+        await queue.stop()
+
+
+async def test_a_requests_waits_are_parts_of_its_own_ttft_target(monkeypatch):
+    """``starvation_s`` and ``max_wait_s`` are given for a 2 s TTFT target: a request that
+    names a 0.5 s target starves, and is placed anyway, four times sooner; one with no target
+    waits them whole. (The runner's clock, its module's ``time``, is faked.)"""
+    clock = [100.0]
+    monkeypatch.setattr(queueing, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    stage = HoldQueue(hold_s=0.15, starvation_s=1.0, max_wait_s=3.0, bind_affine=False)
+    assert stage.scale(0.5) == 0.25 and stage.scale(0.0) == 1.0
+    placer = _OneBusyEngine(stage, cached={})
+    queue = PlacementQueue(stage, placer)
+    try:
+        plain, hurried = queue.enqueue(_entry("plain", 100), "s"), queue.enqueue(
+            pb.PlaceRequest(request_id="hurried", model="m", leg=pb.LEG_ENTRY, prompt_tokens=9000, max_tokens=1,
+                            ttft_slo_ms=500), "s")
+        assert await queue.dispatch() == 0
+        clock[0] = 100.3             # past the hurried one's starvation (0.25 s), not the other's
+        assert [w.req.request_id for w in stage.order(list(queue._waiting.values()), clock[0])] == \
+            ["hurried", "plain"]
+        assert await queue.dispatch() == 0
+        clock[0] = 100.8             # past the hurried one's longest wait (0.75 s): placed anyway
+        assert await queue.dispatch() == 1
+        assert placer.placed == ["hurried"] and hurried.done() and not plain.done()  # type: ignore[union-attr]
+        clock[0] = 102.9
+        assert await queue.dispatch() == 0
+        clock[0] = 103.0
+        assert await queue.dispatch() == 1 and plain.done()  # type: ignore[union-attr]
     finally:
         await queue.stop()

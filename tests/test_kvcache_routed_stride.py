@@ -33,7 +33,7 @@ def reference_depth(idx: RoutedIndex, chain: list[int], worker: str) -> int:
     if slot is None:
         return 0
     bit = 1 << (slot + idx._shift)
-    held = lambda d: bool(idx._holders.get(chain[d - 1], 0) & bit)   # noqa: E731
+    held = lambda d: bool(idx._held(chain[d - 1]) & bit)   # noqa: E731
     k, n = idx.stride, len(chain)
     base = 0
     while base + k <= n and held(base + k):

@@ -283,8 +283,8 @@ async def test_a_named_slo_does_not_move_a_follow_up_off_its_conversation():
 
 
 class W:
-    def __init__(self, work_tokens, enqueued_at):
-        self.work_tokens, self.enqueued_at = work_tokens, enqueued_at
+    def __init__(self, work_tokens, enqueued_at, scale=1.0):
+        self.work_tokens, self.enqueued_at, self.scale = work_tokens, enqueued_at, scale
 
 
 def test_queue_order_prefers_short_prompts_then_long_waiters_and_starvation_overrides():
@@ -427,9 +427,10 @@ def test_queue_running_cap_counts_a_prefill_engines_prompts_in_progress_not_kv_i
 
 
 def test_a_held_engine_is_released_when_its_admitted_prefills_are_predicted_done():
-    """The ledger counts a prompt's prefill until its first token is reported; the queue also
-    counts the time since it admitted it, so the next request reaches the engine as its
-    prefill ends, not after (held, the engine ran its queue dry between prompts)."""
+    """The ledger counts a prompt's prefill until its first token is reported; the work ahead
+    the queue holds by (EngineModel.pending_s) also counts the time since the engine started
+    it, so the next request reaches the engine as its prefill ends, not after (held, the
+    engine ran its queue dry between prompts)."""
     from controlplane.prediction import Predictor
     from controlplane.scheduling import PlacementContext
     from controlplane.workers import Load, WorkerView
@@ -449,12 +450,13 @@ def test_a_held_engine_is_released_when_its_admitted_prefills_are_predicted_done
     assert 101.8 < done < 102.2
     idle = WorkerView(spec, Load())
     assert not q.should_hold(ctx(100.0), idle)            # admitted: ~2 s of prefill from t=100
+    predictor.progressed("a", 100.0)                      # (the commit's word: nothing was ahead)
     busy = WorkerView(spec, Load(requests=1, tokens=2000, prefill_tokens=2000, prefills=1))
     assert q.should_hold(ctx(100.5), busy)                # ~1.5 s of it left
     assert q.should_hold(ctx(done - 0.2), busy)           # 0.2 s left: still more than hold_s
     # 0.1 s left, no first token reported yet (the ledger still counts 2 s): released now.
     assert not q.should_hold(ctx(done - 0.1), busy)
-    # Work this queue did not admit (another replica's) counts from when it is first seen.
+    # Work whose start the predictor has not seen counts whole.
     other = WorkerView(dataclasses.replace(spec, id="b"), busy.load)
     predictor.model("b").ttft = model.ttft
     assert q.should_hold(ctx(200.0), other)

@@ -116,6 +116,31 @@ async def test_commit_reserves_then_counts_and_the_computing_worker_holds_the_pr
     assert fleet.placements == {"p": 1, "d": 1}
 
 
+@pytest.mark.parametrize("leg, flow, roles", [
+    ("entry", pb.FLOW_PARALLEL, [(Role.PREFILL, "prefill"), (Role.DECODE, "decode")]),
+    ("decode", pb.FLOW_SEQUENTIAL, [(Role.DECODE, "decode")]),   # every note a new record can hold
+])
+async def test_a_new_request_is_recorded_once_with_its_charges_and_notes(leg, flow, roles):
+    """The commit step builds a new request's record itself, positionally and holding its
+    charges (the store keeps it as it is): every field in its place, as the keyword build
+    of the same values, and its charges in the loads once."""
+    views = [(view(f"w{i}", role, Load(requests=2, prefill_tokens=7)), charge_leg)
+             for i, (role, charge_leg) in enumerate(roles)]
+    store = MemoryStore()
+    commit = PlacementCommit(store, fleet_of(*(v for v, _ in views)), PlacementStats.new(), store_notes_loads=True)
+    c = ctx(leg, match_blocks={"w0": 1}, predicted={"w0": (0.5, 0.02)})
+    await commit.write(c, views, flow=flow, ranks={}, record=None, session="s1", kv=None)
+    got = await store.get("r1")
+    assert got is not None
+    charges, notes = ledger_charges(c, views, flow=flow, ranks={}, record=None, now=got.created_at)
+    assert got == RequestRecord(request_id="r1", model="m", prompt_tokens=100, max_tokens=20, session="s1",
+                                flow=flow, charges=tuple(charges), created_at=got.created_at,
+                                placed_at=got.created_at, **notes)
+    assert all(getattr(got, k) for k in notes), notes          # (no note left at its default)
+    loads = await store.loads([v.id for v, _ in views])
+    assert [loads[v.id].requests for v, _ in views] == [1] * len(views)
+
+
 async def test_the_fleet_order_is_told_only_when_the_store_does_not_tell_it():
     a = view("a", load=Load(requests=1, tokens=10))
     for store_notes_loads, expected in ((False, [("a", Load(requests=2, tokens=130))]), (True, [])):

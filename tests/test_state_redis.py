@@ -34,14 +34,25 @@ def _prefix() -> str:
     return f"t{next(_prefixes)}-{random.getrandbits(32):08x}:"
 
 
-@pytest.fixture(params=["memory", "redis", "redis-py", "redis-mirror", "redis-local"])
+@pytest.fixture(params=["memory", "redis-default", "redis", "redis-py", "redis-mirror", "redis-local"])
 async def store(request, redis_server):
-    """The reference; the Redis store (hot calls on its own wire client); the Redis store
-    with every call through redis-py (as with rediss:// URLs); with a load mirror
-    (a long max age: loads must then follow this store's own calls exactly, from replies);
-    and the local ledger (``ledger = "local"``, tests/test_state_local_ledger.py)."""
+    """The reference; the store ``[state] backend = "redis"`` makes with every other setting
+    at its default (as deployed: write-behind reserves, a load mirror, behind the local
+    fallback ledger); the Redis store (hot calls on its own wire client, each call answered
+    by Redis); the Redis store with every call through redis-py (as with rediss:// URLs);
+    with a load mirror (a long max age: loads must then follow this store's own calls
+    exactly, from replies); and the local ledger (``ledger = "local"``,
+    tests/test_state_local_ledger.py)."""
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param == "redis-default":
+        s = make_store(ControlPlaneConfig.from_dict(
+            {"state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": _prefix()}}))
+        try:
+            yield s
+        finally:
+            await s.close()
         return
     if request.param == "redis-local":
         from controlplane.state.local import LocalLedgerStore
@@ -85,14 +96,38 @@ async def test_reserve_charges_every_worker_and_keeps_the_record(store):
     assert await store.loads([]) == {}
 
 
+def _writes_behind(store) -> bool:
+    """A store whose reserve answers before Redis does (``write_behind``, the default)."""
+    return bool(getattr(getattr(store, "shared", store), "write_behind", False))
+
+
 async def test_a_later_leg_adds_charges_and_replaces_notes(store):
     await store.reserve(_rec("r1", work_ahead_tokens=5), (Charge("p", "prefill", 100, 60),))
-    rec = await store.reserve(_rec("r1", work_ahead_tokens=999), (Charge("d", "decode", 120),),
-                              decode_batch=3, predicted_ttft_s=0.125)
+    answer = await store.reserve(_rec("r1", work_ahead_tokens=999), (Charge("d", "decode", 120),),
+                                 decode_batch=3, predicted_ttft_s=0.125)
+    rec = await store.get("r1")
+    if _writes_behind(store):
+        # It answers before Redis: the record it was given, charged and noted (Ledger.reserve).
+        # What the ledger holds is the merge, as in every store.
+        assert (answer.work_ahead_tokens, answer.decode_batch, [c.leg for c in answer.charges]) == \
+            (999, 3, ["decode"])
+    else:
+        assert _norm(answer) == _norm(rec)
     assert [c.leg for c in rec.charges] == ["prefill", "decode"]
     assert (rec.work_ahead_tokens, rec.decode_batch, rec.predicted_ttft_s) == (5, 3, 0.125)
     assert rec.created_at == pytest.approx(1000.25, abs=1e-6)
     assert (await store.loads(["d"]))["d"] == Load(1, 120, 0, 0)
+
+
+async def test_a_record_built_holding_its_charges_is_charged_once(store):
+    """``charged``: the commit step builds a new request's record with its charges (one
+    constructor call per placement); the store charges them once and keeps them once."""
+    charges = (Charge("p", "prefill", 100, 60), Charge("d", "decode", 120))
+    rec = await store.reserve(dataclasses.replace(_rec("r1"), charges=charges), charges, charged=True)
+    assert rec.charges == charges and (await store.get("r1")).charges == charges
+    assert await store.loads(["p", "d"]) == {"p": Load(1, 100, 60, 1), "d": Load(1, 120, 0, 0)}
+    assert (await store.end("r1")).charges == charges
+    assert await store.loads(["p", "d"]) == {"p": IDLE, "d": IDLE}
 
 
 async def test_release_by_leg_or_worker_keeps_the_record(store):
@@ -190,10 +225,18 @@ async def test_specs_round_trip(store):
     assert [s.id for s in await store.specs()] == ["b"]
 
 
-async def test_same_results_as_memory_for_random_operations(redis_server):
-    """A seeded random mix of every ledger call: RedisStore answers exactly as MemoryStore."""
+@pytest.mark.parametrize("setting", ["answered", "default"])
+async def test_same_results_as_memory_for_random_operations(redis_server, setting):
+    """A seeded random mix of every ledger call: RedisStore answers exactly as MemoryStore,
+    each call answered by Redis, and as ``make_store`` builds it by default (write-behind
+    reserves, whose answers are the caller's record: the stored one is compared instead)."""
     rng = random.Random(7)
-    mem, red = MemoryStore(), RedisStore(redis_server.url, key_prefix=_prefix())
+    mem = MemoryStore()
+    red = RedisStore(redis_server.url, key_prefix=_prefix()) if setting == "answered" else make_store(
+        ControlPlaneConfig.from_dict({"state": {"backend": "redis", "redis_url": redis_server.url,
+                                                "key_prefix": _prefix()}}))
+    behind = _writes_behind(red)
+    assert behind == (setting == "default")
     workers, sessions = [f"w{i}" for i in range(4)], ["s1", "s2", "s3"]
     try:
         for step in range(400):
@@ -207,6 +250,8 @@ async def test_same_results_as_memory_for_random_operations(redis_server):
                 notes = {"decode_batch": rng.randrange(9)} if rng.random() < 0.5 else {}
                 call = ("reserve", _rec(rid, session=rng.choice(sessions), created_at=float(step)), charges)
                 results = [await s.reserve(call[1], charges, **notes) for s in (mem, red)]
+                if behind:
+                    results = [await s.get(rid) for s in (mem, red)]
             elif op == "release":
                 kw = rng.choice([{"leg": "prefill"}, {"worker_id": rng.choice(workers)}, {}])
                 results = [await s.release(rid, **kw) for s in (mem, red)]
@@ -474,6 +519,89 @@ async def test_write_behind_goes_on_after_redis_flushes_its_scripts(redis_server
         assert (await s.end("r3")).request_id == "r3"    # (the end's script: loaded again too)
     finally:
         await s.close()
+
+
+async def test_a_write_behind_end_answers_from_this_replicas_copy(redis_server):
+    """``write_behind``: the end of a request this replica reserved answers at once (Redis
+    stopped meanwhile) with the record as this replica's own calls left it, and the load copy
+    drops its charges at once; Redis applies the end when it runs again."""
+    prefix = _prefix()
+    s = RedisStore(redis_server.url, key_prefix=prefix, write_behind=True, loads_max_age_s=3600.0)
+    other = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await s.reserve(_rec("r1"), (Charge("w", "aggregated", 10, 4),))
+        assert (await s.settle_prefill("r1")).charges[0].prefill_tokens == 0    # (awaited: Redis's record)
+        await s.reserve(_rec("r2"), (Charge("w", "aggregated", 5, 5),))
+        assert (await s.loads(["w"]))["w"] == Load(2, 15, 5, 1)
+        redis_server.pause()
+        try:
+            ended = await asyncio.wait_for(s.end("r1"), 0.5)
+            assert ended.request_id == "r1" and ended.charges == (Charge("w", "aggregated", 10, 0),)
+            assert (await asyncio.wait_for(s.loads(["w"]), 0.5))["w"] == Load(1, 5, 5, 1)
+        finally:
+            redis_server.resume()
+
+        async def applied() -> bool:
+            return (await other.loads(["w"]))["w"] == Load(1, 5, 5, 1)
+        await wait_until(applied, timeout=5, what="Redis to apply the end")
+        await wait_until(lambda: not s._behind, timeout=5, what="the end's reply")
+        assert s.write_behind_failures == 0 and s._unconfirmed == {}
+        assert (await s.loads(["w"]))["w"] == Load(1, 5, 5, 1)
+        assert await s.end("r1") is None                      # (not its copy any more: Redis answers)
+    finally:
+        await s.close()
+        await other.close()
+
+
+async def test_write_behind_calls_that_cancel_out_are_each_confirmed(redis_server):
+    """A reserve and the end of the same request both on their way, behind another call: the
+    copy's count of this replica's unanswered calls stays right through every reply (their
+    amounts cancel out before the last reply comes)."""
+    s = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        await s.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
+        await s.end("warm")
+        await wait_until(lambda: not s._behind, timeout=5, what="the warm-up's replies")
+        await s.reserve(_rec("x"), (Charge("w", "aggregated", 3),))
+        await s.reserve(_rec("a"), (Charge("w", "aggregated", 10, 4),))
+        await s.end("a")                      # (one loop turn: all three on their way together)
+        assert len(s._behind) == 3 and (await s.loads(["w"]))["w"] == Load(1, 3, 0, 0)
+        await wait_until(lambda: not s._behind, timeout=5, what="the replies")
+        assert errors == [] and s._unconfirmed == {} and s.write_behind_failures == 0
+        assert (await s.loads(["w"]))["w"] == Load(1, 3, 0, 0)
+    finally:
+        loop.set_exception_handler(handler)
+        await s.close()
+
+
+async def test_a_write_behind_end_redis_did_not_take_is_replayed(redis_server):
+    """The default store: a write-behind end that Redis refuses (its script cache flushed:
+    NOSCRIPT) is handed to the ResilientStore, which replays it; the load leaves Redis, and
+    no outage is declared for an error reply."""
+    prefix = _prefix()
+    store = make_store(ControlPlaneConfig.from_dict(
+        {"state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix}}))
+    other = RedisStore(redis_server.url, key_prefix=prefix)
+    try:
+        await store.reserve(_rec("r0"), (Charge("w", "aggregated", 1),))
+        await store.end("r0")                                 # (the end's script loaded, behind)
+        await store.reserve(_rec("r1"), (Charge("w", "aggregated", 10),))
+
+        async def in_redis(load: Load) -> bool:
+            return (await other.loads(["w"]))["w"] == load
+        await wait_until(lambda: in_redis(Load(1, 10, 0, 0)), timeout=5, what="the reserve in Redis")
+        await store.shared.redis.script_flush()
+        assert (await store.end("r1")).request_id == "r1"
+        await wait_until(lambda: store.shared.write_behind_failures == 1, timeout=5, what="the end to fail")
+        await wait_until(lambda: in_redis(IDLE), timeout=10, what="the end replayed")
+        assert store.replayed == 1 and store.pending == 0 and store.outages == 0 and store.available
+    finally:
+        await store.close()
+        await other.close()
 
 
 async def test_reserve_survives_a_dropped_connection_without_charging_twice(redis_server):
@@ -890,12 +1018,27 @@ async def test_spec_sync_polls_a_store_without_pubsub():
 
 
 def test_a_records_fast_encoding_matches_the_generic_one():
-    """``RedisStore._encode_record`` (every reserve) writes each field as ``_encode_fields`` does."""
-    from controlplane.state.redis import _RECORD_FIELDS
+    """``RedisStore._encode_record`` (every reserve) writes each field as ``_encode_fields`` does,
+    leaving out those at their zero value; ``_record`` reads every field back in its place
+    (a record whose every field differs), and a missing field as its zero value."""
+    from controlplane.state.base import with_charges
+    from controlplane.state.redis import _RECORD_FIELDS, _charges_json
+    from tests.test_ledger_records import _distinct_record
 
     s = RedisStore("redis://127.0.0.1:1/0", fast_path=False)
     for rec in (_rec("r1", flow=2, placed_at=1000.5, predicted_ttft_s=0.25, work_ahead_tokens=7, decode_batch=3,
                      decode_placed_at=1001.0, pull_tokens=9),
                 _rec("r2", session="", created_at=0.0)):
-        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f != "charges"}
+        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f != "charges" and getattr(rec, f)}
         assert s._encode_record(rec) == s._encode_fields(fields)
+    distinct = _distinct_record()
+    zero = with_charges(RequestRecord("", "", 0, 0), ())
+
+    def rounded(r):   # (times go through the wall clock: equal to within a microsecond)
+        return dataclasses.replace(_norm(r), decode_placed_at=round(r.decode_placed_at, 5))
+
+    for rec in (distinct, zero):
+        flat = s._encode_record(rec) + ["charges", _charges_json(rec.charges).decode()]
+        assert rounded(s._record(flat)) == rounded(rec)
+        assert rounded(s._record(dict(zip(flat[::2], flat[1::2], strict=True)))) == rounded(rec)
+    assert len(s._encode_record(zero)) == 0

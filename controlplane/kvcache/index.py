@@ -16,17 +16,32 @@ Each worker slot is one (worker_id, dp_rank): DP ranks have separate KV caches a
 separately. What each slot holds is kept as an append-only ``array('Q')`` of hashes (8 bytes an
 entry, compacted when stale entries outnumber live ones) so AllBlocksCleared / drop_worker stay
 proportional to that worker's blocks, not to the whole index; whether an entry is live is always
-read from ``holders``. This, a plain dict in LRU order instead of an OrderedDict, and parent
+read from ``holders``. This, plain dicts in LRU order instead of an OrderedDict, and parent
 links only on request (``keep_parents``; lookup never needs them because the chain hash already
 commits to the whole prefix) keep an entry near 100 bytes (bench/placement.py measures it).
 
+Growing without stalls: ``holders`` is not one dict but 2**k shards picked by a hash's low bits
+(256 at the default cap of 2,000,000 blocks, about 8,000 blocks a shard at the cap; one below
+8,192). CPython rebuilds a dict whole when it grows, and when it has churned (a delete leaves a
+slot that only a rebuild reclaims, and an LRU refresh is a delete plus an insert): one dict of a
+million blocks held the event loop, and every placement behind it, ~210 ms per rebuild; a shard's
+rebuild is 1/256 of that (bench/kvindex_growth.py, docs/benchmarks/kv_events_load.md). Picking a
+shard per block costs about as much as the probe itself, so the walk picks them in C (the
+hashes' low bytes through one itemgetter) and keeps the picks of 64-block chain segments it has
+walked (a conversation's next turn, a shared system prompt walk the same segments again), and
+counts runs of blocks with equal holders in C (itertools.groupby) so its Python loop turns once
+per change of holders, not once per block.
+
 Bounding memory: the engines evict on their own and say so with BlockRemoved, so the cap is a
-safety net for lost removals (seq gaps without replay, engines that vanish). Eviction is LRU over
-blocks: the dict's insertion order, refreshed by re-inserting. Within one BlockStored run the
-deepest block is made the *least* recent and the parent the most recent, so eviction takes leaves
-before their ancestors and the index stays prefix-closed as far as possible (an orphaned child
-could never be matched anyway). Large caps evict in batches of 1/256 of the cap, so the scan for
-the oldest entries is paid once per batch. Lookups are read-only by default so they stay cheap;
+safety net for lost removals (seq gaps without replay, engines that vanish). Each shard keeps at
+most 1/2**k of the cap (so the index at most the cap) and evicts LRU over its own blocks: its
+insertion order, refreshed by re-inserting. Hashes spread evenly over the shards, so per shard is
+close to LRU over the index, and an eviction step touches one shard, never the whole index.
+Within one BlockStored run the deepest block is made the *least* recent and the parent the most
+recent, so eviction takes leaves before their ancestors and the index stays prefix-closed as far
+as possible (an orphaned child could never be matched anyway). Large caps evict in batches of
+1/256 of a shard's cap, so the scan for the oldest entries is paid once per batch. Lookups are
+read-only by default so they stay cheap;
 pass ``touch=True`` (or call :meth:`touch`) to refresh a matched prefix, since vLLM does not
 re-announce blocks it reuses from its prefix cache.
 
@@ -37,10 +52,13 @@ in any group/medium counts as held.
 from __future__ import annotations
 
 import random
+import sys
 from array import array
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain as chain_iters
+from itertools import groupby, islice
+from operator import countOf, itemgetter
 from typing import cast
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -49,12 +67,25 @@ WorkerKey = tuple[str, int]   # (worker_id, dp_rank)
 _STAMP_BITS = 32
 _STAMP = (1 << _STAMP_BITS) - 1
 _INTERN_MAX = 1 << 16      # distinct masks remembered for sharing; beyond, the table starts over
+_SHARD_BITS_MAX = 8        # at most 256 shards: a shard is picked by a hash's low byte
+_SHARD_TARGET = 12         # auto: about 4,096-8,192 blocks a shard at max_blocks
+_SEGMENT = 64              # blocks of a chain whose shard selection is cached as one (a power of two)
+_SEGMENTS_MAX = 4096       # segments cached; beyond, the cache starts over (about 3 KB a segment)
+_LOW = 0 if sys.byteorder == "little" else 7    # where a uint64's low byte sits in its bytes
 
 
 @dataclass(frozen=True)
 class PrefixIndexConfig:
     max_blocks: int = 2_000_000   # distinct block hashes kept; beyond that LRU eviction
     keep_parents: bool = True     # parent links for walking a chain back (about 50 bytes a block)
+    shards: int = 0               # dicts the blocks are spread over (a power of two up to 256); 0: by max_blocks
+
+    def shard_bits(self) -> int:
+        """log2 of the shard count: ``shards`` if set, else enough shards that each holds at most
+        about 8,192 blocks at ``max_blocks`` (one below 8,192, at most 256)."""
+        if self.shards:
+            return self.shards.bit_length() - 1
+        return min(_SHARD_BITS_MAX, max(0, (self.max_blocks >> _SHARD_TARGET).bit_length() - 1))
 
 
 @dataclass(frozen=True)
@@ -80,12 +111,16 @@ class SlotBlocks:
     left to look at and ``hashes[_stop:]`` what was appended meanwhile. Why in steps: a busy
     worker's slot holds tens of thousands of entries (a real engine's cache, hundreds of
     thousands), and compacting it in one go held the event loop, and every placement behind it,
-    ~2.3 ms per 16,000 entries on this project's 2-core machine.
+    ~2.3 ms per 16,000 entries on this project's 2-core machine. The hashes kept so far are
+    remembered (to drop repeats) in 256 sets by low byte, freed a few sets per later call: one
+    set of every live hash was resized whole as it grew and freed whole at the end (1.6 ms for
+    64,000 hashes here, 25 ms at a million), the same stall as the index's one dict.
     """
 
-    __slots__ = ("_index", "_r", "_seen", "_stop", "_w", "bit", "hashes", "extra", "live")
+    __slots__ = ("_index", "_r", "_seen", "_stop", "_trash", "_w", "bit", "hashes", "extra", "live")
 
     COMPACT_STEP = 1024     # entries looked at per compact() call (~0.15 ms here)
+    FREE_STEP = 8           # sets of a finished compaction freed per compact() call
 
     def __init__(self, index: PrefixIndex, bit: int) -> None:
         self._index = index
@@ -93,7 +128,8 @@ class SlotBlocks:
         self.hashes = array("Q")
         self.extra: set[int] | None = None     # hashes that do not fit 64 unsigned bits
         self.live = 0
-        self._seen: set[int] | None = None      # while compacting: the hashes kept so far
+        self._seen: list[set[int]] | None = None   # while compacting: the hashes kept so far, by low byte
+        self._trash: list[set[int]] = []            # a finished compaction's sets, still to free
         self._w = self._r = self._stop = 0
 
     def add(self, h: int) -> None:
@@ -123,50 +159,57 @@ class SlotBlocks:
             yield from list(self.extra)
 
     def __contains__(self, h: int) -> bool:
-        return bool(self._index._holders.get(h, 0) & self.bit)
+        return bool(self._index._held(h) & self.bit)
 
     def __len__(self) -> int:
         return self.live
 
     def __iter__(self) -> Iterator[int]:
-        get, bit, seen = self._index._holders.get, self.bit, set()
+        get, bit, seen = self._index._held, self.bit, set()
         for h in self.raw():
-            if get(h, 0) & bit and h not in seen:
+            if get(h) & bit and h not in seen:
                 seen.add(h)
                 yield h
 
     def due(self) -> bool:
-        """Whether ``compact()`` has work: a compaction under way, or stale entries outnumber
-        live ones (amortised over the appends)."""
-        return self._seen is not None or len(self.hashes) > 2 * self.live + 64
+        """Whether ``compact()`` has work: a compaction under way or its sets to free, or stale
+        entries outnumber live ones (amortised over the appends)."""
+        return self._seen is not None or bool(self._trash) or len(self.hashes) > 2 * self.live + 64
 
     def compact(self) -> None:
         """One step of dropping stale (and repeated) entries, if due; order is kept."""
+        if self._trash:
+            del self._trash[-self.FREE_STEP:]
         seen = self._seen
         if seen is None:
             if len(self.hashes) <= 2 * self.live + 64:
                 return
-            seen = self._seen = set()
+            seen = self._seen = [set() for _ in range(256)]
             self._w = self._r = 0
             self._stop = len(self.hashes)
         hashes, w, r = self.hashes, self._w, self._r
         end = min(r + self.COMPACT_STEP, self._stop)
-        # Comprehensions and dict.fromkeys (first of repeats kept) rather than a loop over self.
-        get, bit = self._index._holders.get, self.bit
-        kept = [h for h in dict.fromkeys(hashes[r:end]) if h not in seen and get(h, 0) & bit]
+        # Comprehensions, dict.fromkeys (first of repeats kept) and one bulk probe rather than a
+        # loop over self.
+        bit, index = self.bit, self._index
+        todo = list(dict.fromkeys(hashes[r:end]))
+        kept = [h for h, v in zip(todo, index._values(todo), strict=True)
+                if v and v & bit and h not in seen[h & 255]]
         if kept:
-            seen.update(kept)
+            for h in kept:
+                seen[h & 255].add(h)
             hashes[w:w + len(kept)] = array("Q", kept)
             w += len(kept)
         if end < self._stop:
             self._w, self._r = w, end
             return
         del hashes[w:end]            # the gap; what was appended meanwhile moves down
+        self._trash += seen
         self._seen = None
         self._w = self._r = self._stop = 0
         extra = self.extra
         if extra:
-            live = [h for h in extra if get(h, 0) & bit]
+            live = [h for h in extra if index._held(h) & bit]
             self.extra = set(live) or None
 
 
@@ -179,8 +222,22 @@ class PrefixIndex:
         self.config = config or PrefixIndexConfig()
         if self.config.max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
-        self._holders: dict[int, int] = {}                   # insertion order = LRU, oldest first
-        self._parent: dict[int, int | None] | None = {} if self.config.keep_parents else None
+        bits = self.config.shard_bits()
+        if self.config.shards and (self.config.shards != 1 << bits or bits > _SHARD_BITS_MAX):
+            raise ValueError("shards must be 0 or a power of two up to 256")
+        if self.config.max_blocks < 1 << bits:
+            raise ValueError("max_blocks must be at least the number of shards")
+        # Block hash -> holders, spread by the hash's low bits over 2**bits dicts, each in
+        # insertion order = its LRU, oldest first (see the module docstring: why shards).
+        self._mask = (1 << bits) - 1
+        self._shards: list[dict[int, int]] = [{} for _ in range(1 << bits)]
+        self._cap = self.config.max_blocks >> bits           # blocks a shard keeps before evicting
+        self._table = bytes(b & self._mask for b in range(256)) if 0 < bits < _SHARD_BITS_MAX else None
+        self._size = 0                                       # blocks over all shards
+        # last hash of a 64-block chain segment -> (its hashes, their shards): see _selection
+        self._segments: dict[int, tuple[Sequence[int], Sequence[dict[int, int]]]] = {}
+        self._parent: list[dict[int, int | None]] | None = \
+            [{} for _ in range(1 << bits)] if self.config.keep_parents else None
         self._slot_of: dict[WorkerKey, int] = {}
         self._key_of: list[WorkerKey | None] = []
         self._blocks_of: list[SlotBlocks] = []
@@ -200,6 +257,89 @@ class PrefixIndex:
         # freed) if they add the slots created since: ``added[pos:]`` lists them as (slot, worker id).
         self.generation = 0
         self.added: list[tuple[int, str]] = []
+
+    # ---- shards --------------------------------------------------------------------------------
+
+    def _get(self, h: int) -> int | None:
+        """The holders of block ``h`` (one probe, for callers that probe a few blocks)."""
+        return self._shards[h & self._mask].get(h)
+
+    def _held(self, h: int) -> int:
+        """As :meth:`_get`, 0 where ``h`` is not indexed."""
+        return self._shards[h & self._mask].get(h, 0)
+
+    def _shards_of(self, hs: Sequence[int]) -> Sequence[dict[int, int]]:
+        """The shard of each of ``hs``, picked in C where they fit 64 unsigned bits: their low
+        bytes in one pass (array -> bytes, every 8th), mapped to shards by one itemgetter."""
+        shards, mask = self._shards, self._mask
+        n = len(hs)
+        if not mask:
+            return [shards[0]] * n
+        if n < 8:
+            return [shards[h & mask] for h in hs]
+        try:
+            low = array("Q", hs).tobytes()[_LOW::8]
+        except (OverflowError, TypeError):
+            return [shards[h & mask] for h in hs]
+        if self._table is not None:
+            low = low.translate(self._table)
+        return cast("tuple[dict[int, int], ...]", itemgetter(*low)(shards))
+
+    def _values(self, hs: Sequence[int]) -> list[int | None]:
+        """The holders of each of ``hs`` (None: not indexed), probed in C."""
+        if not self._mask:
+            return list(map(self._shards[0].get, hs))
+        return list(map(dict.get, self._shards_of(hs), hs))
+
+    def _probes(self, chain: Sequence[int]) -> Iterator[Iterator[int | None]]:
+        """The holders along ``chain`` in growing pieces (blocks [0, 8), [8, 64), [64, 512) ...),
+        so a walk that stops early picks shards for little more than what it read."""
+        shards, mask = self._shards, self._mask
+        n = len(chain)
+        yield map(dict.get, [shards[h & mask] for h in chain[:8]], chain[:8])
+        lo, hi = 8, 64
+        while lo < n:
+            hi = min(hi, n)
+            yield map(dict.get, self._selection(chain, lo, hi), chain[lo:hi])
+            lo, hi = hi, hi << 3
+
+    def _selection(self, chain: Sequence[int], lo: int, hi: int) -> list[dict[int, int]]:
+        """The shards of ``chain[lo:hi]``, from the cache of 64-block segments where it has them.
+
+        Picking a shard per block costs about as much as probing it; long walks are mostly over
+        prefixes walked before (a conversation's next turn, a shared system prompt), so the
+        selection of each whole segment [64k, 64k + 64) is kept under its last hash, with its
+        hashes to check against (so it is right whatever the hashes commit to)."""
+        cache, n = self._segments, len(chain)
+        out: list[dict[int, int]] = []
+        s = lo & ~(_SEGMENT - 1)
+        while s < hi:
+            e = s + _SEGMENT
+            if e > n:                       # a chain's last, partial segment: not kept
+                out += self._shards_of(chain[s:])
+                break
+            hs = chain[s:e]
+            got = cache.get(hs[-1])
+            if got is not None and got[0] == hs:
+                out += got[1]
+            else:
+                sel = self._shards_of(hs)
+                if len(cache) >= _SEGMENTS_MAX:
+                    cache.clear()
+                cache[hs[-1]] = (hs, sel)
+                out += sel
+            s = e
+        off = lo & (_SEGMENT - 1)
+        return out[off:off + hi - lo] if off or len(out) > hi - lo else out
+
+    def entries(self) -> tuple[list[int], list[int]]:
+        """Every block hash and its value, shard by shard, each shard oldest first (a copy)."""
+        keys: list[int] = []
+        vals: list[int] = []
+        for d in self._shards:
+            keys += d
+            vals += d.values()
+        return keys, vals
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -310,34 +450,41 @@ class PrefixIndex:
         slot = self._slot(key)
         intern = self._intern.setdefault
         bit = intern(1 << slot, 1 << slot)
-        holders, mine = self._holders, self._blocks_of[slot]
+        mine, mask, cap = self._blocks_of[slot], self._mask, self._cap
         parents = self._parent
         if parents is not None:
             prev = parent
             for h in hashes:
-                parents[h] = prev
+                parents[h & mask][h] = prev
                 prev = h
-        pop = holders.pop
         new: list[int] = []
+        full: list[dict[int, int]] = []     # shards grown past their cap
+        added = 0
         last: int | None = None             # runs of blocks share one (interned) value: map it once
         last2 = 0
-        for h in reversed(hashes):          # deepest first = least recent (see module docstring)
-            m = pop(h, None)
+        # deepest first = least recent (see module docstring)
+        for d, h in zip(reversed(self._shards_of(hashes)), reversed(hashes), strict=True):
+            m = d.pop(h, None)
             if m is None:
-                holders[h] = bit
+                d[h] = bit
+                added += 1
+                if len(d) > cap:
+                    full.append(d)
             elif m & bit:
-                holders[h] = m
+                d[h] = m
                 continue
             else:
                 if m is not last:
                     m2 = m | bit
                     last, last2 = m, intern(m2, m2)
-                holders[h] = last2
+                d[h] = last2
             new.append(h)
         if parent is not None:
-            m = pop(parent, None)
+            d = self._shards[parent & mask]
+            m = d.pop(parent, None)
             if m is not None:
-                holders[parent] = m
+                d[parent] = m
+        self._size += added
         if new:
             mine.extend(new)
             mine.live += len(new)
@@ -346,8 +493,12 @@ class PrefixIndex:
         self._clock += len(hashes)
         if mine.due():
             mine.compact()
-        if len(holders) > self.config.max_blocks:
-            self._evict(len(holders) - self.config.max_blocks)
+        if full:
+            lost = 0
+            for d in full:
+                if len(d) > cap:
+                    lost |= self._evict(d)
+            self._compact_one(lost & ~(1 << slot))      # ``mine`` had its step above
         if len(self._intern) > _INTERN_MAX:
             self._intern.clear()
 
@@ -356,9 +507,9 @@ class PrefixIndex:
         if slot is None:
             return
         mine = self._blocks_of[slot]
-        bit, get = mine.bit, self._holders.get
+        bit, shards, mask = mine.bit, self._shards, self._mask
         for h in hashes:
-            m = get(h)
+            m = shards[h & mask].get(h)
             if m is not None and m & bit:
                 self._unhold(h, m, bit)
                 mine.live -= 1
@@ -370,59 +521,78 @@ class PrefixIndex:
         m &= ~bit
         self._refs -= 1
         if m >> self._shift:
-            self._holders[h] = self._intern.setdefault(m, m)
+            self._shards[h & self._mask][h] = self._intern.setdefault(m, m)
         else:
-            del self._holders[h]
+            del self._shards[h & self._mask][h]
+            self._size -= 1
             if self._parent is not None:
-                self._parent.pop(h, None)
+                self._parent[h & self._mask].pop(h, None)
 
     def _clear_slot(self, slot: int) -> None:
         mine = self._blocks_of[slot]
-        bit, get = mine.bit, self._holders.get
+        bit, shards, mask = mine.bit, self._shards, self._mask
         for h in mine.raw():
-            m = get(h)
+            m = shards[h & mask].get(h)
             if m is not None and m & bit:
                 self._unhold(h, m, bit)
         self._blocks_of[slot] = SlotBlocks(self, 1 << slot)
         self._cleared += 1
 
-    def _drop_block(self, h: int) -> None:
-        """Forget block ``h`` for every worker holding it."""
-        m = self._holders.pop(h) >> self._shift
+    def _drop_block(self, h: int) -> int:
+        """Forget block ``h`` for every worker holding it; returns the mask of those slots."""
+        m = self._shards[h & self._mask].pop(h) >> self._shift
+        self._size -= 1
         if self._parent is not None:
-            self._parent.pop(h, None)
+            self._parent[h & self._mask].pop(h, None)
         blocks_of = self._blocks_of
+        held = m
         while m:
             low = m & -m
             blocks_of[low.bit_length() - 1].live -= 1
             self._refs -= 1
             m ^= low
+        return held
 
-    def _evict(self, n: int) -> None:
-        holders = self._holders
-        n = min(len(holders), n + (self.config.max_blocks >> 8))
-        for h in list(islice(holders, n)):
-            self._drop_block(h)
+    def _evict(self, shard: dict[int, int]) -> int:
+        """``shard`` is over its cap: drop its oldest blocks, 1/256 of the cap more than needed
+        so the scan for the oldest is paid once per batch. One step touches one shard, never
+        the whole index. Returns the mask of the slots that lost blocks (see _compact_one)."""
+        cap = self._cap
+        n = min(len(shard), len(shard) - cap + (cap >> 8))
+        lost = 0
+        for h in list(islice(shard, n)):
+            lost |= self._drop_block(h)
             self._evicted += 1
-        for mine in self._blocks_of:
-            mine.compact()
+        return lost
+
+    def _compact_one(self, lost: int) -> None:
+        """One compaction step for the first slot in ``lost`` with stale entries to drop: the
+        others compact on their own stores and removals, or on a later eviction (one step per
+        store, however many shards it made evict, keeps a store's cost bounded)."""
+        blocks_of = self._blocks_of
+        while lost:
+            low = lost & -lost
+            mine = blocks_of[low.bit_length() - 1]
+            if mine.due():
+                mine.compact()
+                return
+            lost ^= low
 
     # ---- queries -------------------------------------------------------------------------------
 
     def _walk(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
         """(depth, mask of the slots whose match ends at that depth), shallowest first; depth >= 1."""
-        get, shift = self._holders.get, self._shift
+        shift = self._shift
         levels: list[tuple[int, int]] = []
         depth = 0
         if shift:
             alive <<= shift             # compare in the values' own position: stamps fall out of the AND
-        prev: int | None = 0
-        # map() probes in C, lazily: the walk still stops at the first block nobody alive holds.
-        for v in map(get, chain):
-            if v is prev:               # same holders as the block before: all still alive
-                depth += 1
-                continue
-            prev = v
+        # map() probes in C, lazily (in growing pieces when sharded): the walk still stops at the
+        # first block nobody alive holds. Runs of blocks with equal holders (most of a chain: its
+        # blocks were stored together) are grouped and counted in C too, so the Python loop turns
+        # once per change of holders, not once per block.
+        vals = chain_iters.from_iterable(self._probes(chain)) if self._mask else map(self._shards[0].get, chain)
+        for v, run in groupby(vals):
             m = v & alive if v is not None else 0
             if m != alive:
                 if depth:
@@ -430,7 +600,7 @@ class PrefixIndex:
                 alive = m
                 if not alive:
                     break
-            depth += 1
+            depth += countOf(run, v)
         alive >>= shift
         if alive:
             levels.append((depth, alive))
@@ -555,12 +725,11 @@ class PrefixIndex:
                     if seen is not None and seen > horizon:
                         fresh = p
                         break
-        holders = self._holders
-        pop = holders.pop
-        for h in reversed(chain[fresh:] if fresh else chain):
-            m = pop(h, None)
+        part = chain[fresh:] if fresh else chain
+        for d, h in zip(reversed(self._shards_of(part)), reversed(part), strict=True):
+            m = d.pop(h, None)
             if m is not None:
-                holders[h] = m
+                d[h] = m
         self._clock += n - fresh
         if cut > fresh:
             touched = self._touched
@@ -572,10 +741,10 @@ class PrefixIndex:
                 touched[chain[p - 1]] = clock
 
     def parent_of(self, h: int) -> int | None:
-        return self._parent.get(h) if self._parent is not None else None
+        return self._parent[h & self._mask].get(h) if self._parent is not None else None
 
     def holders_of(self, h: int) -> list[WorkerKey]:
-        m = self._holders.get(h, 0) >> self._shift
+        m = self._held(h) >> self._shift
         key_of = self._taken_keys()
         out = []
         while m:
@@ -585,7 +754,7 @@ class PrefixIndex:
         return out
 
     def size(self) -> int:
-        return len(self._holders)
+        return self._size
 
     def version(self) -> tuple[int, ...]:
         """Changes whenever the index may have: stores, removals, clears, evictions, touches
@@ -593,7 +762,7 @@ class PrefixIndex:
         return (self._stored, self._removed, self._cleared, self._evicted, self._clock, self.generation)
 
     def stats(self) -> PrefixIndexStats:
-        return PrefixIndexStats(blocks=len(self._holders), block_refs=self._refs, workers=len(self._slot_of),
+        return PrefixIndexStats(blocks=self._size, block_refs=self._refs, workers=len(self._slot_of),
                                 stored=self._stored, removed=self._removed, cleared=self._cleared,
                                 evicted=self._evicted)
 
@@ -658,7 +827,7 @@ class RoutedIndex(PrefixIndex):
         in one C pass, deepest first). The index is large and its probes miss the CPU caches:
         fewer probes is what makes the walk cheap.
         """
-        get, shift, k = self._holders.get, self._shift, self.stride
+        get, shift, k = self._get, self._shift, self.stride
         levels: list[tuple[int, int]] = []
         n = len(chain)
         sparse = chain if k == 1 else chain[k - 1::k]     # sparse[j] lies at depth (j + 1) * k
@@ -700,7 +869,7 @@ class RoutedIndex(PrefixIndex):
                 top = min(base + k - 1, n)
                 ends: list[tuple[int, int]] = []
                 if top > base:
-                    vals = list(map(get, chain[base:top]))
+                    vals = self._values(chain[base:top])
                     if vals.count(None) != len(vals):
                         for off in range(len(vals) - 1, -1, -1):
                             v = vals[off]
@@ -732,7 +901,7 @@ class RoutedIndex(PrefixIndex):
             return []
         after = 0
         if 0 < held <= len(chain):
-            m = self._holders.get(chain[held - 1])
+            m = self._get(chain[held - 1])
             slot = self._slot_of.get(key)
             if m is not None and slot is not None and m & self._blocks_of[slot].bit \
                     and m & _STAMP == stamp & _STAMP:
@@ -752,24 +921,26 @@ class RoutedIndex(PrefixIndex):
         slot = self._slot(key)
         if not chain:
             return []
-        holders, mine = self._holders, self._blocks_of[slot]
+        mine = self._blocks_of[slot]
         sbit, keep = mine.bit, ~_STAMP
         stamp &= _STAMP
-        get = holders.get
         intern = self._intern.setdefault
         current = intern(sbit | stamp, sbit | stamp)
         fresh = current                     # one int object shared by the marks new to the index
         changed: list[int] = []
         new: list[int] = []
-        values = list(map(get, chain))      # every probe first, in C (the index is large: misses)
+        created: list[int] = []
+        where = self._shards_of(chain)
+        values = list(map(dict.get, where, chain))   # every probe first, in C (the index is large: misses)
         # Runs of marks share one (interned) value: decide once per run what becomes of it.
         last: int | None = None
         last2 = 0
         act = 0                             # 0: leave it; else 1 | 2 (new to this worker) | 4 (restamped)
-        for h, m in zip(reversed(chain), reversed(values), strict=False):
+        for d, h, m in zip(reversed(where), reversed(chain), reversed(values), strict=True):
             if m is None:
-                holders[h] = fresh
+                d[h] = fresh
                 new.append(h)
+                created.append(h)
                 changed.append(h)
                 continue
             if m is not last:
@@ -782,11 +953,13 @@ class RoutedIndex(PrefixIndex):
                     last2 = intern(m2, m2)
                     act = 1 | (0 if held_here else 2) | (0 if same else 4)
             if act:
-                holders[h] = last2
+                d[h] = last2
                 if act & 2:
                     new.append(h)
                 if act & 4:
                     changed.append(h)
+        if created:                         # a hash twice in one chain was new twice: count it once
+            self._size += len(set(created)) if len(created) > 1 else 1
         if new:
             if len(new) > 1 and len(set(new)) != len(new):
                 new = list(dict.fromkeys(new))    # a hash twice in one chain: probed before either insert
@@ -815,7 +988,7 @@ class RoutedIndex(PrefixIndex):
 
     def expire(self, chain: Iterable[int], stamp: int) -> int:
         """Forget the marks of the routing ``stamp`` that no later routing refreshed."""
-        get, stamp = self._holders.get, stamp & _STAMP
+        get, stamp = self._get, stamp & _STAMP
         gone = 0
         for h in chain:
             m = get(h)

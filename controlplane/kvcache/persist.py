@@ -40,7 +40,8 @@ The body is the concatenation of ``array('Q')`` runs; the header lists them in o
 ``[kind, worker_id, dp_rank, bucket, count]`` (kind "e" exact, "a" routed; bucket: the index
 of its routing time bucket in ``header["buckets"]``, a list of wall-clock start times, or -1),
 plus the hashing settings and the subscribers' sequence numbers. A run lists one slot's blocks
-in the index's LRU order (oldest first), so loading keeps the order eviction follows. The size
+shard by shard, each shard in its LRU order (oldest first), so loading into an index of the same
+``max_blocks`` (hence shards) keeps the order eviction follows. The size
 is bounded by the index's own bound: at most ``max_blocks`` distinct blocks per index, 8 bytes
 per (block, slot) pair.
 
@@ -111,11 +112,11 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
     # Consistent copies, each without awaiting: the event-fed index's keys and values in LRU
     # order, its slots' owners and the sequence numbers of the same moment; then (after a
     # yield, halving the longest stall) the routed index with its routing buckets.
-    e_keys, e_vals, e_owner = list(exact._holders), list(exact._holders.values()), list(exact._key_of)
+    (e_keys, e_vals), e_owner = exact.entries(), list(exact._key_of)
     seqs = _seqs(kv)
     wall = time.time() if now is None else now
     await asyncio.sleep(0)
-    a_keys, a_vals, a_owner = list(approx._holders), list(approx._holders.values()), list(approx._key_of)
+    (a_keys, a_vals), a_owner = approx.entries(), list(approx._key_of)
     offset = wall - time.monotonic()
     buckets = [(number, start + offset) for number, start, _ in kv.routed.expiry]
     bucket_pos = {number: i for i, (number, _) in enumerate(buckets)}

@@ -58,8 +58,7 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
     else:
         ttft = 0.0
     if role is not Role.PREFILL:
-        line = model.tpot
-        tpot = line.a + line.b * (w.load.requests + 1)
+        tpot = model.tpot(w.load.requests + 1)     # (its slope bounded beyond the batches seen)
     else:
         tpot = 0.0
     got = ctx.predicted[wid] = (ttft, tpot)
@@ -151,7 +150,7 @@ class PredictedLatencyScorer:
 
     On an entry leg whose candidates mix aggregated and prefill engines, a prefill engine is
     costed with the PD path (``with_pair``): the pull and TPOT of the decode engine it would
-    pair with (``ctx.pair``; the fleet's average TPOT at batch 1, ``Predictor.fleet_tpot``,
+    pair with (``ctx.pair``; the fleet's median TPOT line at batch 1, ``Predictor.fleet_tpot``,
     when no pair was predicted). Counted as 0, every prefill engine looked cheaper than every
     aggregated one by a whole TPOT term, so the aggregated engines got nothing (the demo's 2
     aggregated engines: 0 of 16 requests).

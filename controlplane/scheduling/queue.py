@@ -9,6 +9,16 @@ to an engine only when one can start it soon. A request that has waited ``starva
 goes ahead of every shorter one. The queue is bounded in size (beyond: refused, HTTP 429)
 and in wait (beyond: placed on the best engine anyway, or refused: ``on_timeout``).
 
+The waits are parts of a TTFT budget: ``starvation_s``, ``max_wait_s`` and ``bind_long_s`` are
+given for a request whose TTFT target is ``ttft_target_s`` (2 s, the scorer's default), and a
+request that names its own target (``X-SLO-TTFT-Ms``) has them scaled by its target over that
+one (``scale``): a request with a 500 ms budget that waited 1 s has already missed it, one
+with a 10 s budget has not started to. ``hold_s`` is not scaled: it is how much work an
+engine keeps queued so that it never runs dry while a released request reaches it and its
+prediction is off by a little, a property of the engine and the path to it, not of what the
+client can wait for. None is scaled to the engines' speed: an engine twice as fast has its
+work ahead predicted in half the seconds already (its learned line).
+
 This class is the policy; ``controlplane.queueing`` runs it. ``PhaseWindow`` (queue
 ``phase_window``) holds for another reason: to dispatch the prefills of a data-parallel
 engine whose ranks step together in one window (seed 003's PD-hybrid; see its docstring).
@@ -20,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from controlplane.scheduling.base import PlacementContext
+from controlplane.scheduling.latency import TTFT_TARGET_S
 from controlplane.workers import Role, WorkerView
 
 
@@ -39,8 +50,10 @@ class HoldQueue:
     # Bind at once a request whose own prefill on its chosen engine is predicted to take
     # longer than this (0: off; see should_hold).
     bind_long_s: float = 1.0
+    # The TTFT target the waits above are given for (see the module's docstring and scale).
+    ttft_target_s: float = TTFT_TARGET_S
     name: str = "omni"
-    # per worker: when its admitted prefills are predicted done (see should_hold)
+    # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
     # per request held: the prompt tokens its best engine would compute (see take_work)
     _work: dict[str, int] = field(default_factory=dict, repr=False)
@@ -53,21 +66,32 @@ class HoldQueue:
                 raise ValueError(f"{key} must be >= 0")
         if self.max_size < 1:
             raise ValueError("max_size must be >= 1")
+        if not self.ttft_target_s > 0:
+            raise ValueError("ttft_target_s must be > 0")
+
+    def scale(self, ttft_slo_s: float) -> float:
+        """What a request's waits (``starvation_s``, ``max_wait_s``, ``bind_long_s``) are
+        multiplied by: its own TTFT target over ``ttft_target_s``, 1 when it names none."""
+        return ttft_slo_s / self.ttft_target_s if ttft_slo_s > 0 else 1.0
 
     def should_hold(self, ctx: PlacementContext, chosen: WorkerView) -> bool:
         """Hold while even the best engine has more than ``hold_s`` of prefill work ahead;
         when not held, the request is placed there, and its prefill counts from now on.
 
-        Work ahead is the smaller of two estimates. The ledger's prefill tokens placed and
-        not yet computed are exact about what was placed but stand still while the engine
-        computes: a prompt stays whole until its first token is reported. Alone, a 40k-token
-        prompt kept every request behind it held for its whole prefill and released them only
-        after its first token, so the engine ran its queue dry between prompts (held requests
-        met the SLO 75-81 % against 94.5-100 % unheld on one shared system prompt at 8x,
-        docs/benchmarks/workloads_notes.md). The other estimate, the time the engine is
-        predicted busy until (each admitted prompt's predicted prefill after the previous
-        ones), runs down with the clock. A request is released as soon as either says the
-        engine frees up within ``hold_s``, so it reaches the engine before its queue empties.
+        Work ahead is the smaller of two estimates, and a request is released as soon as
+        either says the engine frees up within ``hold_s``, so it reaches the engine before its
+        queue runs dry. One is the prediction's (``EngineModel.pending_s``, what the scorer
+        adds to a candidate's TTFT): the uncached tokens placed and not yet computed at the
+        engine's learned speed, less what it has computed since its last prompt was done. The
+        other is this queue's own: when the prompts it let through are predicted done, each
+        after the previous ones, running down with the clock from their admission. Alone, the
+        first held requests for longer (it restarts at every first token, and a prompt's first
+        token is reported after its prefill): on one shared system prompt at 8x and 16x held
+        requests met the SLO 70-73 and 49-51 % with it alone, against 77-80 and 54-58 % with
+        both (docs/benchmarks/pd_queue.md). Before either, the ledger's count alone (which
+        stands still until a prompt's first token) kept every request behind a 40k-token
+        prompt held for its whole prefill, and the engine idled between prompts
+        (docs/benchmarks/workloads_notes.md).
         """
         if self.max_running:
             # A prefill engine is busy with the prompts it still computes, not with those whose
@@ -78,18 +102,19 @@ class HoldQueue:
         if ctx.predictor is None:
             return False
         wid = chosen.id
-        line = ctx.predictor.model(wid).ttft
+        model = ctx.predictor.model(wid)
+        s_per_token = model.ttft.b
         now = ctx.now or time.monotonic()
-        backlog = chosen.load.prefill_tokens * line.b
+        ahead = model.pending_s(chosen.load.prefill_tokens, now)
         # (work this queue did not admit, placed before it saw the engine or by another
         # replica, is taken as started now)
-        busy_until = self._busy_until.get(wid, now + backlog)
-        if backlog > self.hold_s and busy_until - now > self.hold_s and not self._affine(ctx, wid, line.b) \
-                and not self._long(ctx, wid, line.b):
+        busy_until = self._busy_until.get(wid, now + ahead)
+        if ahead > self.hold_s and busy_until - now > self.hold_s and not self._affine(ctx, wid, s_per_token) \
+                and not self._long(ctx, wid, s_per_token):
             return self._held(ctx, wid)
         if len(self._busy_until) >= 65536 and wid not in self._busy_until:
             self._busy_until.clear()
-        self._busy_until[wid] = (busy_until if busy_until > now else now) + line.b * ctx.uncached_tokens(wid)
+        self._busy_until[wid] = (busy_until if busy_until > now else now) + s_per_token * ctx.uncached_tokens(wid)
         return False
 
     def _affine(self, ctx: PlacementContext, wid: str, s_per_token: float) -> bool:
@@ -122,7 +147,8 @@ class HoldQueue:
         then copied elsewhere: long-document QA held met the SLO 73.3-75.8 % against 80.8 %
         unheld at 4x; with this rule 80.8 % (docs/benchmarks/pd_queue.md).
         """
-        return self.bind_long_s > 0 and ctx.uncached_tokens(wid) * s_per_token > self.bind_long_s
+        return self.bind_long_s > 0 and \
+            ctx.uncached_tokens(wid) * s_per_token > self.bind_long_s * self.scale(ctx.ttft_slo_s)
 
     def _held(self, ctx: PlacementContext, wid: str) -> bool:
         """Note the held request's work on the engine it waits for (``take_work``)."""
@@ -144,7 +170,8 @@ class HoldQueue:
 
     def order(self, waiting: list, now: float) -> list:
         """Waiting requests (objects with ``work_tokens``, the prompt tokens they would have
-        computed where they were last held, and ``enqueued_at``), best first."""
+        computed where they were last held, ``enqueued_at`` and ``scale``, ``scale``'s answer
+        for their TTFT target), best first."""
         if len(waiting) < 2:
             return list(waiting)
         longest = max(w.work_tokens for w in waiting) or 1
@@ -153,7 +180,7 @@ class HoldQueue:
 
         def key(w):
             waited = now - w.enqueued_at
-            if waited >= starve:
+            if waited >= starve * w.scale:
                 return (0, w.enqueued_at)            # starved: first come, first served
             return (1, -(sw * (1.0 - w.work_tokens / longest) + ww * waited / oldest))
 

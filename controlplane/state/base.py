@@ -79,11 +79,18 @@ class SpecStore(Protocol):
 class Ledger(Protocol):
     """Load per worker, as the sum of the charges of the requests that hold it."""
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord | None:
         """Add ``charges`` to the request (creating its record from ``record`` if new);
         ``notes`` replace fields of an existing record (what a later leg's placement predicted).
+        A new record's own charges are kept but not added to any load, unless ``charged``:
+        ``record`` was built holding ``charges`` (their tuple) and is kept as it is, so a new
+        request's record is built once, by the caller (the commit step, for every placement).
         The record; None when the request had already ended (a late reserve the Redis store
-        drops, see its ``end(tombstone_s=)``)."""
+        drops, see its ``end(tombstone_s=)``). A store that answers before its backend has
+        applied the call (the Redis store's ``write_behind``, its default) answers ``record``
+        with ``charges`` added and ``notes`` applied: the stored record when the caller
+        passes the request's current one for a later leg, as the commit step does."""
         ...
 
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:

@@ -165,9 +165,10 @@ class LocalLedgerStore:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._sync_loop())
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord:
         self._ensure_syncing()
-        return await self.local.reserve(record, charges, **notes)
+        return await self.local.reserve(record, charges, charged=charged, **notes)
 
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
         return await self.local.release(request_id, leg=leg, worker_id=worker_id)

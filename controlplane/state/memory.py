@@ -59,13 +59,15 @@ class MemoryStore:
     def _drop(self, c: Charge) -> None:
         self._add(c.worker_id, -1, -c.tokens, -c.prefill_tokens if c.prefill_tokens else 0)
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord:
         existing = self._records.get(record.request_id)
         if existing is None:
-            # A new request (every placement's entry leg): one constructor call, not
-            # dataclasses.replace (which reads the fields' list per call: 6 of the control
-            # plane's ~60 us per non-streamed request).
-            updated = with_charges(record, record.charges + tuple(charges))
+            # A new request (every placement's entry leg): kept as built when it holds its
+            # charges (``charged``), else one constructor call, not dataclasses.replace
+            # (which reads the fields' list per call: 6 of the control plane's ~60 us per
+            # non-streamed request).
+            updated = record if charged else with_charges(record, record.charges + tuple(charges))
         else:
             updated = dataclasses.replace(existing, charges=existing.charges + tuple(charges), **notes)
         self._records[record.request_id] = updated

@@ -73,7 +73,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -83,6 +83,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -100,6 +101,8 @@ DEFAULT_PREFIX = "omni:"
 # While this replica writes reserves, its load copy rides along a refresh once it is this
 # old (RedisStore._refresh_with_writes): others' charges show up sooner in a burst.
 RIDE_REFRESH_S = 0.01
+# Records of this replica's write-behind reserves kept for their ends (RedisStore._mine).
+MINE_MAX = 1 << 17
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError, asyncio.TimeoutError)
 
@@ -269,6 +272,12 @@ if not rec and tonumber(ARGV[3]) > 0 then
 end
 return result(rec)
 """
+# Write-behind (see RedisStore.end): nobody reads the record (this replica answered from its
+# own copy), only the loads it changed.
+_END_BEHIND = _LUA_COMMON + r"""
+end_record(ARGV[2])
+return result(false)
+"""
 
 # ARGV: P, request id
 _SETTLE = _LUA_COMMON + r"""
@@ -434,6 +443,15 @@ def _charges_json(charges: Iterable[Charge]) -> bytes:
     return orjson.dumps([[c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens)] for c in charges])
 
 
+def _sum_load(load: Load, sign: int, requests: int, tokens: int, prefill_tokens: int, prefills: int) -> Load:
+    """``load`` plus (``sign`` 1) or less (-1) these amounts, each at least 0."""
+    r = load.requests + sign * requests
+    t = load.tokens + sign * tokens
+    p = load.prefill_tokens + sign * prefill_tokens
+    n = load.prefills + sign * prefills
+    return Load(r if r > 0 else 0, t if t > 0 else 0, p if p > 0 else 0, n if n > 0 else 0)
+
+
 def _load(values: list[Any]) -> Load:
     if values[0] is None and values[1] is None:
         return IDLE
@@ -530,12 +548,21 @@ class RedisStore:
         # per worker: a load that Redis reports (a script's reply, a refresh) lacks them, so the
         # mirror adds them back, or it would forget this replica's newest charges until their
         # replies came (placing more on a worker than the loads allow, in a burst).
-        self._behind: deque[tuple[Charge, ...]] = deque()
+        # (charges, +1 for a reserve or -1 for an end): each write-behind call until answered.
+        self._behind: deque[tuple[tuple[Charge, ...], int]] = deque()
         self._riding = False   # a refresh sent with this replica's writes is on its way
         self._unconfirmed: dict[str, list[int]] = {}
         # Write-behind reserve (off by default): see reserve().
         self.write_behind = write_behind and self.wire is not None
         self.write_behind_failures = 0
+        # Write-behind ends: the records this replica reserved, as it last knew them (its own
+        # calls' answers keep them current), so an end answers from here and is sent without
+        # waiting for Redis; bounded (the oldest go first: their end is then awaited).
+        self._mine: dict[str, RequestRecord] = {}
+        # Told of each write-behind end Redis did not confirm (its request id, the error): a
+        # lost end would leave its load in Redis, so the ResilientStore keeps it and replays it.
+        # Unset, the loss is logged.
+        self.lost_ends: Callable[[str, BaseException], None] | None = None
         r = self.redis
         self._reserve = r.register_script(_RESERVE)
         self._release = r.register_script(_RELEASE)
@@ -584,14 +611,20 @@ class RedisStore:
         return t - self._wall_offset if t else 0.0
 
     def _encode_record(self, record: RequestRecord) -> list[str | bytes]:
-        """Every field but the charges, as ``_encode_fields`` writes them, without building a
-        dict of them and checking each name first (every placement's reserve runs it)."""
+        """Every field but the charges that is not at its zero value, as ``_encode_fields``
+        writes them, without building a dict of them and checking each name first (every
+        placement's reserve runs it). A new record is written with these alone: a field
+        missing in Redis reads as its zero value, in ``_record`` and in every script, so
+        the fields a new request leaves at 0 cost no argument, no encoding and no hash
+        entry."""
         out: list[str | bytes] = []
         off = self._wall_offset
         for key, kind in _FIELD_KINDS:
             value = getattr(record, key)
+            if not value:
+                continue
             if kind == 1:
-                value = repr(float(value) + off if value else 0.0)
+                value = repr(float(value) + off)
             elif kind == 2:
                 value = repr(float(value))
             elif kind == 3:
@@ -614,39 +647,76 @@ class RedisStore:
         return out
 
     def _record(self, flat: list[str] | dict[str, str] | None) -> RequestRecord | None:
+        """A record as HGETALL (or a script) returned it; a missing field is at its zero
+        value. One positional constructor call (every report's end decodes one): the
+        field order is ``RequestRecord``'s (tests/test_state_redis.py checks the round trip
+        of a record whose every field differs)."""
         if not flat:
             return None
-        data = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=False))
-        kwargs: dict[str, Any] = {}
-        for key in _RECORD_FIELDS:
-            raw = data.get(key)
-            if raw is None:
-                continue
-            if key == "charges":
-                items = orjson.loads(raw)
-                kwargs[key] = tuple(Charge(str(w), str(leg), int(t), int(p)) for w, leg, t, p in items) \
-                    if isinstance(items, list) else ()
-            elif key in _TIME_FIELDS:
-                kwargs[key] = self._from_wall(float(raw))
-            elif key in _FLOAT_FIELDS:
-                kwargs[key] = float(raw)
-            elif key in _INT_FIELDS:
-                kwargs[key] = int(raw)
-            else:
-                kwargs[key] = raw
-        return RequestRecord(**kwargs)
+        if isinstance(flat, dict):
+            data = flat
+        else:
+            it = iter(flat)
+            data = dict(zip(it, it, strict=False))
+        g = data.get
+        off = self._wall_offset
+        raw = g("charges")
+        charges: tuple[Charge, ...] = ()
+        if raw:
+            items = orjson.loads(raw)
+            if isinstance(items, list):
+                charges = tuple(Charge(str(w), str(leg), int(t), int(p)) for w, leg, t, p in items)
+
+        def wall(key: str) -> float:   # a wall-clock time back to this replica's monotonic clock
+            t = float(g(key) or 0.0)
+            return t - off if t else 0.0
+
+        return RequestRecord(g("request_id", ""), g("model", ""), int(g("prompt_tokens") or 0),
+                             int(g("max_tokens") or 0), g("session", ""), int(g("flow") or 0), charges,
+                             wall("created_at"), wall("orphaned_at"), wall("placed_at"),
+                             float(g("predicted_ttft_s") or 0.0), int(g("work_ahead_tokens") or 0),
+                             int(g("decode_batch") or 0), wall("decode_placed_at"), int(g("pull_tokens") or 0))
+
+    def _sent_behind(self, charges: tuple[Charge, ...], sign: int) -> None:
+        """A write-behind reserve (+1) or end (-1) is on its way: the load mirror counts it now,
+        and adds it to every load Redis reports until its own reply comes."""
+        self._behind.append((charges, sign))
+        unconfirmed, mirror = self._unconfirmed, self._mirror
+        for c in charges:
+            wid = c.worker_id
+            u = unconfirmed.get(wid)
+            if u is None:   # (the load's four amounts, and how many calls on their way touch it)
+                u = unconfirmed[wid] = [0, 0, 0, 0, 0]
+            p = 1 if c.prefill_tokens > 0 else 0
+            u[0] += sign
+            u[1] += sign * c.tokens
+            u[2] += sign * c.prefill_tokens
+            u[3] += sign * p
+            u[4] += 1
+            cur = mirror.get(wid)
+            if cur is not None:
+                self._mirror_tick += 1
+                self._mirror_gen[wid] = self._mirror_tick
+                mirror[wid] = _sum_load(cur, sign, 1, c.tokens, c.prefill_tokens, p)
+
+    def _answered_behind(self) -> None:
+        """The oldest write-behind call's reply came (replies, and so these callbacks, come in
+        the order sent): Redis's loads include it from now on."""
+        charges, sign = self._behind.popleft()
+        unconfirmed = self._unconfirmed
+        for c in charges:
+            u = unconfirmed[c.worker_id]
+            u[0] -= sign
+            u[1] -= sign * c.tokens
+            u[2] -= sign * c.prefill_tokens
+            u[3] -= sign if c.prefill_tokens > 0 else 0
+            u[4] -= 1
+            if not u[4]:
+                del unconfirmed[c.worker_id]
 
     def _reserved_behind(self, fut: asyncio.Future) -> None:
-        if self.loads_max_age_s:   # (replies, and so these callbacks, come in the order sent)
-            unconfirmed = self._unconfirmed
-            for c in self._behind.popleft():
-                u = unconfirmed[c.worker_id]
-                u[0] -= 1
-                u[1] -= c.tokens
-                u[2] -= c.prefill_tokens
-                u[3] -= 1 if c.prefill_tokens > 0 else 0
-                if not u[0]:
-                    del unconfirmed[c.worker_id]
+        if self.loads_max_age_s:
+            self._answered_behind()
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -677,11 +747,39 @@ class RedisStore:
                     self._mirror[wid] = self._with_unconfirmed(wid, _load(flat[i + 1:i + 5]))
 
     def _with_unconfirmed(self, wid: str, load: Load) -> Load:
-        """A load as Redis reported it, plus this replica's charges still on their way there."""
+        """A load as Redis reported it, plus this replica's charges still on their way there
+        (less its ends on their way)."""
         u = self._unconfirmed.get(wid)
         if u is None:
             return load
-        return Load(load.requests + u[0], load.tokens + u[1], load.prefill_tokens + u[2], load.prefills + u[3])
+        return _sum_load(load, 1, u[0], u[1], u[2], u[3])
+
+    def _ended_behind(self, request_id: str, fut: asyncio.Future) -> None:
+        if self.loads_max_age_s:
+            self._answered_behind()
+        exc: BaseException | None = asyncio.CancelledError() if fut.cancelled() else fut.exception()
+        if exc is None and isinstance(fut.result(), hiredis_error):
+            exc = redis_wire.error_of(fut.result())
+            if isinstance(exc, NoScriptError) and self.wire is not None:
+                self.wire.unloaded(_END_BEHIND)   # Redis's script cache was flushed: EVAL it next time
+        if exc is not None:
+            self.write_behind_failures += 1
+            if self.lost_ends is not None:
+                self.lost_ends(request_id, exc)
+            else:
+                log.warning("a write-behind end failed (%s: %s); Redis may keep request %s's load until "
+                            "the replica sweep", type(exc).__name__, str(exc)[:200], request_id)
+            return
+        self._mirror_reply(fut.result()[1])
+
+    def _remember(self, record: RequestRecord | None, request_id: str) -> None:
+        """What this replica's own call learnt of a request it reserved (write-behind ends)."""
+        mine = self._mine
+        if request_id in mine:
+            if record is None:
+                del mine[request_id]
+            else:
+                mine[request_id] = record
 
     # ------------------------------------------------------------------ specs
 
@@ -770,12 +868,14 @@ class RedisStore:
     # ------------------------------------------------------------------ ledger
 
     @_unavailable
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord | None:
         args: list[Any] = [self.prefix, record.request_id, self.replica_id, self.replica_ttl_ms,
                            f"{self.replica_id}:{next(self._ops)}"]
         enc = self._encode_record(record)
-        # A template's own charges are kept but not added to any load, as MemoryStore does.
-        enc += ("charges", _charges_json(record.charges))
+        # A template's own charges are kept but not added to any load, as MemoryStore does
+        # (``charged``: they are ``charges``, added by the script).
+        enc += ("charges", b"[]" if charged else _charges_json(record.charges))
         args += [len(enc) // 2, *enc]
         enc = self._encode_fields(notes)
         args += [len(enc) // 2, *enc]
@@ -789,50 +889,73 @@ class RedisStore:
                 if self.loads_max_age_s:   # this replica sees its own charge at once
                     if not self._riding and time.monotonic() - self._mirror_at > RIDE_REFRESH_S:
                         self._refresh_with_writes()
-                    self._behind.append(charges)
-                    unconfirmed = self._unconfirmed
-                    for c in charges:
-                        u = unconfirmed.get(c.worker_id)
-                        if u is None:
-                            u = unconfirmed[c.worker_id] = [0, 0, 0, 0]
-                        u[0] += 1
-                        u[1] += c.tokens
-                        u[2] += c.prefill_tokens
-                        u[3] += 1 if c.prefill_tokens > 0 else 0
-                        if c.worker_id in self._mirror:
-                            self._mirror_tick += 1
-                            self._mirror_gen[c.worker_id] = self._mirror_tick
-                            cur = self._mirror[c.worker_id]
-                            self._mirror[c.worker_id] = Load(cur.requests + 1, cur.tokens + c.tokens,
-                                                             cur.prefill_tokens + c.prefill_tokens,
-                                                             cur.prefills + (1 if c.prefill_tokens > 0 else 0))
-                return dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
+                    self._sent_behind(charges, 1)
+                if not charged:
+                    record = dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
+                self._keep_mine(record)
+                return record
         # None for a late reserve of a request that had already ended (see end(tombstone_s=))
-        return self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
+        answered = self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
+        if answered is not None and self.write_behind:
+            self._keep_mine(answered)
+        else:
+            self._remember(answered, record.request_id)
+        return answered
+
+    def _keep_mine(self, record: RequestRecord) -> None:
+        mine = self._mine
+        mine[record.request_id] = record
+        if len(mine) > MINE_MAX:
+            del mine[next(iter(mine))]
 
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
-        return self._ledger_reply(
+        record = self._ledger_reply(
             await self._script_soon(self._release, _RELEASE, [self.prefix, request_id, leg, worker_id]))
+        self._remember(record, request_id)
+        return record
 
-    @_unavailable
     async def end(self, request_id: str, *, tombstone_s: float = 0.0) -> RequestRecord | None:
         """With ``tombstone_s``, an end that finds no record leaves a tombstone for that long:
         a reserve of that request arriving later charges nothing. For ends whose reserve may
         still be on its way (one that timed out against a stalled Redis runs when Redis
-        wakes up, perhaps after the end): ``ResilientStore`` passes it."""
+        wakes up, perhaps after the end): ``ResilientStore`` passes it.
+
+        **Write-behind** (with ``write_behind``, for a request this replica reserved): the
+        end is answered at once with the record as this replica last knew it, and sent with
+        the loop turn's other calls; the load mirror drops its charges at once. One Redis
+        did not confirm goes to ``lost_ends`` (the ResilientStore replays it)."""
+        if not tombstone_s and self.write_behind:
+            record = self._mine.pop(request_id, None)
+            if record is not None:
+                assert self.wire is not None
+                fut = self.wire.script_nowait(_END_BEHIND, [], [self.prefix, request_id])
+                if fut is not None:
+                    if self.loads_max_age_s:
+                        self._sent_behind(record.charges, -1)
+                    fut.add_done_callback(functools.partial(self._ended_behind, request_id))
+                    return record
+        return await self._end_now(request_id, tombstone_s)
+
+    @_unavailable
+    async def _end_now(self, request_id: str, tombstone_s: float) -> RequestRecord | None:
         ttl_ms = str(max(0, int(tombstone_s * 1000)))
         return self._ledger_reply(await self._script_soon(self._end, _END, [self.prefix, request_id, ttl_ms]))
 
     @_unavailable
     async def settle_prefill(self, request_id: str) -> RequestRecord | None:
-        return self._ledger_reply(await self._script_soon(self._settle, _SETTLE, [self.prefix, request_id]))
+        record = self._ledger_reply(await self._script_soon(self._settle, _SETTLE, [self.prefix, request_id]))
+        self._remember(record, request_id)
+        return record
 
     @_unavailable
     async def get(self, request_id: str) -> RequestRecord | None:
         if self.wire is not None:
-            return self._record(await self.wire.call_soon("HGETALL", self._k_rec + request_id))
-        return self._record(await self.redis.hgetall(self._k_rec + request_id))
+            record = self._record(await self.wire.call_soon("HGETALL", self._k_rec + request_id))
+        else:
+            record = self._record(await self.redis.hgetall(self._k_rec + request_id))
+        self._remember(record, request_id)
+        return record
 
     @_unavailable
     async def records(self) -> list[RequestRecord]:
@@ -927,6 +1050,9 @@ class RedisStore:
 
     @_unavailable
     async def orphan(self, session: str, now: float) -> int:
+        # (their records change owner: their ends are awaited, answered with Redis's record)
+        for rid in [rid for rid, r in self._mine.items() if r.session == session]:
+            del self._mine[rid]
         return int(await self._orphan(args=[self.prefix, session, repr(self._to_wall(now))]))
 
     @_unavailable
@@ -934,6 +1060,8 @@ class RedisStore:
         ids = list(request_ids)
         if not ids:
             return 0
+        for rid in ids:
+            self._mine.pop(rid, None)
         return int(await self._claim(args=[self.prefix, session, self.replica_id, *ids]))
 
     @_unavailable

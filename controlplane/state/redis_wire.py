@@ -37,7 +37,7 @@ from redis.exceptions import NoScriptError, ResponseError
 _UNAVAILABLE_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
 
 
-def _error_of(reply: hiredis.ReplyError) -> Exception:
+def error_of(reply: hiredis.ReplyError) -> Exception:
     """What an error reply raises: a Redis that cannot serve now is a ``ConnectionError`` (the
     store's resilience takes it as away), an unknown script ``NoScriptError``, else
     ``ResponseError`` (the command itself is wrong)."""
@@ -180,7 +180,7 @@ class WireClient:
         finally:
             timer.cancel()
         if isinstance(reply, hiredis.ReplyError):
-            raise _error_of(reply)
+            raise error_of(reply)
         return reply
 
     def script_nowait(self, source: str, keys: list[str], args: list[Any]) -> asyncio.Future | None:
@@ -279,7 +279,7 @@ class WireClient:
             # As ``call``: once more on a new connection (never after a timeout).
             return await again()
         if isinstance(reply, hiredis.ReplyError):
-            error = _error_of(reply)
+            error = error_of(reply)
             if isinstance(error, NoScriptError):   # Redis restarted between loading and this call
                 return await again()
             raise error
@@ -308,7 +308,7 @@ class WireClient:
                 timer.cancel()
             for reply in replies:
                 if isinstance(reply, hiredis.ReplyError):
-                    raise _error_of(reply)
+                    raise error_of(reply)
             return replies
         raise AssertionError("unreachable")
 
@@ -340,6 +340,11 @@ class WireClient:
     async def close(self) -> None:
         self.flush()   # what callers queued (write-behind reserves) still goes out
         proto, self._proto = self._proto, None
+        if proto is not None and proto.waiters and not proto.closed:
+            # Their replies too (within the reply timeout): a write-behind reserve that
+            # closing cut off would count as failed, and Redis may well have applied it.
+            last = proto.waiters[-1]
+            await asyncio.wait([last[0] if type(last) is list else last], timeout=self.timeout_s)
         self._loaded_on.clear()
         if proto is not None and proto.transport is not None:
             proto.transport.close()

@@ -70,6 +70,8 @@ class ResilientStore:
         self._pending: dict[str, list[tuple[str, tuple, dict]]] = {}
         self._npending = 0
         self._probe: asyncio.Task | None = None
+        if hasattr(shared, "lost_ends"):   # a Redis store's write-behind ends: replay what it lost
+            shared.lost_ends = self._end_lost
 
     def __getattr__(self, name: str):
         # heartbeat, maintain, watch_specs, spec_version... belong to the shared store
@@ -132,6 +134,14 @@ class ResilientStore:
             self._down_since = time.monotonic()
             log.error("state store unavailable (%s): placing from this replica's memory until it is back", exc)
 
+    def _end_lost(self, request_id: str, exc: BaseException) -> None:
+        """A write-behind end that Redis did not confirm (the shared store answered it from its
+        copy before sending it): kept and replayed like an end that failed outright. A broken
+        connection or a timeout is an outage; an error reply (a flushed script cache) is not."""
+        if isinstance(exc, (ConnectionError, TimeoutError, OSError)):
+            self._lost(StoreUnavailable(f"a write-behind end failed ({type(exc).__name__}: {exc})"))
+        self._keep(request_id, "end", request_id, tombstone_s=TOMBSTONE_S)
+
     def _keep(self, key: str, method: str, *args, **kw) -> None:
         """A shared operation for later: replayed, in order per request, once the store is back."""
         if self._npending >= MAX_PENDING:
@@ -160,17 +170,18 @@ class ResilientStore:
 
     # ------------------------------------------------------------------ ledger
 
-    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], **notes) -> RequestRecord | None:
+    async def reserve(self, record: RequestRecord, charges: tuple[Charge, ...], *, charged: bool = False,
+                      **notes) -> RequestRecord | None:
         rid = record.request_id
         if rid not in self._local_ids:
             if self._shared_now(rid):
                 try:
-                    return await self.shared.reserve(record, charges, **notes)
+                    return await self.shared.reserve(record, charges, charged=charged, **notes)
                 except StoreUnavailable as exc:
                     self._lost(exc)
             self._local_ids.add(rid)
             self.local_reservations += 1
-        return await self.local.reserve(record, charges, **notes)
+        return await self.local.reserve(record, charges, charged=charged, **notes)
 
     async def _either(self, method: str, request_id: str, **kw):
         if request_id in self._local_ids:
