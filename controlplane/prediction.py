@@ -26,8 +26,9 @@ An engine nobody has observed yet predicts what the observed engines do, not the
 priors: otherwise, once the others have learned that they are faster than the priors say,
 the unobserved engine always looks slower, is never chosen, and so never gets the
 observation that would correct it (seen in bench/slo_replay.py: one engine of four
-received no request at all). What they do is the median of their current fits (each
-line's intercept and slope), one vote per engine: a typical engine of the fleet, which
+received no request at all). What they do is the median of the current fits (each line's
+intercept and slope) of the engines serving the same model, one vote per engine: a typical
+engine of the fleet for that model (a 70B model's engines are not an 8B model's), which
 neither the busiest engine's many samples nor one slow engine (a 0.5x engine among 1x ones)
 decides. The static priors (``PredictionDefaults``) serve only until the first engine's
 first sample: 10k uncached tokens a second is a guess for an ~8B model on one GPU, twice
@@ -177,6 +178,7 @@ class EngineModel:
     # Since when the engine has been computing the prompts now ahead of it: its last prompt
     # computed (a first token), or the placement that found none ahead. 0: not known.
     busy_since: float = 0.0
+    served: str = ""        # the model the engine serves ("" until named: Predictor.model)
 
     def pending_s(self, prefill_tokens: int, now: float) -> float:
         """Seconds of prefill still ahead of a new prompt: the uncached tokens placed and not
@@ -221,47 +223,69 @@ class EngineModel:
         return self.pull
 
 
+@dataclass(slots=True)
+class FleetLines:
+    """The observed engines' median fit (a, b) of each line, for one served model; None
+    before any engine of that model has observed the line."""
+
+    ttft: tuple[float, float] | None = None
+    tpot: tuple[float, float] | None = None
+    pull: tuple[float, float] | None = None
+
+
 class Predictor:
     """One model per worker id, made on first use."""
 
     def __init__(self, defaults: PredictionDefaults | None = None) -> None:
         self.defaults = defaults or PredictionDefaults()
         self._models: dict[str, EngineModel] = {}
-        # The observed engines' median fit (a, b) per line, None before any (module docstring).
-        self._pool_ttft: tuple[float, float] | None = None
-        self._pool_tpot: tuple[float, float] | None = None
-        self._pool_pull: tuple[float, float] | None = None
+        # Per served model, the observed engines' median fit (a, b) per line (module docstring).
+        self._pools: dict[str, FleetLines] = {}
 
-    def model(self, worker_id: str) -> EngineModel:
-        """The engine's model; one not observed yet follows the fleet's median (module docstring)."""
+    def model(self, worker_id: str, served: str = "") -> EngineModel:
+        """The engine's model; one not observed yet follows the median of the observed engines
+        that serve the same model (module docstring). ``served``: the model the engine serves
+        (its spec's), kept from the first call that names it."""
         m = self._models.get(worker_id)
         if m is None:
             m = self._models[worker_id] = EngineModel.new(self.defaults)
-        if m.ttft.n == 0 and self._pool_ttft is not None:
-            m.ttft.adopt(*self._pool_ttft)
-        if m.tpot.n == 0 and self._pool_tpot is not None:
-            m.tpot.adopt(*self._pool_tpot)
-        if m.pull.n == 0 and self._pool_pull is not None:
-            m.pull.adopt(*self._pool_pull)
+        if served and not m.served:
+            m.served = served
+            if m.ttft.n or m.tpot.n or m.pull.n:   # observed before it was named: count it now
+                named = self._pool(served)
+                named.ttft, named.tpot, named.pull = (self._median(k, served) for k in ("ttft", "tpot", "pull"))
+        pool = self._pools.get(m.served)
+        if pool is not None:
+            if m.ttft.n == 0 and pool.ttft is not None:
+                m.ttft.adopt(*pool.ttft)
+            if m.tpot.n == 0 and pool.tpot is not None:
+                m.tpot.adopt(*pool.tpot)
+            if m.pull.n == 0 and pool.pull is not None:
+                m.pull.adopt(*pool.pull)
         return m
 
     def observe_ttft(self, worker_id: str, work_tokens: float, ttft_s: float) -> None:
-        self.model(worker_id).observe_ttft(work_tokens, ttft_s)
-        self._pool_ttft = self._median("ttft")
+        m = self.model(worker_id)
+        m.observe_ttft(work_tokens, ttft_s)
+        self._pool(m.served).ttft = self._median("ttft", m.served)
 
     def observe_tpot(self, worker_id: str, batch: float, tpot_s: float) -> None:
-        self.model(worker_id).observe_tpot(batch, tpot_s)
-        self._pool_tpot = self._median("tpot")
+        m = self.model(worker_id)
+        m.observe_tpot(batch, tpot_s)
+        self._pool(m.served).tpot = self._median("tpot", m.served)
 
-    def fleet_tpot(self, batch: float) -> float:
-        """The observed engines' median TPOT line at ``batch`` (the priors' before any observation):
-        what a decode engine not chosen yet is expected to do."""
-        a, b = self._pool_tpot or (self.defaults.tpot_base_s, self.defaults.tpot_s_per_request)
+    def fleet_tpot(self, batch: float, served: str = "") -> float:
+        """The median TPOT line at ``batch`` of the observed engines serving ``served`` (the
+        priors' before any observation): what a decode engine not chosen yet is expected to do."""
+        pool = self._pools.get(served)
+        a, b = (pool.tpot if pool is not None else None) or (self.defaults.tpot_base_s,
+                                                              self.defaults.tpot_s_per_request)
         return a + b * batch
 
     def observe_pull(self, worker_id: str, pulled_tokens: float, seconds: float) -> None:
-        self.model(worker_id).observe_pull(pulled_tokens, seconds)
-        self._pool_pull = self._median("pull")
+        m = self.model(worker_id)
+        m.observe_pull(pulled_tokens, seconds)
+        self._pool(m.served).pull = self._median("pull", m.served)
 
     def progressed(self, worker_id: str, now: float) -> None:
         """The engine finished a prompt, or started one with nothing ahead: the prompts left
@@ -286,11 +310,17 @@ class Predictor:
             return prefill_tokens
         return round(m.pending_s(prefill_tokens, now) / m.ttft.b)
 
-    def _median(self, kind: str) -> tuple[float, float] | None:
+    def _pool(self, served: str) -> FleetLines:
+        pool = self._pools.get(served)
+        if pool is None:
+            pool = self._pools[served] = FleetLines()
+        return pool
+
+    def _median(self, kind: str, served: str) -> tuple[float, float] | None:
         """The median intercept and slope of one line (``ttft``, ``tpot`` or ``pull``) over the
-        engines that have observed it: what an engine not observed yet starts from. Once per
-        observation, over the engines' models (tens)."""
-        lines = [line for m in self._models.values() if (line := getattr(m, kind)).n]
+        engines serving ``served`` that have observed it: what an engine of that model not
+        observed yet starts from. Once per observation, over the engines' models (tens)."""
+        lines = [line for m in self._models.values() if m.served == served and (line := getattr(m, kind)).n]
         if not lines:
             return None
         return statistics.median(x.a for x in lines), statistics.median(x.b for x in lines)

@@ -101,3 +101,23 @@ def test_before_any_sample_every_engine_has_the_static_priors():
     p = Predictor(PredictionDefaults(prefill_s_per_token=3e-4, ttft_base_s=0.05))
     assert p.model("a").ttft(1000) == pytest.approx(0.35)
     assert p.fleet_tpot(1) == pytest.approx(p.defaults.tpot_base_s + p.defaults.tpot_s_per_request)
+
+
+def test_the_median_is_over_the_engines_serving_the_same_model():
+    """A new engine of the big model starts from the big model's engines, not the small one's;
+    an engine of a model nobody has observed starts from the static priors."""
+    p = Predictor()
+    for wid, served, s_per_token in (("big-1", "big", 8e-4), ("small-1", "small", 1e-4), ("small-2", "small", 1e-4)):
+        p.model(wid, served)
+        for i in range(20):
+            x = 500 + 100 * i
+            p.observe_ttft(wid, x, 0.01 + s_per_token * x)
+            p.observe_tpot(wid, 1 + i % 8, (0.03 if served == "big" else 0.01) + 1e-4 * (1 + i % 8))
+    big, small, other = p.model("big-2", "big"), p.model("small-3", "small"), p.model("x-1", "other")
+    assert big.ttft(4000) == pytest.approx(p.model("big-1").ttft(4000), rel=0.01)
+    assert small.ttft(4000) == pytest.approx(p.model("small-1").ttft(4000), rel=0.05)
+    assert big.ttft(4000) > 5 * small.ttft(4000)
+    assert other.ttft(4000) == pytest.approx(p.defaults.ttft_base_s + p.defaults.prefill_s_per_token * 4000)
+    assert p.fleet_tpot(1, "big") > 2 * p.fleet_tpot(1, "small")
+    # The served model is kept from the first call that names it.
+    assert p.model("big-2").served == "big"

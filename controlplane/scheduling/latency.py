@@ -43,7 +43,7 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
     got = ctx.predicted.get(wid)
     if got is not None:
         return got
-    model = ctx.predictor.model(wid)
+    model = ctx.predictor.model(wid, spec.model)
     role = spec.role
     # The models' lines evaluated inline (a + b * x): this runs per candidate per placement.
     uncached = ctx.prompt_tokens - ctx.match_blocks.get(wid, 0) * ctx.block_size
@@ -88,7 +88,7 @@ def pair_decode(ctx: PlacementContext, decodes: Sequence[WorkerView], match_bloc
     bs, prompt = ctx.block_size, ctx.prompt_tokens
     best = None
     for d in decodes:
-        model = ctx.predictor.model(d.id)
+        model = ctx.predictor.model(d.id, d.spec.model)
         pulled = prompt - match_blocks.get(d.id, 0) * bs
         pull = model.pull(pulled if pulled > 0 else 0)
         tpot = model.tpot(d.load.requests + 1)
@@ -181,7 +181,7 @@ class PredictedLatencyScorer:
         pd_tpot = -1.0          # a prefill candidate's TPOT beside aggregated ones (see the docstring)
         if ctx.leg == "entry" and Role.BOTH in ctx.roles and Role.PREFILL in ctx.roles and \
                 any(w.spec.role is Role.BOTH for w in workers):
-            pd_tpot = ctx.predictor.fleet_tpot(1) if ctx.pair is None else 0.0
+            pd_tpot = ctx.predictor.fleet_tpot(1, ctx.model) if ctx.pair is None else 0.0
         costs = []
         computes = ctx.leg != "decode"
         model = ctx.predictor.model
