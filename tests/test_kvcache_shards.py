@@ -104,10 +104,11 @@ def test_eviction_takes_the_oldest_of_the_full_shard():
     idx.apply("b", 0, [stored([4 * i + 1 for i in range(10)])])      # shard 1
     idx.match_depths([0, 4, 8], touch=True)                          # a's root refreshed
     idx.apply("c", 0, [stored([64])])                                # shard 0 over its cap
-    assert idx.size() == 26
-    assert idx.match_depths(list(range(0, 64, 4))) == {("a", 0): 15}  # the least recent leaf went
+    # The block over the cap and a batch of 1/16 of the cap more: the two least recent leaves.
+    assert idx.size() == 25 and idx.stats().evicted == 2
+    assert idx.match_depths(list(range(0, 64, 4))) == {("a", 0): 14}
     assert idx.match_depths([1, 5, 9]) == {("b", 0): 3}              # shard 1 untouched
-    assert idx.stats().evicted == 1
+    assert idx.match_depths([64]) == {("c", 0): 1}
 
 
 def test_shards_follow_the_cap_and_bad_counts_are_refused():

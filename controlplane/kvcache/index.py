@@ -54,6 +54,7 @@ from __future__ import annotations
 import random
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 from itertools import chain as chain_iters
@@ -458,18 +459,16 @@ class PrefixIndex:
                 parents[h & mask][h] = prev
                 prev = h
         new: list[int] = []
-        full: list[dict[int, int]] = []     # shards grown past their cap
         added = 0
         last: int | None = None             # runs of blocks share one (interned) value: map it once
         last2 = 0
         # deepest first = least recent (see module docstring)
-        for d, h in zip(reversed(self._shards_of(hashes)), reversed(hashes), strict=True):
+        where = self._shards_of(hashes)
+        for d, h in zip(reversed(where), reversed(hashes), strict=True):
             m = d.pop(h, None)
             if m is None:
                 d[h] = bit
                 added += 1
-                if len(d) > cap:
-                    full.append(d)
             elif m & bit:
                 d[h] = m
                 continue
@@ -493,9 +492,9 @@ class PrefixIndex:
         self._clock += len(hashes)
         if mine.due():
             mine.compact()
-        if full:
+        if added and max(map(len, where)) > cap:        # some shard grew past its cap
             lost = 0
-            for d in full:
+            for d in where:
                 if len(d) > cap:
                     lost |= self._evict(d)
             self._compact_one(lost & ~(1 << slot))      # ``mine`` had its step above
@@ -554,15 +553,33 @@ class PrefixIndex:
         return held
 
     def _evict(self, shard: dict[int, int]) -> int:
-        """``shard`` is over its cap: drop its oldest blocks, 1/256 of the cap more than needed
-        so the scan for the oldest is paid once per batch. One step touches one shard, never
-        the whole index. Returns the mask of the slots that lost blocks (see _compact_one)."""
+        """``shard`` is over its cap: drop its oldest blocks, a batch more than needed so the
+        scan for the oldest (past the holes earlier batches left at the front of the dict) is
+        paid once per batch: 1/16 of a shard's cap (~490 blocks at the default), 1/256 of the cap
+        unsharded. One step touches one shard, never the whole index. The blocks are popped
+        in C and their holders counted by distinct value (runs of blocks share one). Returns the
+        mask of the slots that lost blocks (see _compact_one)."""
         cap = self._cap
-        n = min(len(shard), len(shard) - cap + (cap >> 8))
-        lost = 0
-        for h in list(islice(shard, n)):
-            lost |= self._drop_block(h)
-            self._evicted += 1
+        n = min(len(shard), len(shard) - cap + (cap >> 4 if self._mask else cap >> 8))
+        victims = list(islice(shard, n))
+        held = Counter(map(shard.pop, victims))
+        if self._parent is not None:
+            parents = self._parent[victims[0] & self._mask] if victims else {}
+            for h in victims:
+                parents.pop(h, None)
+        shift, blocks_of = self._shift, self._blocks_of
+        lost = refs = 0
+        for m, count in held.items():
+            m >>= shift
+            lost |= m
+            while m:
+                low = m & -m
+                blocks_of[low.bit_length() - 1].live -= count
+                refs += count
+                m ^= low
+        self._refs -= refs
+        self._size -= len(victims)
+        self._evicted += len(victims)
         return lost
 
     def _compact_one(self, lost: int) -> None:
