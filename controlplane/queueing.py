@@ -36,8 +36,6 @@ class Waiter:
     # held once, its prompt's length. The queue's order weighs it.
     work_tokens: int
     held: bool = False      # a placement has held it at least once (its work_tokens is known)
-    # Its waits (starvation, the longest) over the stage's: HoldQueue.scale of its TTFT target.
-    scale: float = 1.0
 
 
 class PlacementQueue:
@@ -75,8 +73,7 @@ class PlacementQueue:
             return self.refusal(req, "the placement queue is full")
         self.start()
         fut = asyncio.get_running_loop().create_future()
-        waiter = Waiter(req, session, fut, time.monotonic(), req.prompt_tokens,
-                        scale=self.stage.scale(req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else 0.0))
+        waiter = Waiter(req, session, fut, time.monotonic(), req.prompt_tokens)
         self._noted(waiter)
         self._waiting[req.request_id] = waiter
         self.counters["queued"] += 1
@@ -137,7 +134,7 @@ class PlacementQueue:
         now = time.monotonic()
         done = 0
         stage = self.stage
-        for waiter in [w for w in self._waiting.values() if now - w.enqueued_at >= stage.max_wait_s * w.scale]:
+        for waiter in [w for w in self._waiting.values() if now - w.enqueued_at >= stage.max_wait_s]:
             self.counters["timed_out"] += 1
             if stage.on_timeout == "reject":
                 self._resolve(waiter, self.refusal(waiter.req, "waited too long for a free engine"), now)

@@ -8,9 +8,6 @@ by a placement function that applies the real hold rule to one busy engine.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from controlplane import queueing
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import PlacementContext
@@ -37,10 +34,9 @@ def _view(wid: str, prefill_tokens: int) -> WorkerView:
 
 
 def _ctx(predictor: Predictor, rid: str, tokens: int, now: float, match: dict[str, int] | None = None,
-         floor: int = 0, ttft_slo_s: float = 0.0) -> PlacementContext:
+         floor: int = 0) -> PlacementContext:
     return PlacementContext(request_id=rid, model="m", leg="entry", prompt_tokens=tokens, predictor=predictor,
-                            now=now, match_blocks=dict(match or {}), floor_blocks=floor, block_size=16,
-                            ttft_slo_s=ttft_slo_s)
+                            now=now, match_blocks=dict(match or {}), floor_blocks=floor, block_size=16)
 
 
 def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
@@ -88,9 +84,6 @@ def test_a_request_whose_own_prefill_is_long_is_bound_at_once():
     assert not q.should_hold(_ctx(predictor, "document", 12000, 100.0), busy)       # 1.2 s of its own
     assert q.should_hold(_ctx(predictor, "question", 8000, 100.0), busy)            # 0.8 s: held
     assert HoldQueue(hold_s=0.15, bind_long_s=0.0).should_hold(_ctx(predictor, "document", 12000, 100.0), busy)
-    # bind_long_s is given for a 2 s TTFT target: with a 1 s target, 0.8 s of its own is long.
-    assert not q.should_hold(_ctx(predictor, "question", 8000, 100.0, ttft_slo_s=1.0), busy)
-    assert q.should_hold(_ctx(predictor, "question", 8000, 100.0, ttft_slo_s=4.0), busy)
 
 
 def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():
@@ -162,32 +155,3 @@ async def test_a_request_never_tried_is_tried_although_the_first_in_order_are_he
     finally:
         await queue.stop()
 
-
-async def test_a_requests_waits_are_parts_of_its_own_ttft_target(monkeypatch):
-    """``starvation_s`` and ``max_wait_s`` are given for a 2 s TTFT target: a request that
-    names a 0.5 s target starves, and is placed anyway, four times sooner; one with no target
-    waits them whole. (The runner's clock, its module's ``time``, is faked.)"""
-    clock = [100.0]
-    monkeypatch.setattr(queueing, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    stage = HoldQueue(hold_s=0.15, starvation_s=1.0, max_wait_s=3.0, bind_affine=False)
-    assert stage.scale(0.5) == 0.25 and stage.scale(0.0) == 1.0
-    placer = _OneBusyEngine(stage, cached={})
-    queue = PlacementQueue(stage, placer)
-    try:
-        plain, hurried = queue.enqueue(_entry("plain", 100), "s"), queue.enqueue(
-            pb.PlaceRequest(request_id="hurried", model="m", leg=pb.LEG_ENTRY, prompt_tokens=9000, max_tokens=1,
-                            ttft_slo_ms=500), "s")
-        assert await queue.dispatch() == 0
-        clock[0] = 100.3             # past the hurried one's starvation (0.25 s), not the other's
-        assert [w.req.request_id for w in stage.order(list(queue._waiting.values()), clock[0])] == \
-            ["hurried", "plain"]
-        assert await queue.dispatch() == 0
-        clock[0] = 100.8             # past the hurried one's longest wait (0.75 s): placed anyway
-        assert await queue.dispatch() == 1
-        assert placer.placed == ["hurried"] and hurried.done() and not plain.done()  # type: ignore[union-attr]
-        clock[0] = 102.9
-        assert await queue.dispatch() == 0
-        clock[0] = 103.0
-        assert await queue.dispatch() == 1 and plain.done()  # type: ignore[union-attr]
-    finally:
-        await queue.stop()

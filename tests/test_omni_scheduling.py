@@ -283,8 +283,8 @@ async def test_a_named_slo_does_not_move_a_follow_up_off_its_conversation():
 
 
 class W:
-    def __init__(self, work_tokens, enqueued_at, scale=1.0):
-        self.work_tokens, self.enqueued_at, self.scale = work_tokens, enqueued_at, scale
+    def __init__(self, work_tokens, enqueued_at):
+        self.work_tokens, self.enqueued_at = work_tokens, enqueued_at
 
 
 def test_queue_order_prefers_short_prompts_then_long_waiters_and_starvation_overrides():

@@ -9,15 +9,15 @@ to an engine only when one can start it soon. A request that has waited ``starva
 goes ahead of every shorter one. The queue is bounded in size (beyond: refused, HTTP 429)
 and in wait (beyond: placed on the best engine anyway, or refused: ``on_timeout``).
 
-The waits are parts of a TTFT budget: ``starvation_s``, ``max_wait_s`` and ``bind_long_s`` are
-given for a request whose TTFT target is ``ttft_target_s`` (2 s, the scorer's default), and a
-request that names its own target (``X-SLO-TTFT-Ms``) has them scaled by its target over that
-one (``scale``): a request with a 500 ms budget that waited 1 s has already missed it, one
-with a 10 s budget has not started to. ``hold_s`` is not scaled: it is how much work an
-engine keeps queued so that it never runs dry while a released request reaches it and its
-prediction is off by a little, a property of the engine and the path to it, not of what the
-client can wait for. None is scaled to the engines' speed: an engine twice as fast has its
-work ahead predicted in half the seconds already (its learned line).
+The constants are seconds of wall-clock time, not parts of the request's TTFT target nor
+of the engines' speed. ``hold_s`` is how much work an engine keeps queued so that it never
+runs dry while a released request reaches it; an engine twice as fast has its work ahead
+predicted in half the seconds already (its learned line). Scaled by a request's own TTFT
+target (``X-SLO-TTFT-Ms``), ``starvation_s``, ``max_wait_s`` and ``bind_long_s`` cost
+attainment: mixed chat and summaries at 4x with the targets sent as headers, held requests
+met the SLO 34.7 % against 46.7 % unscaled (one run each): a shorter ``max_wait_s`` places
+more late requests on engines already behind, ahead of requests that could still make it
+(docs/benchmarks/pd_queue.md).
 
 This class is the policy; ``controlplane.queueing`` runs it. ``PhaseWindow`` (queue
 ``phase_window``) holds for another reason: to dispatch the prefills of a data-parallel
@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 
 from controlplane.scheduling.base import PlacementContext
-from controlplane.scheduling.latency import TTFT_TARGET_S
 from controlplane.workers import Role, WorkerView
 
 
@@ -50,8 +49,6 @@ class HoldQueue:
     # Bind at once a request whose own prefill on its chosen engine is predicted to take
     # longer than this (0: off; see should_hold).
     bind_long_s: float = 1.0
-    # The TTFT target the waits above are given for (see the module's docstring and scale).
-    ttft_target_s: float = TTFT_TARGET_S
     name: str = "omni"
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
@@ -66,13 +63,6 @@ class HoldQueue:
                 raise ValueError(f"{key} must be >= 0")
         if self.max_size < 1:
             raise ValueError("max_size must be >= 1")
-        if not self.ttft_target_s > 0:
-            raise ValueError("ttft_target_s must be > 0")
-
-    def scale(self, ttft_slo_s: float) -> float:
-        """What a request's waits (``starvation_s``, ``max_wait_s``, ``bind_long_s``) are
-        multiplied by: its own TTFT target over ``ttft_target_s``, 1 when it names none."""
-        return ttft_slo_s / self.ttft_target_s if ttft_slo_s > 0 else 1.0
 
     def should_hold(self, ctx: PlacementContext, chosen: WorkerView) -> bool:
         """Hold while even the best engine has more than ``hold_s`` of prefill work ahead;
@@ -147,8 +137,7 @@ class HoldQueue:
         then copied elsewhere: long-document QA held met the SLO 73.3-75.8 % against 80.8 %
         unheld at 4x; with this rule 80.8 % (docs/benchmarks/pd_queue.md).
         """
-        return self.bind_long_s > 0 and \
-            ctx.uncached_tokens(wid) * s_per_token > self.bind_long_s * self.scale(ctx.ttft_slo_s)
+        return self.bind_long_s > 0 and ctx.uncached_tokens(wid) * s_per_token > self.bind_long_s
 
     def _held(self, ctx: PlacementContext, wid: str) -> bool:
         """Note the held request's work on the engine it waits for (``take_work``)."""
@@ -170,8 +159,7 @@ class HoldQueue:
 
     def order(self, waiting: list, now: float) -> list:
         """Waiting requests (objects with ``work_tokens``, the prompt tokens they would have
-        computed where they were last held, ``enqueued_at`` and ``scale``, ``scale``'s answer
-        for their TTFT target), best first."""
+        computed where they were last held, and ``enqueued_at``), best first."""
         if len(waiting) < 2:
             return list(waiting)
         longest = max(w.work_tokens for w in waiting) or 1
@@ -180,7 +168,7 @@ class HoldQueue:
 
         def key(w):
             waited = now - w.enqueued_at
-            if waited >= starve * w.scale:
+            if waited >= starve:
                 return (0, w.enqueued_at)            # starved: first come, first served
             return (1, -(sw * (1.0 - w.work_tokens / longest) + ww * waited / oldest))
 
