@@ -15,7 +15,7 @@ runs dry while a released request reaches it; an engine twice as fast has its wo
 predicted in half the seconds already (its learned line). Scaled by a request's own TTFT
 target (``X-SLO-TTFT-Ms``), ``starvation_s``, ``max_wait_s`` and ``bind_long_s`` cost
 attainment: mixed chat and summaries at 4x with the targets sent as headers, held requests
-met the SLO 34.7 % against 46.7 % unscaled (one run each): a shorter ``max_wait_s`` places
+met the SLO 28-40 % in four runs against 46.7 % in two unscaled: a shorter ``max_wait_s`` places
 more late requests on engines already behind, ahead of requests that could still make it
 (docs/benchmarks/pd_queue.md).
 
