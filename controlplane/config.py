@@ -29,7 +29,7 @@ Example (TOML)::
     key_prefix = "omni:"           # namespaces one deployment's keys in a shared Redis
     replica_ttl_s = 10.0           # a replica silent this long loses its reservations
     loads_max_age_s = 0.05         # > 0: place from a local copy of the loads, refreshed this often
-    write_behind = true            # answer a placement before Redis confirms its charge
+    write_behind = true            # answer a placement (and its end) before Redis confirms it
     ledger = "shared"              # "local": placement never waits for Redis (controlplane/state/local.py)
     flush_interval_s = 0.005       # ledger = "local": this replica's loads are written this often
     op_timeout_s = 0.5             # a Redis call unanswered this long: the store is out (placed from memory)
