@@ -451,7 +451,7 @@ class PrefixIndex:
         slot = self._slot(key)
         intern = self._intern.setdefault
         bit = intern(1 << slot, 1 << slot)
-        mine, mask, cap = self._blocks_of[slot], self._mask, self._cap
+        mine, shards, mask, cap = self._blocks_of[slot], self._shards, self._mask, self._cap
         parents = self._parent
         if parents is not None:
             prev = parent
@@ -459,16 +459,18 @@ class PrefixIndex:
                 parents[h & mask][h] = prev
                 prev = h
         new: list[int] = []
+        full: list[dict[int, int]] = []     # shards grown past their cap
         added = 0
         last: int | None = None             # runs of blocks share one (interned) value: map it once
         last2 = 0
-        # deepest first = least recent (see module docstring)
-        where = self._shards_of(hashes)
-        for d, h in zip(reversed(where), reversed(hashes), strict=True):
+        for h in reversed(hashes):          # deepest first = least recent (see module docstring)
+            d = shards[h & mask]
             m = d.pop(h, None)
             if m is None:
                 d[h] = bit
                 added += 1
+                if len(d) > cap:
+                    full.append(d)
             elif m & bit:
                 d[h] = m
                 continue
@@ -492,9 +494,9 @@ class PrefixIndex:
         self._clock += len(hashes)
         if mine.due():
             mine.compact()
-        if added and max(map(len, where)) > cap:        # some shard grew past its cap
+        if full:
             lost = 0
-            for d in where:
+            for d in full:
                 if len(d) > cap:
                     lost |= self._evict(d)
             self._compact_one(lost & ~(1 << slot))      # ``mine`` had its step above
@@ -506,13 +508,26 @@ class PrefixIndex:
         if slot is None:
             return
         mine = self._blocks_of[slot]
-        bit, shards, mask = mine.bit, self._shards, self._mask
-        for h in hashes:
-            m = shards[h & mask].get(h)
+        bit, shards, mask, shift = mine.bit, self._shards, self._mask, self._shift
+        intern, parents = self._intern.setdefault, self._parent
+        n = gone = 0
+        for h in hashes:                    # _unhold, inline: a run of removals is one call
+            d = shards[h & mask]
+            m = d.get(h)
             if m is not None and m & bit:
-                self._unhold(h, m, bit)
-                mine.live -= 1
-                self._removed += 1
+                n += 1
+                m &= ~bit
+                if m >> shift:
+                    d[h] = intern(m, m)
+                else:
+                    del d[h]
+                    gone += 1
+                    if parents is not None:
+                        parents[h & mask].pop(h, None)
+        mine.live -= n
+        self._refs -= n
+        self._removed += n
+        self._size -= gone
         mine.compact()
 
     def _unhold(self, h: int, m: int, bit: int) -> None:
