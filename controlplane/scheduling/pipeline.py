@@ -147,7 +147,7 @@ POLICIES: dict[str, dict[str, Any]] = {
                   "picker": "max_score"},
     # Omni scheduling: predicted TTFT (queue + uncached prefill, learned per engine) and
     # TPOT, against the request's SLO headers if it names them (the scorer's targets, and the
-    # picker's first preference among near-equal engines: no ``slo`` filter, see SLOFilter);
+    # picker's preference among near-equal engines: no ``slo`` filter, see SLOFilter);
     # every request bound to an engine on arrival.
     "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
     # The same with late binding in the control plane's queue (Omni's request holding). Opt-in:
