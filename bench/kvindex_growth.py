@@ -64,7 +64,7 @@ class Steps:
             return {}
         return {"steps": len(w), "max_ms": round(w[-1] * 1e3, 2), "p99_ms": round(w[int(len(w) * 0.99)] * 1e3, 3),
                 "over_5ms": sum(x > 5e-3 for x in w), "cpu_max_ms": round(c[-1] * 1e3, 2),
-                "cpu_over_5ms": sum(x > 5e-3 for x in c), "total_s": round(sum(w), 2)}
+                "cpu_over_5ms": sum(x > 5e-3 for x in c), "total_s": round(sum(w), 2), "cpu_s": round(sum(c), 2)}
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import random
 import sys
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 from itertools import chain as chain_iters
@@ -190,16 +190,23 @@ class SlotBlocks:
             self._stop = len(self.hashes)
         hashes, w, r = self.hashes, self._w, self._r
         end = min(r + self.COMPACT_STEP, self._stop)
-        # Comprehensions, dict.fromkeys (first of repeats kept) and one bulk probe rather than a
-        # loop over self.
+        # Comprehensions, one bulk probe (the array's own bytes pick the shards: no conversion)
+        # and dict.fromkeys (first of repeats kept) rather than a loop over self.
         bit, index = self.bit, self._index
-        todo = list(dict.fromkeys(hashes[r:end]))
-        kept = [h for h, v in zip(todo, index._values(todo), strict=True)
-                if v and v & bit and h not in seen[h & 255]]
+        chunk = hashes[r:end]
+        todo = chunk.tolist()
+        low = chunk.tobytes()[_LOW::8]
+        kept = [h for h, v, b in zip(todo, index._values_low(todo, low), low, strict=True)
+                if v and v & bit and h not in seen[b]]
+        if len(kept) > 1:
+            kept = list(dict.fromkeys(kept))
         if kept:
-            for h in kept:
-                seen[h & 255].add(h)
-            hashes[w:w + len(kept)] = array("Q", kept)
+            arr = array("Q", kept)
+            if len(kept) > 1:       # each into its set, in C: the sets picked by the low bytes
+                deque(map(set.add, itemgetter(*arr.tobytes()[_LOW::8])(seen), kept), maxlen=0)
+            else:
+                seen[kept[0] & 255].add(kept[0])
+            hashes[w:w + len(kept)] = arr
             w += len(kept)
         if end < self._stop:
             self._w, self._r = w, end
@@ -282,9 +289,21 @@ class PrefixIndex:
             low = array("Q", hs).tobytes()[_LOW::8]
         except (OverflowError, TypeError):
             return [shards[h & mask] for h in hs]
+        return self._shards_by_low(low)
+
+    def _shards_by_low(self, low: bytes) -> Sequence[dict[int, int]]:
+        """The shards of hashes whose low bytes are ``low`` (at least 2 of them)."""
         if self._table is not None:
             low = low.translate(self._table)
-        return cast("tuple[dict[int, int], ...]", itemgetter(*low)(shards))
+        return cast("tuple[dict[int, int], ...]", itemgetter(*low)(self._shards))
+
+    def _values_low(self, hs: list[int], low: bytes) -> Iterator[int | None]:
+        """As :meth:`_values` (lazily) for 64-bit ``hs`` whose low bytes are ``low``."""
+        if not self._mask:
+            return map(self._shards[0].get, hs)
+        if len(hs) < 2:
+            return map(self._get, hs)
+        return map(dict.get, self._shards_by_low(low), hs)
 
     def _values(self, hs: Sequence[int]) -> list[int | None]:
         """The holders of each of ``hs`` (None: not indexed), probed in C."""
