@@ -101,7 +101,7 @@ class PlacementCommit:
         method, called positionally: this runs for every request, and an object built per
         placement or a call through ``__call__`` with keywords cost 1.5-3 us of a 55 us
         placement (bench/placement.py, least_load)."""
-        now = time.monotonic()
+        now = ctx.now or time.monotonic()    # the placement's own time (Placer.clock)
         charge_list, notes = ledger_charges(ctx, charges, flow=flow, ranks=ranks, record=record, now=now)
         charged = tuple(charge_list)
         if record is None:

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from controlplane.commit import PlacementCommit
 from controlplane.dp_rank import RankChooser, rank_key
@@ -62,7 +62,8 @@ def _endpoint(worker: WorkerView) -> pb.Endpoint:
 class Placer:
     def __init__(self, store: StateStore, fleet: Fleet, profile: Profile, *, pd_flow: str = "sequential",
                  metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None,
-                 predictor: Predictor | None = None, block_size: int = 16, kv: KVCache | None = None) -> None:
+                 predictor: Predictor | None = None, block_size: int = 16, kv: KVCache | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         # Which flow a request takes: the PD-flow decider ``pd_flow`` names (scheduling.pd_flow).
         self.flows = build_pd_flow(pd_flow)
         self.store = store
@@ -74,6 +75,9 @@ class Placer:
         self.kv = kv     # prefix-cache view; None = placement ignores caches
         self.predictor = predictor or Predictor()
         self.block_size = block_size
+        # The one clock placement reads (a context's ``now``, the ledger's times, what the
+        # prediction computes since): tests give a fake one, so decisions replay exactly.
+        self.clock = clock
         self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
         # The DP rank of a data-parallel worker, by the profile's rule (balance | phase_aligned).
         self.ranks = RankChooser(store, profile.shared, profile.dp_rank, block_size)
@@ -255,14 +259,14 @@ class Placer:
         time would teach P's line D's queue and pull.
         """
         if any(c.prefill_tokens for c in record.charges):
-            self.predictor.prompts_computed(record.charges, time.monotonic())   # P is done with it (pending_s)
+            self.predictor.prompts_computed(record.charges, self.clock())   # P is done with it (pending_s)
             record = await self.store.settle_prefill(req.request_id) or record
         first = not req.exclude_workers and not any(c.leg == "decode" for c in record.charges)
         if first and record.work_ahead_tokens > 0 and record.placed_at > 0:
             for c in record.charges:
                 if c.leg == "prefill":
                     self.predictor.observe_ttft(c.worker_id, record.work_ahead_tokens,
-                                                time.monotonic() - record.placed_at)
+                                                self.clock() - record.placed_at)
                     break
         if self.queue is not None:
             self.queue.kick()
@@ -335,7 +339,7 @@ class Placer:
         return PlacementContext(
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers) if req.exclude_workers else _NONE,
-            now=time.monotonic(), metrics_max_age_s=self.metrics_max_age_s, roles=_ROLE_SETS[roles],
+            now=self.clock(), metrics_max_age_s=self.metrics_max_age_s, roles=_ROLE_SETS[roles],
             chain_blocks=len(chain), chain=chain,
             block_size=self.block_size, predictor=self.predictor,
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else 0.0,
@@ -369,7 +373,7 @@ class Placer:
                               count=count)
         ejected = [self.fleet.state(wid).ejected_until for wid, r in reasons_by_id.items() if r == "ejected"]
         if ejected:   # the circuit breaker holds them back: say when the first one returns
-            refusal.retry_after_s = max(min(ejected) - time.monotonic(), 0.001)
+            refusal.retry_after_s = max(min(ejected) - self.clock(), 0.001)
         return refusal
 
     def internal_error(self, req: pb.PlaceRequest, exc: BaseException) -> pb.Placement:

@@ -33,7 +33,7 @@ def wid(i: int) -> str:
 
 
 async def plane(policy: str, n: int, *, exact: bool = False, weights=None, sample: bool = True,
-                seed: int = 1) -> tuple[Placer, MemoryStore, Fleet]:
+                seed: int = 1, clock=None) -> tuple[Placer, MemoryStore, Fleet]:
     store, fleet = MemoryStore(), Fleet()
     for i in range(n):
         spec = WorkerSpec(id=wid(i), url=f"http://{wid(i)}", role=Role.BOTH, model="m",
@@ -48,9 +48,19 @@ async def plane(policy: str, n: int, *, exact: bool = False, weights=None, sampl
     for obj in (profile.picker, profile.candidates):
         if obj is not None and hasattr(obj, "rng"):
             obj.rng = random.Random(seed)
-    placer = Placer(store, fleet, profile)
+    placer = Placer(store, fleet, profile, **({"clock": clock} if clock else {}))
     placer.kv = KVCache(KVCacheConfig(approx_ttl_s=600))
     return placer, store, fleet
+
+
+class FakeClock:
+    """A clock the test moves by hand (Placer's ``clock``)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def entry(rid: str, chain=(), tokens: int = 0, **kw) -> pb.PlaceRequest:
@@ -77,7 +87,10 @@ async def test_small_fleets_decide_exactly_as_the_unsampled_pipeline(policy, exa
     docs = [[rng.getrandbits(64) for _ in range(24)] for _ in range(6)]
     got = []
     for sample in (True, False):
-        placer, store, _ = await plane(policy, 16, exact=exact, sample=sample, seed=3)
+        # Both runs see the same clock (a placement every 10 ms): the prediction counts what an
+        # engine computed since its last prompt was placed, so wall time would tip near ties.
+        clock = FakeClock(1000.0)
+        placer, store, _ = await plane(policy, 16, exact=exact, sample=sample, seed=3, clock=clock)
         assert (placer.profile.candidates is not None) == sample
         if exact:
             for d, doc in enumerate(docs):
@@ -85,6 +98,7 @@ async def test_small_fleets_decide_exactly_as_the_unsampled_pipeline(policy, exa
         r = random.Random(9)
         seq = []
         for i in range(120):
+            clock.t += 0.01
             doc = docs[r.randrange(len(docs))]
             chain = doc[:r.randrange(4, 24)] + [r.getrandbits(64) for _ in range(4)]
             p = await placer.place(entry(f"r{i}", chain))
