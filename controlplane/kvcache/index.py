@@ -23,9 +23,10 @@ commits to the whole prefix) keep an entry near 100 bytes (bench/placement.py me
 Growing without stalls: ``holders`` is not one dict but 2**k shards picked by a hash's low bits
 (256 at the default cap of 2,000,000 blocks, about 8,000 blocks a shard at the cap; one below
 8,192). CPython rebuilds a dict whole when it grows, and when it has churned (a delete leaves a
-slot that only a rebuild reclaims, and an LRU refresh is a delete plus an insert): one dict of a
-million blocks held the event loop, and every placement behind it, ~210 ms per rebuild; a shard's
-rebuild is 1/256 of that (bench/kvindex_growth.py, docs/benchmarks/kv_events_load.md). Picking a
+slot that only a rebuild reclaims, and an LRU refresh is a delete plus an insert): one dict of
+1-2 million blocks held the event loop, and every placement behind it, 30-120 ms of CPU per
+rebuild on this project's 2-core machine; a shard's rebuild is 1/256 of that
+(bench/kvindex_growth.py, docs/benchmarks/kv_events_load.md). Picking a
 shard per block costs about as much as the probe itself, so the walk picks them in C (the
 hashes' low bytes through one itemgetter) and keeps the picks of 64-block chain segments it has
 walked (a conversation's next turn, a shared system prompt walk the same segments again), and
