@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, SlotBlocks
-from tests.test_kvcache_index import consistent
+from tests.test_kvcache_index import consistent, reference_depths
 
 WORKERS = [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
 # Small ints, both ends of 64 bits, and hashes outside them (kept by the per-hash path).
@@ -23,17 +23,6 @@ POOL = list(range(1, 40)) + [2**64 - 1, 2**63 + 5, 2**64 + 3, -7, 255, 256, 511]
 
 def stored(hashes, parent=None) -> BlockStored:
     return BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent, token_ids=(), block_size=16)
-
-
-def reference_depths(held: dict, chain: list[int]) -> dict:
-    out = {}
-    for key, blocks in held.items():
-        d = 0
-        while d < len(chain) and chain[d] in blocks:
-            d += 1
-        if d:
-            out[key] = d
-    return out
 
 
 def chains(max_len: int = 300):
