@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from controlplane.kvcache import index as index_module
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, SlotBlocks
 from tests.test_kvcache_index import consistent, reference_depths
 
@@ -27,7 +28,7 @@ def stored(hashes, parent=None) -> BlockStored:
 
 def chains(max_len: int = 300):
     """Chains drawn from a small pool (long runs of held blocks, repeats, shared segments with
-    different middles), sometimes a long prefix of one fixed chain (the segment cache's case)."""
+    different middles), sometimes a long prefix of one fixed chain (walked in pieces past ``_HEAD``)."""
     base = [POOL[(i * 7) % len(POOL)] for i in range(max_len)]
     return st.one_of(st.lists(st.sampled_from(POOL), max_size=max_len),
                      st.integers(0, max_len).map(lambda n: base[:n]),
@@ -60,7 +61,7 @@ def test_sharded_walk_equals_a_plain_model(ops, queries, shards):
             held.pop(key, None)
         else:
             idx.match_depths(chain, touch=True)
-        for q in queries:      # again after each step: the segment cache must not answer stale
+        for q in queries:      # again after each step
             assert idx.match_depths(q) == reference_depths(held, q)
     consistent(idx)
     assert idx.size() == len({h for blocks in held.values() for h in blocks})
@@ -127,10 +128,9 @@ def test_a_large_index_grows_in_shards_of_even_size():
     assert len(set(keys)) == len(keys) == idx.size() and all(vals)
 
 
-def test_a_cached_segment_is_used_only_for_the_same_hashes():
-    """The walk keeps the shards of 64-block segments under their last hash; a chain that ends a
-    segment with the same hash but differs inside it (hashes that do not commit to their prefix)
-    must not reuse them."""
+def test_a_walk_probes_each_blocks_own_shard():
+    """Chains that share their ends but differ inside (hashes that do not commit to their prefix)
+    are each walked over their own blocks' shards."""
     idx = PrefixIndex(PrefixIndexConfig(shards=256))
     a = list(range(1000, 1200))
     b = a[:100] + [1] + a[101:]                 # 1 lies in another shard than 1100
@@ -140,6 +140,29 @@ def test_a_cached_segment_is_used_only_for_the_same_hashes():
     idx.apply("w", 0, [stored([1])])
     assert idx.match_depths(b) == {("w", 0): 200}
     assert idx.match_depths(a) == {("w", 0): 200}
+
+
+@pytest.mark.parametrize("shards", [1, 16, 256])
+def test_long_walks_end_where_the_plain_model_does_on_either_side_of_the_first_pieces_end(shards):
+    """A long chain's shards are picked in two pieces (the first ``_HEAD`` blocks, then the rest,
+    only if the walk gets there), the rest through the per-hash path where a hash does not fit 64
+    unsigned bits: matches ending at, just before and just after the pieces' border, and hashes
+    outside 64 bits on either side, answer as the plain model."""
+    rng = random.Random(5)
+    head = index_module._HEAD
+    idx = PrefixIndex(PrefixIndexConfig(max_blocks=1_000_000, shards=shards))
+    chain = [rng.getrandbits(64) for _ in range(head + 60)]
+    chain[head + 7] = 2**64 + 11                # outside 64 bits, in the second piece
+    held: dict = {}
+    for i, depth in enumerate((0, 1, head - 1, head, head + 1, head + 8, len(chain))):
+        key = (f"w{i}", 0)
+        if depth:
+            idx.apply(key[0], 0, [stored(chain[:depth])])
+        held[key] = set(chain[:depth])
+    for q in (chain, chain[:head], chain[:head + 1], [-3] + chain[1:], chain[:head] + [2**70] + chain[head + 1:]):
+        assert idx.match_depths(q) == reference_depths(held, q)
+        alive = idx.mask_of(["w2", "w5"])
+        assert idx.depths(q, alive) == {k[0]: d for k, d in reference_depths(held, q).items() if k[0] in ("w2", "w5")}
 
 
 def test_a_slot_compacts_in_steps_and_frees_what_it_kept_in_steps():

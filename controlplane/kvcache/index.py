@@ -71,8 +71,7 @@ _STAMP = (1 << _STAMP_BITS) - 1
 _INTERN_MAX = 1 << 16      # distinct masks remembered for sharing; beyond, the table starts over
 _SHARD_BITS_MAX = 8        # at most 256 shards: a shard is picked by a hash's low byte
 _SHARD_TARGET = 12         # auto: about 4,096-8,192 blocks a shard at max_blocks
-_SEGMENT = 64              # blocks of a chain whose shard selection is cached as one (a power of two)
-_SEGMENTS_MAX = 4096       # segments cached; beyond, the cache starts over (about 3 KB a segment)
+_HEAD = 128                # blocks of a chain whose shards a walk picks before it knows it goes further
 _LOW = 0 if sys.byteorder == "little" else 7    # where a uint64's low byte sits in its bytes
 
 
@@ -243,8 +242,6 @@ class PrefixIndex:
         self._cap = self.config.max_blocks >> bits           # blocks a shard keeps before evicting
         self._table = bytes(b & self._mask for b in range(256)) if 0 < bits < _SHARD_BITS_MAX else None
         self._size = 0                                       # blocks over all shards
-        # last hash of a 64-block chain segment -> (its hashes, their shards): see _selection
-        self._segments: dict[int, tuple[Sequence[int], Sequence[dict[int, int]]]] = {}
         self._parent: list[dict[int, int | None]] | None = \
             [{} for _ in range(1 << bits)] if self.config.keep_parents else None
         self._slot_of: dict[WorkerKey, int] = {}
@@ -310,48 +307,38 @@ class PrefixIndex:
         """The holders of each of ``hs`` (None: not indexed), probed in C."""
         if not self._mask:
             return list(map(self._shards[0].get, hs))
-        return list(map(dict.get, self._shards_of(hs), hs))
+        return list(map(dict.get, self._picks(hs), hs))
 
-    def _probes(self, chain: Sequence[int]) -> Iterator[Iterator[int | None]]:
-        """The holders along ``chain`` in growing pieces (blocks [0, 8), [8, 64), [64, 512) ...),
-        so a walk that stops early picks shards for little more than what it read."""
-        shards, mask = self._shards, self._mask
-        n = len(chain)
-        yield map(dict.get, [shards[h & mask] for h in chain[:8]], chain[:8])
-        lo, hi = 8, 64
-        while lo < n:
-            hi = min(hi, n)
-            yield map(dict.get, self._selection(chain, lo, hi), chain[lo:hi])
-            lo, hi = hi, hi << 3
+    def _picks(self, hs: Sequence[int]) -> Iterable[dict[int, int]]:
+        """The shard of each of ``hs``, lazily and in C where they fit 64 unsigned bits: their low
+        bytes in one pass (list -> array -> bytes, every 8th), each to its shard by the list's
+        own ``__getitem__`` (no Python code per block)."""
+        shards = self._shards
+        try:
+            low = array("Q", hs).tobytes()[_LOW::8]
+        except (OverflowError, TypeError):
+            mask = self._mask
+            return [shards[h & mask] for h in hs]
+        if self._table is not None:
+            low = low.translate(self._table)
+        return map(shards.__getitem__, low)
 
-    def _selection(self, chain: Sequence[int], lo: int, hi: int) -> list[dict[int, int]]:
-        """The shards of ``chain[lo:hi]``, from the cache of 64-block segments where it has them.
+    def _probe(self, chain: Sequence[int]) -> Iterator[int | None]:
+        """The holders along ``chain`` (None: not indexed), lazily and in C, so a walk that stops
+        early probes no further; the shards of a long chain's blocks past its first ``_HEAD``
+        are picked only once the walk gets there."""
+        shards = self._shards
+        if not self._mask:
+            return map(shards[0].get, chain)
+        if len(chain) <= _HEAD:
+            return map(dict.get, self._picks(chain), chain)
+        return chain_iters.from_iterable(self._pieces(chain))
 
-        Picking a shard per block costs about as much as probing it; long walks are mostly over
-        prefixes walked before (a conversation's next turn, a shared system prompt), so the
-        selection of each whole segment [64k, 64k + 64) is kept under its last hash, with its
-        hashes to check against (so it is right whatever the hashes commit to)."""
-        cache, n = self._segments, len(chain)
-        out: list[dict[int, int]] = []
-        s = lo & ~(_SEGMENT - 1)
-        while s < hi:
-            e = s + _SEGMENT
-            if e > n:                       # a chain's last, partial segment: not kept
-                out += self._shards_of(chain[s:])
-                break
-            hs = chain[s:e]
-            got = cache.get(hs[-1])
-            if got is not None and got[0] == hs:
-                out += got[1]
-            else:
-                sel = self._shards_of(hs)
-                if len(cache) >= _SEGMENTS_MAX:
-                    cache.clear()
-                cache[hs[-1]] = (hs, sel)
-                out += sel
-            s = e
-        off = lo & (_SEGMENT - 1)
-        return out[off:off + hi - lo] if off or len(out) > hi - lo else out
+    def _pieces(self, chain: Sequence[int]) -> Iterator[Iterator[int | None]]:
+        head = chain[:_HEAD]
+        yield map(dict.get, self._picks(head), head)
+        rest = chain[_HEAD:]
+        yield map(dict.get, self._picks(rest), rest)
 
     def entries(self) -> tuple[list[int], list[int]]:
         """Every block hash and its value, shard by shard, each shard oldest first (a copy)."""
@@ -636,15 +623,20 @@ class PrefixIndex:
         """(depth, mask of the slots whose match ends at that depth), shallowest first; depth >= 1."""
         shift = self._shift
         levels: list[tuple[int, int]] = []
-        depth = 0
         if shift:
             alive <<= shift             # compare in the values' own position: stamps fall out of the AND
-        # map() probes in C, lazily (in growing pieces when sharded): the walk still stops at the
-        # first block nobody alive holds. Runs of blocks with equal holders (most of a chain: its
-        # blocks were stored together) are grouped and counted in C too, so the Python loop turns
-        # once per change of holders, not once per block.
-        vals = chain_iters.from_iterable(self._probes(chain)) if self._mask else map(self._shards[0].get, chain)
-        for v, run in groupby(vals):
+        if not chain:
+            return levels
+        h = chain[0]
+        v = self._shards[h & self._mask].get(h)
+        if v is None or not v & alive:  # the first probe decides: a prompt nobody alive holds costs one
+            return levels
+        depth = 0
+        # map() probes in C, lazily (_probe): the walk still stops at the first block nobody alive
+        # holds. Runs of blocks with equal holders (most of a chain: its blocks were stored
+        # together, and equal masks are one interned object) are grouped and counted in C too, so
+        # the Python loop turns once per change of holders, not once per block.
+        for v, run in groupby(self._probe(chain)):
             m = v & alive if v is not None else 0
             if m != alive:
                 if depth:
@@ -879,7 +871,7 @@ class RoutedIndex(PrefixIndex):
         in one C pass, deepest first). The index is large and its probes miss the CPU caches:
         fewer probes is what makes the walk cheap.
         """
-        get, shift, k = self._get, self._shift, self.stride
+        shards, mask, shift, k = self._shards, self._mask, self._shift, self.stride
         levels: list[tuple[int, int]] = []
         n = len(chain)
         sparse = chain if k == 1 else chain[k - 1::k]     # sparse[j] lies at depth (j + 1) * k
@@ -889,7 +881,8 @@ class RoutedIndex(PrefixIndex):
         while True:
             # hi: the first index >= i not held by every alive slot (s: none), vh: its value
             if i < s:
-                v = get(sparse[i])
+                h = sparse[i]
+                v = shards[h & mask].get(h)      # probes inline: a method call each cost as much again
                 if v is not None and v & alive == alive:
                     lo, step = i, 1          # gallop forward
                     while True:
@@ -897,7 +890,8 @@ class RoutedIndex(PrefixIndex):
                         if j >= s:
                             hi = s
                             break
-                        vh = get(sparse[j])
+                        h = sparse[j]
+                        vh = shards[h & mask].get(h)
                         if vh is not None and vh & alive == alive:
                             lo, step = j, step * 2
                         else:
@@ -905,7 +899,8 @@ class RoutedIndex(PrefixIndex):
                             break
                     while hi - lo > 1:       # bisect (lo, hi]
                         mid = (lo + hi) >> 1
-                        v = get(sparse[mid])
+                        h = sparse[mid]
+                        v = shards[h & mask].get(h)
                         if v is not None and v & alive == alive:
                             lo = mid
                         else:
