@@ -27,9 +27,9 @@ slot that only a rebuild reclaims, and an LRU refresh is a delete plus an insert
 1-2 million blocks held the event loop, and every placement behind it, 30-120 ms of CPU per
 rebuild on this project's 2-core machine; a shard's rebuild is 1/256 of that
 (bench/kvindex_growth.py, docs/benchmarks/kv_events_load.md). Picking a
-shard per block costs about as much as the probe itself, so the walk picks them in C (the
-hashes' low bytes through one itemgetter) and keeps the picks of 64-block chain segments it has
-walked (a conversation's next turn, a shared system prompt walk the same segments again), and
+shard per block in Python costs about as much as the probe itself, so the walk probes through
+one lazy pipeline of C iterators (the chain's low bytes, each to its shard by the shard list's
+``__getitem__``, then ``dict.get``), lets its first probe decide whether to build it at all, and
 counts runs of blocks with equal holders in C (itertools.groupby) so its Python loop turns once
 per change of holders, not once per block.
 
@@ -58,7 +58,6 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
-from itertools import chain as chain_iters
 from itertools import groupby, islice
 from operator import countOf, itemgetter
 from typing import cast
@@ -72,6 +71,7 @@ _INTERN_MAX = 1 << 16      # distinct masks remembered for sharing; beyond, the 
 _SHARD_BITS_MAX = 8        # at most 256 shards: a shard is picked by a hash's low byte
 _SHARD_TARGET = 12         # auto: about 4,096-8,192 blocks a shard at max_blocks
 _HEAD = 128                # blocks of a chain whose shards a walk picks before it knows it goes further
+_KNOWN_MAX = 1 << 18       # shard picks a walk remembers (8 bytes each); beyond, it starts over
 _LOW = 0 if sys.byteorder == "little" else 7    # where a uint64's low byte sits in its bytes
 
 
@@ -242,6 +242,9 @@ class PrefixIndex:
         self._cap = self.config.max_blocks >> bits           # blocks a shard keeps before evicting
         self._table = bytes(b & self._mask for b in range(256)) if 0 < bits < _SHARD_BITS_MAX else None
         self._size = 0                                       # blocks over all shards
+        # block hash -> the shards of the chain piece a walk picked from it: a guess (see _walk)
+        self._known: dict[int, Sequence[dict[int, int]]] = {}
+        self._known_picks = 0
         self._parent: list[dict[int, int | None]] | None = \
             [{} for _ in range(1 << bits)] if self.config.keep_parents else None
         self._slot_of: dict[WorkerKey, int] = {}
@@ -307,38 +310,7 @@ class PrefixIndex:
         """The holders of each of ``hs`` (None: not indexed), probed in C."""
         if not self._mask:
             return list(map(self._shards[0].get, hs))
-        return list(map(dict.get, self._picks(hs), hs))
-
-    def _picks(self, hs: Sequence[int]) -> Iterable[dict[int, int]]:
-        """The shard of each of ``hs``, lazily and in C where they fit 64 unsigned bits: their low
-        bytes in one pass (list -> array -> bytes, every 8th), each to its shard by the list's
-        own ``__getitem__`` (no Python code per block)."""
-        shards = self._shards
-        try:
-            low = array("Q", hs).tobytes()[_LOW::8]
-        except (OverflowError, TypeError):
-            mask = self._mask
-            return [shards[h & mask] for h in hs]
-        if self._table is not None:
-            low = low.translate(self._table)
-        return map(shards.__getitem__, low)
-
-    def _probe(self, chain: Sequence[int]) -> Iterator[int | None]:
-        """The holders along ``chain`` (None: not indexed), lazily and in C, so a walk that stops
-        early probes no further; the shards of a long chain's blocks past its first ``_HEAD``
-        are picked only once the walk gets there."""
-        shards = self._shards
-        if not self._mask:
-            return map(shards[0].get, chain)
-        if len(chain) <= _HEAD:
-            return map(dict.get, self._picks(chain), chain)
-        return chain_iters.from_iterable(self._pieces(chain))
-
-    def _pieces(self, chain: Sequence[int]) -> Iterator[Iterator[int | None]]:
-        head = chain[:_HEAD]
-        yield map(dict.get, self._picks(head), head)
-        rest = chain[_HEAD:]
-        yield map(dict.get, self._picks(rest), rest)
+        return list(map(dict.get, self._shards_of(hs), hs))
 
     def entries(self) -> tuple[list[int], list[int]]:
         """Every block hash and its value, shard by shard, each shard oldest first (a copy)."""
@@ -627,28 +599,78 @@ class PrefixIndex:
             alive <<= shift             # compare in the values' own position: stamps fall out of the AND
         if not chain:
             return levels
+        shards, mask = self._shards, self._mask
         h = chain[0]
-        v = self._shards[h & self._mask].get(h)
+        v = shards[h & mask].get(h)
         if v is None or not v & alive:  # the first probe decides: a prompt nobody alive holds costs one
             return levels
-        depth = 0
-        # map() probes in C, lazily (_probe): the walk still stops at the first block nobody alive
-        # holds. Runs of blocks with equal holders (most of a chain: its blocks were stored
-        # together, and equal masks are one interned object) are grouped and counted in C too, so
-        # the Python loop turns once per change of holders, not once per block.
-        for v, run in groupby(self._probe(chain)):
-            m = v & alive if v is not None else 0
-            if m != alive:
-                if depth:
-                    levels.append((depth, (alive & ~m) >> shift))
-                alive = m
-                if not alive:
+        # Each block's shard: picking it costs about as much as the probe, so the picks of the
+        # chain pieces walked are remembered under the piece's first hash and reused as a guess
+        # (a shared system prompt, a conversation's next turn walk the same pieces again; keyed
+        # by the hash, a guess's first shard is always right). A wrong guess cannot make a false
+        # hit (a hash lives in its own shard only), only a false miss, so where a guessed probe
+        # misses, the walk checks that block's shard, and past a wrong one it probes that block
+        # in its own and goes on from there. map() probes in C, lazily: the walk still stops at
+        # the first block nobody alive holds. Runs of blocks with equal holders (most of a chain:
+        # its blocks were stored together, and equal masks are one interned object) are grouped
+        # and counted in C too, so the Python loop turns once per change of holders.
+        n = len(chain)
+        depth = start = 0
+        if mask:
+            known = self._known
+            sel = known.get(h)
+            guessed = sel is not None
+            if sel is None:
+                sel = self._shards_of(chain[:_HEAD])
+                self._remember(h, sel)
+            vals = map(dict.get, sel, chain)
+        else:
+            sel, guessed = chain, False
+            vals = map(shards[0].get, chain)
+        while True:
+            for v, run in groupby(vals):
+                if v is None:
+                    if guessed and sel[depth - start] is not shards[chain[depth] & mask]:
+                        break               # not a miss: a wrong guess of this block's shard
+                    m = 0
+                else:
+                    m = v & alive
+                if m != alive:
+                    if depth:
+                        levels.append((depth, (alive & ~m) >> shift))
+                    alive = m
+                    if not alive:
+                        break
+                depth += countOf(run, v)
+            if not alive or depth >= n:
+                break
+            h = chain[depth]
+            if depth < start + len(sel):    # a wrong guess: this block in its own shard first
+                v = shards[h & mask].get(h)
+                if v is None or not v & alive:
+                    levels.append((depth, alive >> shift))
+                    alive = 0
                     break
-            depth += countOf(run, v)
+            start = depth                   # a guess ran out or was wrong: go on from here
+            sel = known.get(h)
+            guessed = sel is not None
+            if sel is None:
+                sel = self._shards_of(chain[depth:depth + max(_HEAD, depth)])
+                self._remember(h, sel)
+            vals = map(dict.get, sel, islice(chain, depth, None))
         alive >>= shift
         if alive:
             levels.append((depth, alive))
         return levels
+
+    def _remember(self, h: int, sel: Sequence[dict[int, int]]) -> None:
+        """Keep the shards of the chain piece walked from ``h`` (see _walk), at most _KNOWN_MAX
+        picks in all."""
+        self._known_picks += len(sel)
+        if self._known_picks > _KNOWN_MAX:
+            self._known.clear()
+            self._known_picks = len(sel)
+        self._known[h] = sel
 
     def match_depths(self, chain: Sequence[int], workers: Iterable[WorkerKey] | None = None, *,
                      touch: bool = False) -> dict[WorkerKey, int]:
