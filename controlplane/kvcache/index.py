@@ -284,7 +284,7 @@ class PrefixIndex:
         n = len(hs)
         if not mask:
             return [shards[0]] * n
-        if n < 8:
+        if n < 32:                  # the bulk pick's fixed cost is more than it saves below
             return [shards[h & mask] for h in hs]
         try:
             low = array("Q", hs).tobytes()[_LOW::8]
@@ -305,12 +305,6 @@ class PrefixIndex:
         if len(hs) < 2:
             return map(self._get, hs)
         return map(dict.get, self._shards_by_low(low), hs)
-
-    def _values(self, hs: Sequence[int]) -> list[int | None]:
-        """The holders of each of ``hs`` (None: not indexed), probed in C."""
-        if not self._mask:
-            return list(map(self._shards[0].get, hs))
-        return list(map(dict.get, self._shards_of(hs), hs))
 
     def entries(self) -> tuple[list[int], list[int]]:
         """Every block hash and its value, shard by shard, each shard oldest first (a copy)."""
@@ -938,7 +932,7 @@ class RoutedIndex(PrefixIndex):
                 top = min(base + k - 1, n)
                 ends: list[tuple[int, int]] = []
                 if top > base:
-                    vals = self._values(chain[base:top])
+                    vals = [shards[h & mask].get(h) for h in chain[base:top]]   # < K: no bulk pick
                     if vals.count(None) != len(vals):
                         for off in range(len(vals) - 1, -1, -1):
                             v = vals[off]
