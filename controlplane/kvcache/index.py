@@ -610,16 +610,18 @@ class PrefixIndex:
         # and counted in C too, so the Python loop turns once per change of holders.
         n = len(chain)
         depth = start = 0
+        known = self._known
+        sel: Sequence[dict[int, int]] = ()
+        guessed = False
         if mask:
-            known = self._known
-            sel = known.get(h)
-            guessed = sel is not None
-            if sel is None:
+            got = known.get(h)
+            if got is None:
                 sel = self._shards_of(chain[:_HEAD])
                 self._remember(h, sel)
+            else:
+                sel, guessed = got, True
             vals = map(dict.get, sel, chain)
-        else:
-            sel, guessed = chain, False
+        else:                               # one shard: the walk ends in the loop's first pass
             vals = map(shards[0].get, chain)
         while True:
             for v, run in groupby(vals):
@@ -646,11 +648,12 @@ class PrefixIndex:
                     alive = 0
                     break
             start = depth                   # a guess ran out or was wrong: go on from here
-            sel = known.get(h)
-            guessed = sel is not None
-            if sel is None:
-                sel = self._shards_of(chain[depth:depth + max(_HEAD, depth)])
+            got = known.get(h)
+            if got is None:
+                sel, guessed = self._shards_of(chain[depth:depth + max(_HEAD, depth)]), False
                 self._remember(h, sel)
+            else:
+                sel, guessed = got, True
             vals = map(dict.get, sel, islice(chain, depth, None))
         alive >>= shift
         if alive:
