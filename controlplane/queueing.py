@@ -36,6 +36,7 @@ class Waiter:
     # held once, its prompt's length. The queue's order weighs it.
     work_tokens: int
     held: bool = False      # a placement has held it at least once (its work_tokens is known)
+    engine: str = ""        # the engine it was last held for (the queue's order weighs its work there)
 
 
 class PlacementQueue:
@@ -84,7 +85,7 @@ class PlacementQueue:
         """Take the work the stage noted when it last held ``waiter``."""
         work = self.stage.take_work(waiter.req.request_id)
         if work is not None:
-            waiter.work_tokens, waiter.held = work, True
+            waiter.work_tokens, waiter.engine, waiter.held = work.tokens, work.worker, True
 
     def refusal(self, req: pb.PlaceRequest, why: str) -> pb.Placement:
         return pb.Placement(seq=req.seq, request_id=req.request_id, error=pb.OVERLOADED, error_message=why,

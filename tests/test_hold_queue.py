@@ -48,7 +48,7 @@ def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
     assert q.take_work("turn2") is None
     # A match every candidate has (a shared system prompt) ties it to no one: held.
     assert q.should_hold(_ctx(predictor, "first", 9600, 100.0, {"a": 32, "b": 32}, floor=32), busy)
-    assert q.take_work("first") == 9600 - 32 * 16
+    assert q.take_work("first") == (9600 - 32 * 16, "a")
     # A few blocks more than the others (3 ms of compute, under hold_s) tie it to no one either.
     assert q.should_hold(_ctx(predictor, "near", 9600, 100.0, {"a": 2, "b": 0}), busy)
     # The rule can be turned off: then it is held like any other.
@@ -90,10 +90,39 @@ def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():
     predictor = _predictor("a")
     q = HoldQueue(hold_s=0.15, bind_affine=False)
     assert q.should_hold(_ctx(predictor, "doc", 8000, 50.0, {"a": 490}), _view("a", 3000))
-    assert q.take_work("doc") == 8000 - 490 * 16
+    assert q.take_work("doc") == (8000 - 490 * 16, "a")
     assert q.take_work("doc") is None             # taken once
     assert not q.should_hold(_ctx(predictor, "idle", 8000, 50.0), _view("b", 0))
     assert q.take_work("idle") is None            # not held: nothing noted
+
+
+class _Waiting:
+    def __init__(self, work_tokens: int, enqueued_at: float, engine: str = "a") -> None:
+        self.work_tokens, self.enqueued_at, self.engine = work_tokens, enqueued_at, engine
+
+
+def test_held_requests_that_all_leave_in_time_go_first_come_first_served():
+    """Shortest first only reorders requests that would all have left in time, and the longer
+    ones miss: on 2 prefill + 2 decode engines at 3x held requests met the SLO 5 points below
+    not held. When some cannot leave in time, the longest is left out (Moore-Hodgson)."""
+    predictor = _predictor("a")
+    q = HoldQueue(hold_s=0.15, starvation_s=1.0, bind_affine=False, bind_long_s=0.0)
+    assert not q.should_hold(_ctx(predictor, "first", 5000, 100.0), _view("a", 0))   # a busy until ~100.5
+    # Let go at 100.35 (work ahead down to hold_s) and 100.65: both within 1 s of arrival.
+    long_, short = _Waiting(3000, 99.9), _Waiting(500, 99.95)
+    assert q.order([short, long_], now=100.0) == [long_, short]
+    # 0.8 s ahead of the short one would let it go 1.2 s after it came: the long one goes last.
+    longer = _Waiting(8000, 99.9)
+    assert q.order([longer, short], now=100.0) == [short, longer]
+    # A request not held yet (no engine) keeps its place by the weights, after those on time.
+    new = _Waiting(100, 99.99, engine="")
+    assert q.order([new, long_, short], now=100.0) == [long_, short, new]
+    # A starved one still goes first.
+    old = _Waiting(9000, 98.5)
+    assert q.order([long_, short, old], now=100.0)[0] is old
+    # Turned off: the weights alone, shortest first.
+    q.on_time_first = False
+    assert q.order([long_, short], now=100.0) == [short, long_]
 
 
 class _OneBusyEngine:
