@@ -59,9 +59,10 @@ class HoldQueue:
     # longer than this (0: off; see should_hold).
     bind_long_s: float = 1.0
     # Order first come, first served the held requests that every engine's queue still lets go
-    # before starvation_s, the longest left out where one would be late (see order); False:
-    # Omni's weights alone.
-    on_time_first: bool = True
+    # before starvation_s, the longest left out where one would be late (see order). Off: it
+    # gained on 2 prefill + 2 decode engines at 3x and lost on one shared system prompt at 8x
+    # and 16x (docs/benchmarks/pd_queue.md, fifth session); False: Omni's weights alone.
+    on_time_first: bool = False
     name: str = "omni"
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
@@ -178,17 +179,20 @@ class HoldQueue:
 
     def order(self, waiting: list, now: float) -> list:
         """Waiting requests (objects with ``work_tokens``, the prompt tokens they would have
-        computed where they were last held, ``enqueued_at`` and ``engine``, the engine they were
-        held for, "" if none yet), best first: the starved, first come first served; then those
-        that every engine's queue can still let go before they starve (``_on_time``), first come
-        first served; then the rest by Omni's weights of shortness and waiting time.
+        computed where they were last held, ``enqueued_at`` and, read only with
+        ``on_time_first``, ``engine``, the engine they were held for, "" if none yet), best
+        first: the starved, first come first served; then (``on_time_first``) those that every
+        engine's queue can still let go before they starve (``_on_time``), first come first
+        served; then the rest by Omni's weights of shortness and waiting time.
 
         Shortest first is what gains when not every request can leave in time (on one shared
         system prompt at 16x, held requests met the SLO 55-57 % against 46-47 % not held), but
-        below that it only reorders requests that would all have made it, and the longer ones,
-        pushed back behind every shorter arrival until ``starvation_s``, miss: on 2 prefill and
-        2 decode engines at 3x, held requests met the SLO 89.7 % against 94.8 % not held, a held
-        request's queue wait up to the whole TTFT budget (docs/benchmarks/pd_queue.md)."""
+        below that it reorders requests that would all have made it, and the longer ones, pushed
+        back behind every shorter arrival for the same engine until ``starvation_s``, miss: on 2
+        prefill and 2 decode engines at 3x, the held requests that missed waited 1.7-1.9 s in
+        this queue while 11-14 later ones went to the same engine. First come, first served for
+        those on time removed that (0-3), and gained 3 points there, but lost 3-6 on the shared
+        system prompt at 8x and 16x, one run each: so it is off (docs/benchmarks/pd_queue.md)."""
         if len(waiting) < 2:
             return list(waiting)
         longest = max(w.work_tokens for w in waiting) or 1
