@@ -71,7 +71,7 @@ _INTERN_MAX = 1 << 16      # distinct masks remembered for sharing; beyond, the 
 _SHARD_BITS_MAX = 8        # at most 256 shards: a shard is picked by a hash's low byte
 _SHARD_TARGET = 12         # auto: about 4,096-8,192 blocks a shard at max_blocks
 _HEAD = 128                # blocks of a chain whose shards a walk picks before it knows it goes further
-_KNOWN_MAX = 1 << 18       # shard picks a walk remembers (8 bytes each); beyond, it starts over
+_KNOWN_MAX = 1 << 20       # shard picks a walk remembers (8 bytes each, 8 MiB); beyond, it starts over
 _LOW = 0 if sys.byteorder == "little" else 7    # where a uint64's low byte sits in its bytes
 
 
