@@ -598,31 +598,37 @@ class PrefixIndex:
         v = shards[h & mask].get(h)
         if v is None or not v & alive:  # the first probe decides: a prompt nobody alive holds costs one
             return levels
-        # Each block's shard: picking it costs about as much as the probe, so the picks of the
-        # chain pieces walked are remembered under the piece's first hash and reused as a guess
-        # (a shared system prompt, a conversation's next turn walk the same pieces again; keyed
-        # by the hash, a guess's first shard is always right). A wrong guess cannot make a false
-        # hit (a hash lives in its own shard only), only a false miss, so where a guessed probe
-        # misses, the walk checks that block's shard, and past a wrong one it probes that block
-        # in its own and goes on from there. map() probes in C, lazily: the walk still stops at
-        # the first block nobody alive holds. Runs of blocks with equal holders (most of a chain:
-        # its blocks were stored together, and equal masks are one interned object) are grouped
-        # and counted in C too, so the Python loop turns once per change of holders.
+        # Each block's shard: picking it costs about as much as the probe, so the walk goes in
+        # pieces of _HEAD blocks (at depths 0, _HEAD, 2 _HEAD ...) and remembers each piece's
+        # picks under its first hash, reused as a guess by the next walk through it (a shared
+        # document or system prompt, a conversation's next turn walk the same pieces again). A
+        # wrong guess cannot make a false hit (a hash lives in its own shard only), only a false
+        # miss, so where a guessed probe misses, the walk checks that block's shard; past a wrong
+        # one it probes that block in its own, picks the rest of the piece and keeps the piece
+        # mended. map() probes in C, lazily: the walk still stops at the first block nobody alive
+        # holds. Runs of blocks with equal holders (most of a chain: its blocks were stored
+        # together, and equal masks are one interned object) are grouped and counted in C too,
+        # so the Python loop turns once per change of holders.
         n = len(chain)
-        depth = start = 0
-        known = self._known
-        sel: Sequence[dict[int, int]] = ()
-        guessed = False
-        if mask:
+        depth = 0
+        if not mask:                        # one shard: no picks
+            vals = map(shards[0].get, chain)
+            hs: Sequence[int] = chain
+            sel: Sequence[dict[int, int]] = ()
+            guessed = False
+            p = start = 0
+        else:
+            known = self._known
+            p = 0                           # the piece: chain[p:p + _HEAD]
+            hs = chain if n <= _HEAD else chain[:_HEAD]
             got = known.get(h)
             if got is None:
-                sel = self._shards_of(chain[:_HEAD])
+                sel, guessed = self._shards_of(hs), False
                 self._remember(h, sel)
             else:
                 sel, guessed = got, True
-            vals = map(dict.get, sel, chain)
-        else:                               # one shard: the walk ends in the loop's first pass
-            vals = map(shards[0].get, chain)
+            vals = map(dict.get, sel, hs)
+            start = 0                       # vals probes hs[start - p:] in sel
         while True:
             for v, run in groupby(vals):
                 if v is None:
@@ -640,21 +646,33 @@ class PrefixIndex:
                 depth += countOf(run, v)
             if not alive or depth >= n:
                 break
-            h = chain[depth]
-            if depth < start + len(sel):    # a wrong guess: this block in its own shard first
-                v = shards[h & mask].get(h)
-                if v is None or not v & alive:
-                    levels.append((depth, alive >> shift))
-                    alive = 0
-                    break
-            start = depth                   # a guess ran out or was wrong: go on from here
+            if depth < p + len(hs):         # a guess was wrong here or ran out inside the piece
+                h = chain[depth]
+                if depth < start + len(sel):
+                    v = shards[h & mask].get(h)     # this block in its own shard first
+                    if v is None or not v & alive:
+                        levels.append((depth, alive >> shift))
+                        alive = 0
+                        break
+                part = hs[depth - p:]
+                fix = self._shards_of(part)
+                mended = [*sel[:depth - start], *fix] if depth > p else fix
+                self._known_picks += len(fix)
+                known[hs[0]] = mended
+                sel, guessed, start = fix, False, depth
+                vals = map(dict.get, fix, part)
+                continue
+            p += _HEAD                      # the next piece
+            hs = chain[p:p + _HEAD]
+            h = hs[0]
             got = known.get(h)
             if got is None:
-                sel, guessed = self._shards_of(chain[depth:depth + max(_HEAD, depth)]), False
+                sel, guessed = self._shards_of(hs), False
                 self._remember(h, sel)
             else:
                 sel, guessed = got, True
-            vals = map(dict.get, sel, islice(chain, depth, None))
+            start = p
+            vals = map(dict.get, sel, hs)
         alive >>= shift
         if alive:
             levels.append((depth, alive))
