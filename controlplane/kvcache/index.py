@@ -27,11 +27,11 @@ slot that only a rebuild reclaims, and an LRU refresh is a delete plus an insert
 1-2 million blocks held the event loop, and every placement behind it, 30-120 ms of CPU per
 rebuild on this project's 2-core machine; a shard's rebuild is 1/256 of that
 (bench/kvindex_growth.py, docs/benchmarks/kv_events_load.md). Picking a
-shard per block in Python costs about as much as the probe itself, so the walk probes through
-one lazy pipeline of C iterators (the chain's low bytes, each to its shard by the shard list's
-``__getitem__``, then ``dict.get``), lets its first probe decide whether to build it at all, and
-counts runs of blocks with equal holders in C (itertools.groupby) so its Python loop turns once
-per change of holders, not once per block.
+shard per block costs about as much as the probe itself, so the walk lets its first probe decide
+whether to go on at all, remembers the picks of the 128-block pieces it walked as guesses that
+need no check but where a probe misses (a wrong shard can only miss: see _walk), probes in C
+(``map(dict.get, picks, chain)``) and counts runs of blocks with equal holders in C
+(itertools.groupby) so its Python loop turns once per change of holders, not once per block.
 
 Bounding memory: the engines evict on their own and say so with BlockRemoved, so the cap is a
 safety net for lost removals (seq gaps without replay, engines that vanish). Each shard keeps at
