@@ -179,6 +179,9 @@ class EngineModel:
     # computed (a first token), or the placement that found none ahead. 0: not known.
     busy_since: float = 0.0
     served: str = ""        # the model the engine serves ("" until named: Predictor.model)
+    # Prompt tokens the control plane's queue holds for this engine, not in the ledger
+    # (HoldQueue: the scorer counts them as work ahead, see latency.predict).
+    held_tokens: int = 0
 
     def pending_s(self, prefill_tokens: int, now: float) -> float:
         """Seconds of prefill still ahead of a new prompt: the uncached tokens placed and not
@@ -239,6 +242,9 @@ class Predictor:
     def __init__(self, defaults: PredictionDefaults | None = None) -> None:
         self.defaults = defaults or PredictionDefaults()
         self._models: dict[str, EngineModel] = {}
+        # Per request held in the queue: the engine it was held for and its tokens there
+        # (HoldQueue keeps it and each engine's held_tokens; latency.predict reads both).
+        self.held: dict[str, tuple[str, int]] = {}
         # Per served model, the observed engines' median fit (a, b) per line (module docstring).
         self._pools: dict[str, FleetLines] = {}
 

@@ -97,6 +97,7 @@ class PlacementQueue:
         if waiter is None:
             return False
         self.counters["cancelled"] += 1
+        self.stage.forget(request_id)
         if not waiter.future.done():
             waiter.future.cancel()
         return True
@@ -164,6 +165,7 @@ class PlacementQueue:
     def _resolve(self, waiter: Waiter, placement: pb.Placement, now: float) -> None:
         if self._waiting.pop(waiter.req.request_id, None) is None:
             return
+        self.stage.forget(waiter.req.request_id)
         waited = now - waiter.enqueued_at
         placement.queued_ms = waited * 1000
         self.wait_s_total += waited

@@ -11,6 +11,7 @@ from __future__ import annotations
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import PlacementContext
+from controlplane.scheduling.latency import predict
 from controlplane.scheduling.queue import HoldQueue
 from controlplane.workers import Load, Role, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -126,6 +127,31 @@ def test_held_requests_that_all_leave_in_time_go_first_come_first_served_with_on
     assert q.order([long_, short], now=100.0) == [short, long_]
 
 
+def test_with_show_held_the_work_held_for_an_engine_counts_in_its_predicted_ttft_for_others():
+    """Held work is in no ledger: without it the engine a conversation's cache follows looks no
+    busier than hold_s, and its next turns wait for it while another engine is free (PD 2:2 at
+    3x: the held misses waited 1.7-1.9 s while 10-15 later requests went to the other P)."""
+    predictor = _predictor("a", "b")
+    idle_a = _view("a", 0)
+    q = HoldQueue(hold_s=0.15, bind_affine=False, bind_long_s=0.0, show_held=True)
+    before = predict(_ctx(predictor, "next", 1000, 100.0), idle_a)[0]
+    assert q.should_hold(_ctx(predictor, "held", 3000, 100.0), _view("a", 5000))
+    assert predictor.model("a").held_tokens == 3000 and predictor.model("b").held_tokens == 0
+    # Another request sees 3000 tokens (0.3 s) more ahead on a; the held one not its own work.
+    assert abs(predict(_ctx(predictor, "next", 1000, 100.0), idle_a)[0] - before - 0.3) < 0.01
+    assert abs(predict(_ctx(predictor, "held", 1000, 100.0), idle_a)[0] - before) < 1e-9
+    # Held again for b (its best engine changed): the work moves with it.
+    assert q.should_hold(_ctx(predictor, "held", 2000, 100.0), _view("b", 5000))
+    assert predictor.model("a").held_tokens == 0 and predictor.model("b").held_tokens == 2000
+    # Placed (not held): it leaves the prediction.
+    assert not q.should_hold(_ctx(predictor, "held", 2000, 100.0), _view("b", 0))
+    assert predictor.model("b").held_tokens == 0 and not predictor.held
+    # Off (the default): nothing is published.
+    off = HoldQueue(hold_s=0.15, bind_affine=False, bind_long_s=0.0)
+    assert off.should_hold(_ctx(predictor, "quiet", 3000, 100.0), _view("a", 5000))
+    assert predictor.model("a").held_tokens == 0
+
+
 class _OneBusyEngine:
     """A placer with one engine, busy until ``free`` is set; it records what it placed."""
 
@@ -150,17 +176,19 @@ def _entry(rid: str, tokens: int) -> pb.PlaceRequest:
 async def test_held_requests_go_in_order_of_their_work_not_their_prompts_length():
     """A question on an 8,000-token document its engine holds computes 100 tokens; a new
     1,000-token prompt computes all of it. Ordered by prompt length the question went last."""
-    stage = HoldQueue(hold_s=0.15, starvation_s=60.0, bind_affine=False)
+    stage = HoldQueue(hold_s=0.15, starvation_s=60.0, bind_affine=False, show_held=True)
     placer = _OneBusyEngine(stage, cached={"question": 494})      # 7,904 of 8,000 tokens held
     queue = PlacementQueue(stage, placer)
     try:
         futures = [queue.enqueue(_entry("question", 8000), "s"), queue.enqueue(_entry("new", 1000), "s")]
         assert await queue.dispatch() == 0       # both tried and held: their work is known now
         assert [w.work_tokens for w in queue._waiting.values()] == [96, 1000]
+        assert placer.predictor.model("a").held_tokens == 96 + 1000   # held work is published
         placer.free = True
         assert await queue.dispatch() == 2
         assert placer.placed == ["question", "new"]
         assert all(f.done() for f in futures)    # type: ignore[union-attr]
+        assert placer.predictor.model("a").held_tokens == 0 and not placer.predictor.held   # and leaves
     finally:
         await queue.stop()
 

@@ -52,6 +52,17 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
     if ctx.leg != "decode" and role is not Role.DECODE:
         line = model.ttft
         ttft = line.a + line.b * uncached + model.pending_s(w.load.prefill_tokens, ctx.now)
+        held = model.held_tokens
+        if held:
+            # Work the queue stage holds for this engine: the ledger does not show it, and
+            # without it the engine a conversation's cache follows looks no busier than the
+            # queue's hold_s, so its next turns wait for it while another engine is free
+            # (docs/benchmarks/pd_queue.md, fifth session). This request's own held work is
+            # not ahead of itself.
+            mine = ctx.predictor.held.get(ctx.request_id)
+            if mine is not None and mine[0] == wid:
+                held -= mine[1]
+            ttft += line.b * held
     elif role is Role.DECODE:
         line = model.pull      # what this decode engine pulls: the prompt less its own prefix
         ttft = line.a + line.b * uncached

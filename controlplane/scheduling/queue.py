@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from controlplane.scheduling.base import PlacementContext
 from controlplane.workers import Role, WorkerView
@@ -70,6 +70,11 @@ class HoldQueue:
     _work: dict[str, HeldWork] = field(default_factory=dict, repr=False)
     # per worker: its learned seconds per prompt token, as of its last hold decision (see order)
     _rate: dict[str, float] = field(default_factory=dict, repr=False)
+    # Publish the work held for each engine to the prediction (see _publish). Off: with
+    # on_time_first it brought PD 2:2 at 3x level with not held, but gave back part of the
+    # order's gains at overload (docs/benchmarks/pd_queue.md, fifth session).
+    show_held: bool = False
+    _predictor: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.on_timeout not in ("place", "reject"):
@@ -121,6 +126,7 @@ class HoldQueue:
         if ahead > self.hold_s and busy_until - now > self.hold_s and not self._affine(ctx, wid, s_per_token) \
                 and not self._long(ctx, wid, s_per_token):
             return self._held(ctx, wid)
+        self.forget(ctx.request_id)
         if len(self._busy_until) >= 65536 and wid not in self._busy_until:
             self._busy_until.clear()
         self._busy_until[wid] = (busy_until if busy_until > now else now) + s_per_token * ctx.uncached_tokens(wid)
@@ -162,8 +168,41 @@ class HoldQueue:
         """Note the held request's work on the engine it waits for (``take_work``)."""
         if len(self._work) >= 65536:
             self._work.clear()
-        self._work[ctx.request_id] = HeldWork(ctx.uncached_tokens(wid), wid)
+        work = self._work[ctx.request_id] = HeldWork(ctx.uncached_tokens(wid), wid)
+        if self.show_held and ctx.predictor is not None:
+            self._publish(ctx.predictor, ctx.request_id, work)
         return True
+
+    def _publish(self, predictor: Any, request_id: str, work: HeldWork) -> None:
+        """Count a held request's work on the engine it waits for in the prediction
+        (``EngineModel.held_tokens``), which the ``predicted_latency`` scorer adds to that
+        engine's work ahead.
+
+        Work held here is work no ledger shows: the engine whose prefix cache a conversation
+        follows looks no busier than ``hold_s``, so the policy keeps choosing it for every next
+        turn, and they wait in the control plane while another engine takes later arrivals.
+        On 2 prefill + 2 decode engines at 3x, the held requests that missed their TTFT waited
+        1.7-1.9 s for one prefill engine while 10-15 later ones went to the other; not held,
+        that engine's queue shows in the ledger and the policy sends the next turns elsewhere
+        (docs/benchmarks/pd_queue.md, fifth session)."""
+        self.forget(request_id)
+        self._predictor = predictor
+        if len(predictor.held) >= 65536:
+            for wid, _ in predictor.held.values():
+                predictor.model(wid).held_tokens = 0
+            predictor.held.clear()
+        predictor.held[request_id] = (work.worker, work.tokens)
+        predictor.model(work.worker).held_tokens += work.tokens
+
+    def forget(self, request_id: str) -> None:
+        """The request is no longer held (placed, or gone): its work leaves the prediction."""
+        predictor = self._predictor
+        if predictor is None:
+            return
+        old = predictor.held.pop(request_id, None)
+        if old is not None:
+            model = predictor.model(old[0])
+            model.held_tokens = max(model.held_tokens - old[1], 0)
 
     def take_work(self, request_id: str) -> HeldWork | None:
         """The prompt tokens the engine a request was last held for would compute (what it
