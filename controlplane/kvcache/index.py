@@ -621,12 +621,7 @@ class PrefixIndex:
             known = self._known
             p = 0                           # the piece: chain[p:p + _HEAD]
             hs = chain if n <= _HEAD else chain[:_HEAD]
-            got = known.get(h)
-            if got is None:
-                sel, guessed = self._shards_of(hs), False
-                self._remember(h, sel)
-            else:
-                sel, guessed = got, True
+            sel, guessed = self._picks(hs)
             vals = map(dict.get, sel, hs)
             start = 0                       # vals probes hs[start - p:] in sel
         while True:
@@ -664,19 +659,24 @@ class PrefixIndex:
                 continue
             p += _HEAD                      # the next piece
             hs = chain[p:p + _HEAD]
-            h = hs[0]
-            got = known.get(h)
-            if got is None:
-                sel, guessed = self._shards_of(hs), False
-                self._remember(h, sel)
-            else:
-                sel, guessed = got, True
+            sel, guessed = self._picks(hs)
             start = p
             vals = map(dict.get, sel, hs)
         alive >>= shift
         if alive:
             levels.append((depth, alive))
         return levels
+
+    def _picks(self, hs: Sequence[int]) -> tuple[Sequence[dict[int, int]], bool]:
+        """The shards of the chain piece ``hs`` and whether they are a guess: the picks
+        remembered from an earlier walk of a piece starting at the same hash, else picked now
+        (and remembered)."""
+        got = self._known.get(hs[0])
+        if got is not None:
+            return got, True
+        sel = self._shards_of(hs)
+        self._remember(hs[0], sel)
+        return sel, False
 
     def _remember(self, h: int, sel: Sequence[dict[int, int]]) -> None:
         """Keep the shards of the chain piece walked from ``h`` (see _walk), at most _KNOWN_MAX
