@@ -46,6 +46,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+_LINES = ("ttft", "tpot", "pull")
+
+
 class ComputedCharge(Protocol):
     """What :meth:`Predictor.prompts_computed` reads of a ledger charge (state.base.Charge)."""
 
@@ -229,11 +232,15 @@ class EngineModel:
 @dataclass(slots=True)
 class FleetLines:
     """The observed engines' median fit (a, b) of each line, for one served model; None
-    before any engine of that model has observed the line."""
+    before any engine of that model has observed the line. A line is recomputed when read
+    after an observation moved it (``stale``), not at every observation: the median runs over
+    the fleet's engines, and observations come with every request while the median is read
+    only for engines not observed yet."""
 
     ttft: tuple[float, float] | None = None
     tpot: tuple[float, float] | None = None
     pull: tuple[float, float] | None = None
+    stale: set[str] = field(default_factory=set)
 
 
 class Predictor:
@@ -258,40 +265,39 @@ class Predictor:
         if served and not m.served:
             m.served = served
             if m.ttft.n or m.tpot.n or m.pull.n:   # observed before it was named: count it now
-                named = self._pool(served)
-                named.ttft, named.tpot, named.pull = (self._median(k, served) for k in ("ttft", "tpot", "pull"))
+                self._pool(served).stale.update(_LINES)
         pool = self._pools.get(m.served)
         if pool is not None:
-            if m.ttft.n == 0 and pool.ttft is not None:
-                m.ttft.adopt(*pool.ttft)
-            if m.tpot.n == 0 and pool.tpot is not None:
-                m.tpot.adopt(*pool.tpot)
-            if m.pull.n == 0 and pool.pull is not None:
-                m.pull.adopt(*pool.pull)
+            if m.ttft.n == 0 and (fit := self._fleet(pool, "ttft", m.served)) is not None:
+                m.ttft.adopt(*fit)
+            if m.tpot.n == 0 and (fit := self._fleet(pool, "tpot", m.served)) is not None:
+                m.tpot.adopt(*fit)
+            if m.pull.n == 0 and (fit := self._fleet(pool, "pull", m.served)) is not None:
+                m.pull.adopt(*fit)
         return m
 
     def observe_ttft(self, worker_id: str, work_tokens: float, ttft_s: float) -> None:
         m = self.model(worker_id)
         m.observe_ttft(work_tokens, ttft_s)
-        self._pool(m.served).ttft = self._median("ttft", m.served)
+        self._pool(m.served).stale.add("ttft")
 
     def observe_tpot(self, worker_id: str, batch: float, tpot_s: float) -> None:
         m = self.model(worker_id)
         m.observe_tpot(batch, tpot_s)
-        self._pool(m.served).tpot = self._median("tpot", m.served)
+        self._pool(m.served).stale.add("tpot")
 
     def fleet_tpot(self, batch: float, served: str = "") -> float:
         """The median TPOT line at ``batch`` of the observed engines serving ``served`` (the
         priors' before any observation): what a decode engine not chosen yet is expected to do."""
         pool = self._pools.get(served)
-        a, b = (pool.tpot if pool is not None else None) or (self.defaults.tpot_base_s,
-                                                              self.defaults.tpot_s_per_request)
+        a, b = (self._fleet(pool, "tpot", served) if pool is not None else None) or (
+            self.defaults.tpot_base_s, self.defaults.tpot_s_per_request)
         return a + b * batch
 
     def observe_pull(self, worker_id: str, pulled_tokens: float, seconds: float) -> None:
         m = self.model(worker_id)
         m.observe_pull(pulled_tokens, seconds)
-        self._pool(m.served).pull = self._median("pull", m.served)
+        self._pool(m.served).stale.add("pull")
 
     def progressed(self, worker_id: str, now: float) -> None:
         """The engine finished a prompt, or started one with nothing ahead: the prompts left
@@ -322,10 +328,19 @@ class Predictor:
             pool = self._pools[served] = FleetLines()
         return pool
 
+    def _fleet(self, pool: FleetLines, kind: str, served: str) -> tuple[float, float] | None:
+        """``pool``'s line ``kind``, recomputed first if an observation moved it since."""
+        if kind in pool.stale:
+            pool.stale.discard(kind)
+            setattr(pool, kind, self._median(kind, served))
+        fit: tuple[float, float] | None = getattr(pool, kind)
+        return fit
+
     def _median(self, kind: str, served: str) -> tuple[float, float] | None:
         """The median intercept and slope of one line (``ttft``, ``tpot`` or ``pull``) over the
         engines serving ``served`` that have observed it: what an engine of that model not
-        observed yet starts from. Once per observation, over the engines' models (tens)."""
+        observed yet starts from, over the engines' models: read through :meth:`_fleet`, only
+        when an engine not observed yet (or ``fleet_tpot``) needs it after a new observation."""
         lines = [line for m in self._models.values() if m.served == served and (line := getattr(m, kind)).n]
         if not lines:
             return None

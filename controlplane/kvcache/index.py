@@ -299,7 +299,8 @@ class PrefixIndex:
         return cast("tuple[dict[int, int], ...]", itemgetter(*low)(self._shards))
 
     def _values_low(self, hs: list[int], low: bytes) -> Iterator[int | None]:
-        """As :meth:`_values` (lazily) for 64-bit ``hs`` whose low bytes are ``low``."""
+        """The holders of each of the 64-bit ``hs`` whose low bytes are ``low`` (None: not
+        indexed), probed lazily in C."""
         if not self._mask:
             return map(self._shards[0].get, hs)
         if len(hs) < 2:
