@@ -53,8 +53,10 @@ async def control_plane(*worker_ids: str, policy: str = "round_robin", redis_url
 class _Session:
     """One data plane's session on an in-process control plane."""
 
-    def __init__(self, batch: int, *, policy: str = "round_robin", workers: int = 2, redis_url: str = "") -> None:
+    def __init__(self, batch: int, *, policy: str = "round_robin", workers: int = 2, redis_url: str = "",
+                 local: bool = False) -> None:
         self.batch = batch
+        self.local = local
         self.policy, self.redis_url = policy, redis_url
         self.worker_ids = ["a", "b"] if workers == 2 else [f"w{i:02d}" for i in range(workers)]
         self.seq = 0
@@ -92,9 +94,16 @@ class _Session:
                 p = msgs.add().place
                 p.seq, p.request_id, p.model, p.leg = self.seq, f"r{self.seq}", "m", pb.LEG_ENTRY
                 p.prompt_tokens, p.max_tokens = 12, 16
+                if self.local:
+                    p.placed_on = self.worker_ids[self.seq % len(self.worker_ids)]
             # As read from the socket: decoded from its bytes.
             self.incoming.put_nowait(pb.DataPlaneMessage.FromString(out.SerializeToString()))
             self.finished = []
+            if self.local:   # nothing is answered: the batch's requests end with the next one
+                self.finished = [m.place.request_id for m in msgs if m.HasField("place")]
+                await self._handled()
+                done += self.batch
+                continue
             while len(self.finished) < self.batch:
                 answer = await self.answers.__anext__()
                 answer.SerializeToString()            # as written to the socket
@@ -106,6 +115,12 @@ class _Session:
                             raise RuntimeError(m.placement.error_message)
                         self.finished.append(m.placement.request_id)
             done += self.batch
+
+
+    async def _handled(self) -> None:
+        """Until the session has read what was queued (nothing comes back to wait for)."""
+        while not self.incoming.empty():
+            await asyncio.sleep(0)
 
 
 async def measure(requests: int, repeats: int, batch: int, **session_args) -> list[float]:
@@ -131,6 +146,8 @@ def main() -> None:
     ap.add_argument("--store", choices=["memory", "redis"], default="memory")
     ap.add_argument("--policy", default="round_robin")
     ap.add_argument("--workers", type=int, default=2, help="healthy workers (ids a, b when 2)")
+    ap.add_argument("--local", action="store_true", help="placements made by the data plane (PlaceRequest."
+                    "placed_on, round_robin's local placement): recorded, not answered")
     args = ap.parse_args()
     import uvloop   # as the control plane runs (a dependency)
     redis = None
@@ -141,12 +158,12 @@ def main() -> None:
         redis.start()
     try:
         runs = uvloop.run(measure(args.requests, args.repeats, args.batch, policy=args.policy, workers=args.workers,
-                                  redis_url=redis.url if redis is not None else ""))
+                                  local=args.local, redis_url=redis.url if redis is not None else ""))
     finally:
         if redis is not None:
             redis.close()
     print(f"control plane ({args.store} store, {args.policy}, {args.workers} workers), per non-streamed request "
-          f"(place + finish, batches of {args.batch}): best {min(runs):.1f} us  "
+          f"({'local placement recorded' if args.local else 'place'} + finish, batches of {args.batch}): best {min(runs):.1f} us  "
           f"(runs: {' '.join(f'{r:.1f}' for r in runs)})")
 
 

@@ -15,6 +15,8 @@ load changes, :meth:`Fleet.note_load`) and its cumulative weights.
 
 from __future__ import annotations
 
+import asyncio
+
 import heapq
 import itertools
 import time
@@ -129,6 +131,7 @@ class Fleet:
         self._models: Counter[str] = Counter()
         self._loras: Counter[str] = Counter()       # LoRA adapter name -> workers serving it
         self.placements: Counter[str] = Counter()   # per worker id, for listings
+        self._watchers: list[asyncio.Future] = []     # changed()'s, resolved at the next version
 
     # ------------------------------------------------------------------ specs
 
@@ -261,8 +264,20 @@ class Fleet:
 
     # ------------------------------------------------------------------ the routable index
 
+    def changed(self) -> asyncio.Future:
+        """A future resolved when the routable set may have changed next (a new ``version``):
+        the sessions push their data planes' worker lists on it, not a second later."""
+        fut = asyncio.get_running_loop().create_future()
+        self._watchers.append(fut)
+        return fut
+
     def _invalidate(self) -> None:
         self.version += 1
+        if self._watchers:
+            watchers, self._watchers = self._watchers, []
+            for fut in watchers:
+                if not fut.done():
+                    fut.set_result(None)
         self._index = None
         self._groups = {}
         self._ordered = set()

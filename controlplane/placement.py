@@ -175,6 +175,34 @@ class Placer:
             self.layerwise_placed.emit(req, out)
         return out
 
+    @property
+    def places_anywhere(self) -> bool:
+        """The policy needs no shared state: plain round robin (no scorer, filter or queue
+        stage), which a data plane can run itself over the routable workers this control
+        plane lists (``SessionInfo.local_placement``, ``dataplane.fallback``), telling it
+        afterwards (:meth:`record`) instead of asking. ``random`` is not offered: a data
+        plane cycles, it does not draw."""
+        p = self.profile
+        return p.picker.name == "round_robin" and not p.scorers and not p.filters and p.queue is None
+
+    async def record(self, req: pb.PlaceRequest, session: str) -> bool:
+        """Commit an entry leg a data plane placed itself on ``req.placed_on`` (aggregated):
+        its charge in the ledger, the fleet's order, the counters, as if decided here; no
+        answer. False (nothing recorded, an error counted) when the request is invalid or
+        the worker is no longer known: the request runs there anyway, and its end finds no
+        record, as after a release."""
+        spec = self.fleet.get(req.placed_on)
+        if spec is None or spec.role is not Role.BOTH or self._invalid(req, "entry", False) is not None:
+            self.stats.errors["LOCAL_PLACEMENT_UNRECORDED"] += 1
+            return False
+        wid = spec.id
+        view = self.fleet.views((wid,), await self.store.loads((wid,)))[0]
+        ctx = self._context(req, "entry", (Role.BOTH,), [])
+        plan = self.flows.entry(view)
+        charges = [(view, plan.chosen_leg)] if plan.chosen_leg else []
+        await self.commit.write(ctx, charges, plan.flow, _NO_RANKS, None, session, self.kv)
+        return True
+
     @staticmethod
     def _invalid(req: pb.PlaceRequest, leg: str | None, dry_run: bool) -> str | None:
         """Why the request cannot be placed as it stands (None: it can)."""

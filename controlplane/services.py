@@ -26,6 +26,7 @@ from protos import omni_proxy_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 FLEET_PUSH_INTERVAL_S = 1.0
+FLEET_PUSH_DEBOUNCE_S = 0.01   # after a change, this long for the next ones before a snapshot
 SESSION_MAX_BATCH = 256   # answers per stream write when several are queued
 
 _HEALTH_TO_PB = {Health.UNKNOWN: pb.STATUS_UNKNOWN, Health.HEALTHY: pb.STATUS_HEALTHY,
@@ -114,6 +115,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._session_ids = itertools.count(1)
         self._tasks: set[asyncio.Future] = set()
         self._nodes: dict[str, str] = {}
+        # Data planes may place entry legs themselves (SessionInfo.local_placement): the
+        # policy needs no shared state, and no placement span is expected (tracing off).
+        self.local_placement = placer.places_anywhere and tracing is None
         # Where the session socket is (set by the server once it listens); port 0: none.
         self.endpoint = pb.SessionEndpoint()
         self.tracing = tracing     # controlplane.otel.Tracing when otel_endpoint is set
@@ -146,6 +150,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         info = pb.SessionInfo()
         info.CopyFrom(self.info)
         info.batches = True
+        info.local_placement = self.local_placement
         yield pb.ControlPlaneMessage(info=info)
         fleet_watch = asyncio.ensure_future(self._push_fleet(out))
         held.add(fleet_watch)
@@ -231,6 +236,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     async def _handle(self, msg: pb.DataPlaneMessage, body: str | None, session: str, out: asyncio.Queue,
                       held: set, batches: list[bool] | None) -> None:
         if body == "place":
+            if msg.place.placed_on:   # placed by the data plane itself: recorded, not answered
+                await self._record(msg.place, session)
+                return
             answer = await self._place(msg.place, session)
             if isinstance(answer, pb.Placement):
                 out.put_nowait(answer)   # wrapped once it is written (Session)
@@ -249,20 +257,30 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                      node, session, claimed, len(msg.open.live_requests))
 
     async def _push_fleet(self, out: asyncio.Queue) -> None:
-        """Keep the data plane's fallback list current: at once, then on every change."""
+        """Keep the data plane's list of routable workers current (its fallback, and what it
+        places from itself with local placement): at once, then soon after every change (a
+        drain, a weight, health, an ejection and its end), looked at every
+        FLEET_PUSH_INTERVAL_S at the latest."""
         fleet = self.registry.fleet
         sent = -1
+        change = fleet.changed()
         while True:
+            fleet.routable("", Role.BOTH)   # (an ejection that ended rebuilds the index: a new version)
             version = fleet.version
             if version != sent:
                 snapshot = pb.FleetSnapshot(workers=[
                     pb.KnownWorker(endpoint=pb.Endpoint(worker_id=s.id, url=s.url, role=ROLE_TO_PB[s.role],
-                                                        bootstrap_port=s.bootstrap_port), model=s.model,
+                                                        bootstrap_port=s.bootstrap_port,
+                                                        dp_size=s.dp_size if s.dp_size > 1 else 0),
+                                   model=s.model, weight=s.weight,
                                    loras=[pb.LoraAdapter(name=n, path=p) for n, p in fleet.state(s.id).loras])
                     for s in fleet.routable_specs()])
                 out.put_nowait(pb.ControlPlaneMessage(fleet=snapshot))
                 sent = fleet.version
-            await asyncio.sleep(FLEET_PUSH_INTERVAL_S)
+            await asyncio.wait([change], timeout=FLEET_PUSH_INTERVAL_S)
+            if change.done():
+                change = fleet.changed()
+                await asyncio.sleep(FLEET_PUSH_DEBOUNCE_S)   # a burst of changes: one snapshot
 
     async def _answer_later(self, req: pb.PlaceRequest, waiting: asyncio.Future, out: asyncio.Queue) -> None:
         try:
@@ -290,6 +308,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         if span is not None:
             self.tracing.answered(span, answer)
         return answer
+
+    async def _record(self, req: pb.PlaceRequest, session: str) -> None:
+        try:
+            await self.placer.record(req, session)
+        except Exception:  # contained to this request, as a placement's failure is
+            log.exception("recording the local placement of %s failed", req.request_id)
 
     async def _report(self, event: pb.LifecycleEvent) -> None:
         try:

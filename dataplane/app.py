@@ -85,6 +85,9 @@ class _ControlPlaneLink:
                                   value=pc.sessions_started)
         yield CounterMetricFamily("omni_dp_fallback_placements", "Placements made locally while no control "
                                   "plane answered", value=pc.fallback.placed)
+        yield CounterMetricFamily("omni_dp_local_placements", "Entry legs placed by the data plane itself "
+                                  "(the control plane's policy needs no shared state), the control plane "
+                                  "told afterwards", value=pc.fallback.placed_local)
         yield GaugeMetricFamily("omni_dp_fallback_workers", "Workers known for local fallback placement",
                                 value=pc.fallback.known)
 

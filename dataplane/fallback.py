@@ -1,31 +1,86 @@
-"""Placement without a control plane: round robin over the last workers it said were usable.
+"""Placement in the data plane: round robin over the workers the control plane said were usable.
 
-When no control plane has answered for a short while (all replicas down, a partition),
-the data plane keeps serving instead of failing every request after its placement
-timeout. It knows no load, no cache contents and no other data plane's traffic, so this
-is a bridge, not a policy: the control plane's snapshot of routable workers (sent at
-session start and on every change), cycled per (model, role). Layerwise PD needs the
-metaserver, which lives in the control plane, so those deployments answer 503.
+Two uses of one list, the control plane's snapshot of routable workers (sent at session
+start and on every change), cycled per (model, role) by smooth weighted round robin (the
+control plane's ``round_robin`` picker, nginx's rule):
+
+- **Local placement** (``place_local``): when the control plane's policy needs no shared
+  state (``SessionInfo.local_placement``: ``round_robin``, no queue stage), an aggregated
+  entry leg is placed here, as a compiled router places in process, and the control plane is
+  told afterwards (``PlaceRequest.placed_on``, batched with the lifecycle reports) instead of
+  asked: no round trip, no answer to build and parse. Drains, cordons, weights and health
+  reach this list through the snapshot. Anything else (PD roles, data-parallel workers, a
+  model no listed worker serves) is asked of the control plane as before.
+- **Fallback** (``place``): when no control plane has answered for a short while (all
+  replicas down, a partition), the data plane keeps serving instead of failing every request
+  after its placement timeout. It knows no load, no cache contents and no other data plane's
+  traffic, so this is a bridge, not a policy. Layerwise PD needs the metaserver, which lives
+  in the control plane, so those deployments answer 503.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-
 from protos import omni_proxy_pb2 as pb
+
+LOCAL_EXPLANATION = "placed by the data plane: round robin over the control plane's routable workers"
+
+
+class _Pool:
+    """One (model, role)'s workers and their smooth weighted round robin (equal weights: a
+    plain cycle, the common case, without the arithmetic)."""
+
+    __slots__ = ("current", "endpoints", "equal", "next", "total", "weights")
+
+    def __init__(self, workers: list[pb.KnownWorker]) -> None:
+        self.endpoints = [w.endpoint for w in workers]
+        self.weights = [w.weight if w.weight > 0 else 1.0 for w in workers]
+        self.equal = len(set(self.weights)) <= 1
+        self.total = sum(self.weights)
+        self.current = [0.0] * len(workers)
+        self.next = 0
+
+    def pick(self, exclude: set[str] | frozenset[str]) -> pb.Endpoint | None:
+        n = len(self.endpoints)
+        if self.equal:
+            for _ in range(n):
+                i = self.next
+                self.next = i + 1 if i + 1 < n else 0
+                ep = self.endpoints[i]
+                if not exclude or ep.worker_id not in exclude:
+                    return ep
+            return None
+        best = -1
+        total = 0.0
+        current, weights, endpoints = self.current, self.weights, self.endpoints
+        for i in range(n):
+            if exclude and endpoints[i].worker_id in exclude:
+                continue
+            current[i] += weights[i]
+            total += weights[i]
+            if best < 0 or current[i] > current[best]:
+                best = i
+        if best < 0:
+            return None
+        current[best] -= total
+        return endpoints[best]
+
+
+_NO_EXCLUDE: frozenset[str] = frozenset()
 
 
 class FallbackPlacer:
     def __init__(self) -> None:
         self._workers: list[pb.KnownWorker] = []
-        self._cycles: dict[tuple[str, int], Iterator[pb.KnownWorker]] = {}
+        self._pools: dict[tuple[str, int], _Pool | None] = {}
+        self._local: dict[str, _Pool | None] = {}   # model -> what place_local cycles
         self._loras: dict[str, str] = {}
-        self.placed = 0
+        self.placed = 0          # placed while no control plane answered
+        self.placed_local = 0    # placed here by the control plane's leave (local placement)
 
     def update(self, snapshot: pb.FleetSnapshot) -> None:
         self._workers = list(snapshot.workers)
-        self._cycles = {}
+        self._pools = {}
+        self._local = {}
         self._loras = {a.name: a.path for w in self._workers for a in w.loras}
 
     def lora_path(self, model: str) -> str | None:
@@ -40,20 +95,49 @@ class FallbackPlacer:
     def models(self) -> list[str]:
         return sorted({w.model for w in self._workers if w.model})
 
-    def _next(self, model: str, role: int, exclude) -> pb.Endpoint | None:
+    def _pool(self, model: str, role: int) -> _Pool | None:
+        """The pool of (model, role), built once per snapshot; None when no worker serves it."""
         key = (model, role)
-        pool = [w for w in self._workers if w.endpoint.role == role and
-                (not model or w.model == model or any(a.name == model for a in w.loras))]
-        if not pool:
+        try:
+            return self._pools[key]
+        except KeyError:
+            pass
+        members = [w for w in self._workers if w.endpoint.role == role and
+                   (not model or w.model == model or any(a.name == model for a in w.loras))]
+        pool = self._pools[key] = _Pool(members) if members else None
+        return pool
+
+    def _next(self, model: str, role: int, exclude) -> pb.Endpoint | None:
+        pool = self._pool(model, role)
+        return pool.pick(exclude) if pool is not None else None
+
+    def _local_pool(self, model: str) -> _Pool | None:
+        """The pool local placement cycles for ``model``: its aggregated workers, when the
+        control plane's choice would be among exactly those (no prefill worker beside them,
+        no data-parallel one, whose rank the control plane chooses); else None."""
+        pool = self._pool(model, pb.ROLE_BOTH)
+        if pool is None or self._pool(model, pb.ROLE_PREFILL) is not None:
             return None
-        cycle = self._cycles.get(key)
-        if cycle is None:
-            cycle = self._cycles[key] = itertools.cycle(pool)
-        for _ in range(len(pool)):
-            w = next(cycle)
-            if w.endpoint.worker_id not in exclude:
-                return w.endpoint
-        return None
+        return pool if all(ep.dp_size <= 1 for ep in pool.endpoints) else None
+
+    def place_local(self, req: pb.PlaceRequest) -> pb.Placement | None:
+        """An aggregated entry leg placed here (see the module's docstring), or None: ask the
+        control plane (``_local_pool``: none listed for the model, or not only aggregated
+        ones; or every one excluded)."""
+        model = req.model
+        try:
+            pool = self._local[model]
+        except KeyError:
+            pool = self._local[model] = self._local_pool(model)
+        if pool is None:
+            return None
+        ep = pool.pick(frozenset(req.exclude_workers) if req.exclude_workers else _NO_EXCLUDE)
+        if ep is None:
+            return None
+        out = pb.Placement(request_id=req.request_id, flow=pb.FLOW_AGGREGATED, explanation=LOCAL_EXPLANATION)
+        out.decode.CopyFrom(ep)
+        self.placed_local += 1
+        return out
 
     def place(self, req: pb.PlaceRequest, pd_flow: pb.Flow) -> pb.Placement:
         out = pb.Placement(seq=req.seq, request_id=req.request_id)

@@ -72,6 +72,17 @@ def _drain(queue: asyncio.Queue, batch: list) -> bool:
     return False
 
 
+def _asks(msg: pb.DataPlaneMessage) -> bool:
+    """A placement that waits for its answer (not a local placement's notice)."""
+    return msg.HasField("place") and not msg.place.placed_on
+
+
+def _report_like(msg: pb.DataPlaneMessage) -> bool:
+    """A one-way message: a lifecycle report, or the notice of a local placement."""
+    body = msg.WhichOneof("body")
+    return body == "event" or (body == "place" and bool(msg.place.placed_on))
+
+
 def _wake(fut: asyncio.Future | None) -> None:
     if fut is not None and not fut.done():
         fut.set_result(None)
@@ -135,6 +146,9 @@ class PlacementClient:
         self._closing = False
         self._in_fallback = False
         self._cp_batches = False
+        # The current session's control plane lets this node place entry legs itself
+        # (SessionInfo.local_placement); False while no session is up.
+        self._local = False
         self._holding: list | None = None    # reports held for company by _outgoing
         self._hold: asyncio.Future | None = None   # what _outgoing waits on while it holds them
         self.fallback = FallbackPlacer()
@@ -202,6 +216,16 @@ class PlacementClient:
         builds it there): it is then sent as it is, not copied into one."""
         out = req if isinstance(req, pb.DataPlaneMessage) else pb.DataPlaneMessage(place=req)
         req = out.place                  # seq is set on the message that is sent
+        queue = self._queue
+        if self._local and queue is not None and req.leg == pb.LEG_ENTRY and not req.explain:
+            # The control plane's policy needs no shared state: placed here, and the control
+            # plane told with the next batch of reports (no round trip; see dataplane.fallback).
+            local = self.fallback.place_local(req)
+            if local is not None:
+                req.placed_on = local.decode.worker_id
+                self._live.add(req.request_id)
+                queue.put_nowait(out)
+                return local
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         while True:
@@ -391,6 +415,7 @@ class PlacementClient:
                 raise
             log.warning("control-plane session with %s cancelled; reconnecting", target)   # drop_session()
         finally:
+            self._local = False
             self._connected.clear()
             self._down_since = time.monotonic()
             self._keep_unsent(queue)
@@ -421,16 +446,18 @@ class PlacementClient:
         elif body == "info":
             self.info = msg.info
             self._cp_batches = msg.info.batches
+            self._local = msg.info.local_placement and msg.info.batches
 
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
-        """Reports still queued (or held for company) when a session ends go out on the next one."""
+        """Reports still queued (or held for company) when a session ends go out on the next
+        one, and so do the notices of local placements (a placement asked goes again instead)."""
         held, self._holding = self._holding, None
         for msg in held or ():
-            if msg.WhichOneof("body") == "event":
+            if _report_like(msg):
                 self._unsent.append(msg)
         while not queue.empty():
             msg = queue.get_nowait()
-            if msg is not None and msg.WhichOneof("body") == "event":
+            if msg is not None and _report_like(msg):
                 self._unsent.append(msg)
 
     async def _outgoing(self, queue: asyncio.Queue):
@@ -447,7 +474,7 @@ class PlacementClient:
                 continue
             batch = [msg]
             end = _drain(queue, batch)
-            if not end and REPORT_HOLD_S > 0 and not any(m.HasField("place") for m in batch):
+            if not end and REPORT_HOLD_S > 0 and not any(_asks(m) for m in batch):
                 # Hold until a placement is queued (place() wakes us), the session is
                 # closing (close() does), or the hold time is up; then take what came.
                 self._holding = batch

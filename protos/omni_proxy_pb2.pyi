@@ -201,7 +201,7 @@ class EngineFacts(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., hash_seed_set: _Optional[bool] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_connector: _Optional[str] = ..., kv_role: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms", "trace_headers")
+    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms", "trace_headers", "placed_on")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class PlaceRequest(_message.Message):
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    PLACED_ON_FIELD_NUMBER: _ClassVar[int]
     seq: int
     request_id: str
     model: str
@@ -241,7 +242,8 @@ class PlaceRequest(_message.Message):
     ttft_slo_ms: float
     tpot_slo_ms: float
     trace_headers: _containers.ScalarMap[str, str]
-    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    placed_on: str
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., placed_on: _Optional[str] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("seq", "request_id", "flow", "prefill", "decode", "explanation", "error", "error_message", "metaserver_url", "retry_after_s", "queued_ms")
@@ -326,16 +328,18 @@ class DataPlaneBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[DataPlaneMessage, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches")
+    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches", "local_placement")
     PD_FLOW_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KV_HASH_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     pd_flow: Flow
     parallel_protocol: str
     kv_hash: KVHashConfig
     batches: bool
-    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ...) -> None: ...
+    local_placement: bool
+    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ..., local_placement: _Optional[bool] = ...) -> None: ...
 
 class KVHashConfig(_message.Message):
     __slots__ = ("enabled", "block_size", "algo", "seed", "seed_set", "lora_key_format")
@@ -360,14 +364,16 @@ class FleetSnapshot(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[KnownWorker, _Mapping]]] = ...) -> None: ...
 
 class KnownWorker(_message.Message):
-    __slots__ = ("endpoint", "model", "loras")
+    __slots__ = ("endpoint", "model", "loras", "weight")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     endpoint: Endpoint
     model: str
     loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    weight: float
+    def __init__(self, endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., model: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path")

@@ -64,6 +64,8 @@ async def test_failover_then_local_fallback_then_back(system, http):
     group, sims, cps, dp = system
     await wait_until(lambda: _connected_and_listed(http, dp), what="the data plane connected with a worker list")
     assert await _burst(http, dp, 6) == [200] * 6
+    # round_robin needs no shared state: the data plane places itself and tells the replica.
+    assert await _metric(http, dp, "omni_dp_local_placements_total") == 6
 
     # The replica in use dies: the other one takes over, no request fails.
     using = (await _health(http, dp))["controlplane"]
@@ -90,8 +92,10 @@ async def test_failover_then_local_fallback_then_back(system, http):
     group.start("cp1-again", _cp_args(sims, listen=first.address))
     await wait_until(lambda: _uses(http, dp, first.address), timeout=20, what="the data plane back on a replica")
     before = await _metric(http, dp, "omni_dp_fallback_placements_total")
+    local = await _metric(http, dp, "omni_dp_local_placements_total")
     assert await _burst(http, dp, 4) == [200] * 4
     assert await _metric(http, dp, "omni_dp_fallback_placements_total") == before
+    assert await _metric(http, dp, "omni_dp_local_placements_total") == local + 4
 
 
 async def _connected_and_listed(http, dp) -> bool:

@@ -1,0 +1,134 @@
+"""Local placement: the data plane places round robin itself and tells the control plane after.
+
+Real processes on loopback (two aggregated simulators, a control plane, a data plane). With a
+policy that needs no shared state (``round_robin``) the control plane lets the data plane
+place entry legs itself (``SessionInfo.local_placement``); the control plane still records
+every request (its in-flight counts, placements per worker), and a drained worker gets no new
+request once the data plane's worker list says so. Any other policy is asked as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import pytest
+
+from dataplane.fallback import FallbackPlacer
+from protos import omni_proxy_pb2 as pb
+from protos import omni_proxy_pb2_grpc as pb_grpc
+from tests.conftest import Cluster, start_cluster, wait_until
+
+MODEL = "sim-model"
+# Requests that stay in flight a while: 30 tokens of 40 ms.
+SLOW = ["--decode-ms-per-step", "40"]
+SLOW_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster({"a": "both", "b": "both"}, policy="round_robin", sim_args={"a": SLOW, "b": SLOW})
+    try:
+        yield c
+    finally:
+        c.group.close()
+
+
+@pytest.fixture
+async def fresh(cluster: Cluster):
+    await cluster.fresh()
+    try:
+        yield cluster
+    finally:
+        await cluster.restore()
+
+
+async def metric(http, url: str, name: str) -> float:
+    async with http.get(url + "/metrics") as r:
+        m = re.search(rf"^{name} (\S+)$", await r.text(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def complete(http, url: str, max_tokens: int = 2) -> int:
+    async with http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": max_tokens}) as r:
+        await r.read()
+        return r.status
+
+
+async def test_a_burst_placed_locally_is_counted_in_flight_by_the_control_plane(fresh: Cluster, http):
+    c = fresh
+    before = await metric(http, c.url, "omni_dp_local_placements_total")
+    placed_before = {w: i.placements_total for w, i in (await c.workers()).items()}
+    burst = [asyncio.ensure_future(complete(http, c.url, SLOW_TOKENS)) for _ in range(12)]
+    try:
+        async def all_in_flight() -> bool:
+            workers = await c.workers()
+            return [workers[w].load.inflight_requests for w in ("a", "b")] == [6, 6]
+        # Every request of the burst is charged where it runs, while it runs.
+        await wait_until(all_in_flight, what="the control plane counting the burst, 6 on each worker")
+        states = [await c.sim_get(n, "/sim/state") for n in ("a", "b")]
+        assert [s["running"] + s["waiting"] for s in states] == [6, 6]
+    finally:
+        statuses = await asyncio.gather(*burst)
+    assert statuses == [200] * 12
+    assert await metric(http, c.url, "omni_dp_local_placements_total") - before == 12
+    workers = await c.workers()
+    assert {w: workers[w].placements_total - placed_before[w] for w in ("a", "b")} == {"a": 6, "b": 6}
+    await wait_until(c.all_idle, what="every request released once it ended")
+
+
+async def test_a_drained_worker_gets_no_new_local_placement(fresh: Cluster, http):
+    c = fresh
+    async with grpc.aio.insecure_channel(c.cp.address) as ch:
+        await pb_grpc.AdminStub(ch).Drain(pb.WorkerRef(worker_id="a"), timeout=5)
+    await wait_until(lambda: _lists(http, c.url, 1), what="the data plane's worker list without the drained worker")
+    before = await metric(http, c.url, "omni_dp_local_placements_total")
+    assert await asyncio.gather(*(complete(http, c.url) for _ in range(6))) == [200] * 6
+    assert await metric(http, c.url, "omni_dp_local_placements_total") - before == 6
+    assert len(await c.sim_requests("a")) == 0 and len(await c.sim_requests("b")) == 6
+    async with grpc.aio.insecure_channel(c.cp.address) as ch:
+        await pb_grpc.AdminStub(ch).Undrain(pb.WorkerRef(worker_id="a"), timeout=5)
+    await wait_until(lambda: _lists(http, c.url, 2), what="the worker back in the data plane's list")
+
+
+async def _lists(http, url: str, n: int) -> bool:
+    return await metric(http, url, "omni_dp_fallback_workers") == n
+
+
+async def test_a_policy_with_shared_state_is_still_asked(http):
+    c = start_cluster({"a": "both"}, policy="least_load")
+    try:
+        await wait_until(lambda: _lists(http, c.url, 1), what="the data plane connected with its worker list")
+        assert await asyncio.gather(*(complete(http, c.url) for _ in range(4))) == [200] * 4
+        assert await metric(http, c.url, "omni_dp_local_placements_total") == 0
+        assert (await c.workers())["a"].placements_total == 4
+    finally:
+        c.group.close()
+
+
+def _snapshot(*workers: tuple[str, float, int]) -> pb.FleetSnapshot:
+    return pb.FleetSnapshot(workers=[
+        pb.KnownWorker(endpoint=pb.Endpoint(worker_id=wid, url=f"http://{wid}", role=role), model=MODEL, weight=w)
+        for wid, w, role in workers])
+
+
+def test_local_round_robin_follows_the_weights_smoothly():
+    placer = FallbackPlacer()
+    placer.update(_snapshot(("a", 2.0, pb.ROLE_BOTH), ("b", 1.0, pb.ROLE_BOTH)))
+    picks = [placer.place_local(pb.PlaceRequest(request_id=str(i), model=MODEL)).decode.worker_id
+             for i in range(6)]
+    assert picks == ["a", "b", "a", "a", "b", "a"]      # nginx's smooth order, as the control plane's
+    excluded = placer.place_local(pb.PlaceRequest(request_id="x", model=MODEL, exclude_workers=["a"]))
+    assert excluded.decode.worker_id == "b" and excluded.flow == pb.FLOW_AGGREGATED
+
+
+def test_local_placement_leaves_pd_models_and_unknown_models_to_the_control_plane():
+    placer = FallbackPlacer()
+    placer.update(_snapshot(("a", 1.0, pb.ROLE_BOTH), ("p", 1.0, pb.ROLE_PREFILL)))
+    assert placer.place_local(pb.PlaceRequest(request_id="1", model=MODEL)) is None     # P beside it
+    assert placer.place_local(pb.PlaceRequest(request_id="2", model="other")) is None   # 404 is the CP's
+    placer.update(_snapshot(("a", 1.0, pb.ROLE_BOTH)))
+    assert placer.place_local(pb.PlaceRequest(request_id="3", model=MODEL, exclude_workers=["a"])) is None
+    assert placer.place_local(pb.PlaceRequest(request_id="4", model=MODEL)).decode.worker_id == "a"
+    assert placer.placed_local == 1
