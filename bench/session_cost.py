@@ -163,7 +163,8 @@ def main() -> None:
         if redis is not None:
             redis.close()
     print(f"control plane ({args.store} store, {args.policy}, {args.workers} workers), per non-streamed request "
-          f"({'local placement recorded' if args.local else 'place'} + finish, batches of {args.batch}): best {min(runs):.1f} us  "
+          f"({'local placement recorded' if args.local else 'place'} + finish, batches of {args.batch}): "
+          f"best {min(runs):.1f} us  "
           f"(runs: {' '.join(f'{r:.1f}' for r in runs)})")
 
 
