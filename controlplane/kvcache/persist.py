@@ -45,9 +45,17 @@ shard by shard, each shard in its LRU order (oldest first), so loading into an i
 is bounded by the index's own bound: at most ``max_blocks`` distinct blocks per index, 8 bytes
 per (block, slot) pair.
 
-**Not stalling the loop.** The dump copies the index's keys and values (two C-level list
-copies) and then packs them into per-slot arrays in chunks of ``CHUNK`` entries, yielding to
-the loop between chunks; the Redis write is asynchronous.
+**Not stalling the loop.** The dump copies the index's keys and values shard by shard (C-level
+list copies of one shard, ~8,192 blocks at the default cap, each consistent), yielding to the
+loop every ``CHUNK`` entries, then packs them into per-slot arrays in chunks of ``CHUNK``
+entries, yielding between chunks; the Redis write is asynchronous. A copy of all 2M blocks in
+one step held the loop for tens of milliseconds. Shards copied at different moments make a
+snapshot of no single moment, which loading tolerates: the subscribers' sequence numbers are
+read before the copy starts, so what the events changed during it is replayed over it
+(re-applying an event is harmless, see above); routed marks whose bucket expired meanwhile
+are left out (their bucket is read after the copy). Slot owners are read after the copy too;
+if a slot was freed meanwhile (``generation`` moved: it may belong to another worker now)
+that index is copied again in one step.
 
 **Stopping.** ``KVSnapshots.start`` runs the writer in a task it owns and ``close`` stops it
 with a flag as well as a cancel: a cancel alone can be lost. redis-py sends each command under
@@ -70,7 +78,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from controlplane.kvcache.index import _STAMP, _STAMP_BITS
+from controlplane.kvcache.index import _STAMP, _STAMP_BITS, PrefixIndex
 from controlplane.kvcache.manager import KVCache
 
 log = logging.getLogger(__name__)
@@ -109,14 +117,12 @@ def _seqs(kv: KVCache) -> dict[str, dict[str, dict[str, int]]]:
 async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> bytes:
     """The index as one snapshot (see the module docstring)."""
     exact, approx = kv.exact, kv.approx
-    # Consistent copies, each without awaiting: the event-fed index's keys and values in LRU
-    # order, its slots' owners and the sequence numbers of the same moment; then (after a
-    # yield, halving the longest stall) the routed index with its routing buckets.
-    (e_keys, e_vals), e_owner = exact.entries(), list(exact._key_of)
+    # The sequence numbers first, then the indexes shard by shard (see "Not stalling the
+    # loop"), then the routing buckets.
     seqs = _seqs(kv)
     wall = time.time() if now is None else now
-    await asyncio.sleep(0)
-    (a_keys, a_vals), a_owner = approx.entries(), list(approx._key_of)
+    (e_keys, e_vals), e_owner = await _copy(exact, chunk)
+    (a_keys, a_vals), a_owner = await _copy(approx, chunk)
     offset = wall - time.monotonic()
     buckets = [(number, start + offset) for number, start, _ in kv.routed.expiry]
     bucket_pos = {number: i for i, (number, _) in enumerate(buckets)}
@@ -174,6 +180,28 @@ async def dump(kv: KVCache, *, chunk: int = CHUNK, now: float | None = None) -> 
             done = 0
             await asyncio.sleep(0)
     return b"".join((MAGIC, _U32.pack(len(header)), header, _U32.pack(crc), body))
+
+
+async def _copy(index: PrefixIndex, chunk: int) -> tuple[tuple[list[int], list[int]], list]:
+    """``index.entries()`` and its slots' owners, copied a shard at a time (each consistent),
+    yielding to the loop every ``chunk`` entries or so; in one step when a slot was freed
+    meanwhile (its bit may name another worker now)."""
+    generation = index.generation
+    keys: list[int] = []
+    vals: list[int] = []
+    done = 0
+    for shard in index._shards:
+        keys += shard
+        vals += shard.values()
+        done += len(shard)
+        if done >= chunk:
+            done = 0
+            await asyncio.sleep(0)
+    if done:
+        await asyncio.sleep(0)   # (what follows copies the next index, or packs)
+    if index.generation != generation:
+        return index.entries(), list(index._key_of)
+    return (keys, vals), list(index._key_of)
 
 
 def parse(blob: bytes) -> tuple[dict[str, Any], list[tuple[str, str, int, int, array]]]:

@@ -91,6 +91,7 @@ from hiredis import ReplyError as hiredis_error
 
 from controlplane.state import redis_wire
 from controlplane.state.base import Charge, RequestRecord, StoreUnavailable
+from controlplane.state.owned import OwnedRecords
 from controlplane.workers import IDLE, Load, Role, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -557,8 +558,9 @@ class RedisStore:
         self.write_behind_failures = 0
         # Write-behind ends: the records this replica reserved, as it last knew them (its own
         # calls' answers keep them current), so an end answers from here and is sent without
-        # waiting for Redis; bounded (the oldest go first: their end is then awaited).
-        self._mine: dict[str, RequestRecord] = {}
+        # waiting for Redis; bounded (the oldest go first: their end is then awaited), and
+        # indexed by session (an orphaned session drops its own, not a scan of them all).
+        self._mine = OwnedRecords(MINE_MAX)
         # Told of each write-behind end Redis did not confirm (its request id, the error): a
         # lost end would leave its load in Redis, so the ResilientStore keeps it and replays it.
         # Unset, the loss is logged.
@@ -777,9 +779,9 @@ class RedisStore:
         mine = self._mine
         if request_id in mine:
             if record is None:
-                del mine[request_id]
+                mine.pop(request_id)
             else:
-                mine[request_id] = record
+                mine.put(record)
 
     # ------------------------------------------------------------------ specs
 
@@ -892,21 +894,15 @@ class RedisStore:
                     self._sent_behind(charges, 1)
                 if not charged:
                     record = dataclasses.replace(record, charges=record.charges + tuple(charges), **notes)
-                self._keep_mine(record)
+                self._mine.put(record)
                 return record
         # None for a late reserve of a request that had already ended (see end(tombstone_s=))
         answered = self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
         if answered is not None and self.write_behind:
-            self._keep_mine(answered)
+            self._mine.put(answered)
         else:
             self._remember(answered, record.request_id)
         return answered
-
-    def _keep_mine(self, record: RequestRecord) -> None:
-        mine = self._mine
-        mine[record.request_id] = record
-        if len(mine) > MINE_MAX:
-            del mine[next(iter(mine))]
 
     @_unavailable
     async def release(self, request_id: str, *, leg: str = "", worker_id: str = "") -> RequestRecord | None:
@@ -926,7 +922,7 @@ class RedisStore:
         the loop turn's other calls; the load mirror drops its charges at once. One Redis
         did not confirm goes to ``lost_ends`` (the ResilientStore replays it)."""
         if not tombstone_s and self.write_behind:
-            record = self._mine.pop(request_id, None)
+            record = self._mine.pop(request_id)
             if record is not None:
                 assert self.wire is not None
                 fut = self.wire.script_nowait(_END_BEHIND, [], [self.prefix, request_id])
@@ -1051,8 +1047,7 @@ class RedisStore:
     @_unavailable
     async def orphan(self, session: str, now: float) -> int:
         # (their records change owner: their ends are awaited, answered with Redis's record)
-        for rid in [rid for rid, r in self._mine.items() if r.session == session]:
-            del self._mine[rid]
+        self._mine.pop_session(session)   # O(its own records: state/owned.py)
         return int(await self._orphan(args=[self.prefix, session, repr(self._to_wall(now))]))
 
     @_unavailable
@@ -1061,7 +1056,7 @@ class RedisStore:
         if not ids:
             return 0
         for rid in ids:
-            self._mine.pop(rid, None)
+            self._mine.pop(rid)
         return int(await self._claim(args=[self.prefix, session, self.replica_id, *ids]))
 
     @_unavailable
