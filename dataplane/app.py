@@ -28,7 +28,8 @@ from dataplane.observe import ACCESS_LOGGER, Observer, current_request_id, insta
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
-from dataplane.prompt import PromptProcessor
+from dataplane.prefix_ids import DEFAULT_MAX_IDS as DEFAULT_PREFIX_IDS
+from dataplane.prompt import PrefixReuseMetrics, PromptProcessor
 from dataplane.tokenizer import Tokenizer
 from dataplane import tokenize_api
 from dataplane.requests import (CHAT, COMPLETIONS, PASSTHROUGH, ClientRequest, parse_passthrough, parse_request,
@@ -106,6 +107,7 @@ class DataPlaneConfig:
     tokenizer: str = ""            # model directory with tokenizer.json: tokenize in the data plane
     chat_template: str = ""        # like vLLM's --chat-template
     reuse_tokens: bool = True      # send completions prompts to the engines as token ids
+    tokenizer_prefix_cache: int = DEFAULT_PREFIX_IDS   # ids of text prefixes kept to reuse (0 = off)
     # PD-internal body fields a client may set anyway (default: none, they are dropped).
     allowed_client_fields: frozenset[str] = frozenset()
     client: ClientLimits = field(default_factory=ClientLimits)
@@ -158,6 +160,7 @@ class DataPlane:
                                           credentials=client_auth.grpc_credentials(*config.controlplane_tls),
                                           ssl_context=client_auth.ssl_context(*config.controlplane_tls))
         self.metrics.registry.register(_ControlPlaneLink(self.placements))
+        self.metrics.registry.register(PrefixReuseMetrics(self.prompts))
         self.loopwatch = LoopWatch(self.metrics.registry)   # event-loop stalls on /metrics
         try:
             self.admission = Admission(config.admission)
@@ -202,7 +205,8 @@ class DataPlane:
             loop = asyncio.get_running_loop()
             try:
                 self.prompts.tokenizer = await loop.run_in_executor(None, lambda: Tokenizer.from_dir(
-                    self.config.tokenizer, chat_template=self.config.chat_template or None))
+                    self.config.tokenizer, chat_template=self.config.chat_template or None,
+                    prefix_cache_ids=self.config.tokenizer_prefix_cache))
             except Exception as exc:  # noqa: BLE001 - one line naming the tokenizer, not a port error
                 from omni_runtime import StartupError
 

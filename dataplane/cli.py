@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dataplane.prefix_ids import DEFAULT_MAX_IDS as DEFAULT_PREFIX_IDS
 from omni_runtime import flags
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -34,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default="", help="chat template file or text, as vLLM's --chat-template")
     p.add_argument("--no-reuse-tokens", action="store_true",
                    help="keep sending completions prompts as text (default: send the token ids)")
+    p.add_argument("--tokenizer-prefix-cache", type=flags.count(0, 2**31), default=DEFAULT_PREFIX_IDS,
+                   metavar="IDS",
+                   help="token ids of text prefixes kept so that a long prompt (a chat's earlier turns) "
+                        "encodes only what follows the longest one tokenized before, with the same ids "
+                        f"(default {DEFAULT_PREFIX_IDS:,}, about 8 bytes an id; 0 = off)")
     p.add_argument("--connect-timeout", type=flags.seconds, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=flags.seconds, default=600.0,
                    help="longest silence from an engine before the leg fails")
@@ -124,6 +130,7 @@ def config_from_args(args: argparse.Namespace):
                           prefill_retries=args.prefill_retries, retries=args.retries,
                           fallback_after_s=args.fallback_after, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
+                          tokenizer_prefix_cache=args.tokenizer_prefix_cache,
                           allowed_client_fields=parse_field_list(args.allow_client_fields),
                           client=ClientLimits(header_timeout_s=args.client_header_timeout,
                                               body_timeout_s=args.client_body_timeout,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dataplane.chat_template import TokenizeError
 from dataplane.requests import ClientRequest
@@ -51,3 +52,31 @@ class PromptProcessor:
 
 def _has_text(prompt) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
+class PrefixReuseMetrics:
+    """Scrape-time view of the tokenizer's prefix-id reuse (``dataplane.prefix_ids``): the
+    hit rate is ``ids_reused / (ids_reused + ids_encoded)`` over long texts."""
+
+    def __init__(self, prompts: PromptProcessor) -> None:
+        self.prompts = prompts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        tok = self.prompts.tokenizer
+        cache = tok.prefix_ids if tok is not None else None
+        if cache is None:
+            return
+        st = cache.stats
+        yield CounterMetricFamily("omni_dp_tokenizer_prefix_texts", "Long texts tokenized through the prefix-id "
+                                  "cache", value=st.texts)
+        yield CounterMetricFamily("omni_dp_tokenizer_prefix_hits", "Of those, texts that reused a cached prefix",
+                                  value=st.hits)
+        yield CounterMetricFamily("omni_dp_tokenizer_prefix_ids_reused", "Token ids taken from the cache",
+                                  value=st.ids_reused)
+        yield CounterMetricFamily("omni_dp_tokenizer_prefix_ids_encoded", "Token ids encoded (not in the cache)",
+                                  value=st.ids_encoded)
+        yield GaugeMetricFamily("omni_dp_tokenizer_prefix_ids_held", "Token ids the cache holds",
+                                value=cache.ids_held)

@@ -20,7 +20,10 @@ Loading::
     ``exclude_tools_when_tool_choice_none`` and ``chat_template_content_format`` (same flags),
     ``async_threshold_chars`` (default 2000),
     ``workers`` (threads that tokenize long prompts; default: one per CPU core, at most 4),
-    ``executor`` (for :meth:`encode_async` and friends, instead of those threads).
+    ``executor`` (for :meth:`encode_async` and friends, instead of those threads),
+    ``prefix_cache_ids`` (ids of text prefixes kept for reuse, default 4,000,000; 0 = none:
+    a text of ``async_threshold_chars`` or more encodes only what follows the longest prefix
+    tokenized before, with the same ids as a whole encode; see :mod:`dataplane.prefix_ids`).
 
 Encoding (synchronous; all return ``list[int]``)::
 
@@ -106,6 +109,7 @@ from typing import Any, cast
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
+from dataplane.prefix_ids import DEFAULT_MAX_IDS, PrefixIds, cut_plan
 from dataplane.chat_template import (
     ChatTemplateError,
     ContentFormat,
@@ -204,7 +208,8 @@ class Tokenizer:
                  exclude_tools_when_tool_choice_none: bool = False,
                  chat_template_content_format: str = "auto",
                  async_threshold_chars: int = DEFAULT_ASYNC_THRESHOLD_CHARS,
-                 executor: Executor | None = None, workers: int = 0, name: str = "") -> None:
+                 executor: Executor | None = None, workers: int = 0, name: str = "",
+                 prefix_cache_ids: int = DEFAULT_MAX_IDS) -> None:
         self._tok = backend
         # "hf" unless from_dir found a model vLLM renders with other code (deepseek_v4, mistral, ...):
         # then chat ids here may differ from the engine's, and callers should not use them.
@@ -264,6 +269,14 @@ class Tokenizer:
         backend.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
         # encode_batch_fast (tokenizers >= 0.21) skips offsets; both release the GIL.
         self._encode_batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+        # Ids of text prefixes tokenized before (dataplane.prefix_ids), for texts of
+        # async_threshold_chars or more, when this tokenizer's pipeline can be cut exactly.
+        self.prefix_ids: PrefixIds | None = None
+        if prefix_cache_ids > 0:
+            plan = cut_plan(backend, self._encode_batch, name)
+            if plan is not None:
+                self.prefix_ids = PrefixIds(plan, lambda texts, **kw: self._encode_batch(texts, **kw),
+                                            max_ids=prefix_cache_ids)
 
     # ------------------------------------------------------------------ construction
 
@@ -456,7 +469,11 @@ class Tokenizer:
 
     def _encode_ids_nogil(self, text: str, add_special_tokens: bool) -> list[int]:
         # Same ids as backend.encode(), but releases the GIL and (batch_fast) skips offsets: ~15-20%
-        # cheaper on this machine, so it is used inline too.
+        # cheaper on this machine, so it is used inline too. A long text reuses the ids of a
+        # prefix tokenized before (same ids: dataplane.prefix_ids); a short one keeps no books.
+        reuse = self.prefix_ids
+        if reuse is not None and len(text) >= self.async_threshold_chars:
+            return reuse.encode(text, add_special_tokens)
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _threads(self) -> Executor:

@@ -170,6 +170,7 @@ OTHER_FLAG_CASES = {
     "dp_host": ("dataplane", ["--host", "http://0.0.0.0"], ["--host"]),
     "dp_workers": ("dataplane", ["--workers", "0"], ["--workers", "1 to 256"]),
     "dp_retries": ("dataplane", ["--retries", "-1"], ["--retries"]),
+    "dp_tokenizer_prefix_cache": ("dataplane", ["--tokenizer-prefix-cache", "-5"], ["--tokenizer-prefix-cache"]),
     "cp_http_port": ("controlplane", ["--listen", "127.0.0.1:0", "--http-port", "70000"], ["--http-port"]),
     "cp_log_level": ("controlplane", ["--listen", "127.0.0.1:0", "--log-level", "LOUD"], ["--log-level"]),
     "sim_port": ("sim", ["--port", "70000"], ["--port"]),

@@ -59,6 +59,33 @@ async def test_long_and_short_prompts_of_a_burst_reach_the_engines_as_their_ids(
     assert seen == sorted(tok.encode_prompt(t) for t in texts)
 
 
+async def _dp_metric(cluster: Cluster, http, name: str) -> float:
+    async with http.get(cluster.url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+async def test_a_follow_up_turn_reuses_its_prefix_ids_and_the_engine_gets_the_whole_encode(cluster, tok_dir, http):
+    """The second turn's ids come mostly from the data plane's prefix-id cache (/metrics says
+    how many), and the engine receives exactly the ids a whole encode gives."""
+    await wait_until(cluster.all_idle, what="idle")
+    await cluster.clear_sim_requests()
+    tok = Tokenizer.from_dir(tok_dir, prefix_cache_ids=0)
+    first = "".join(f"User: question {i} about the data plane?\nAssistant: answer {i}, briefly.\n"
+                    for i in range(60))
+    turns = [first, first + "User: and one more question?\nAssistant:"]
+    reused_before = await _dp_metric(cluster, http, "omni_dp_tokenizer_prefix_ids_reused_total")
+    for text in turns:
+        async with http.post(cluster.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": text, "max_tokens": 2}) as r:
+            assert r.status == 200
+    seen = [x["body"]["prompt"] for n in cluster.sims for x in await cluster.sim_requests(n)]
+    assert sorted(seen) == sorted(tok.encode_prompt(t) for t in turns)
+    reused = await _dp_metric(cluster, http, "omni_dp_tokenizer_prefix_ids_reused_total") - reused_before
+    assert reused > 0.8 * len(tok.encode_prompt(first))
+    assert await _dp_metric(cluster, http, "omni_dp_tokenizer_prefix_ids_held") > 0
+
+
 async def _predicted_hit_blocks(cluster: Cluster, http) -> float:
     async with http.get(f"http://127.0.0.1:{cluster.cp.info['http_port']}/metrics") as r:
         text = await r.text()

@@ -64,7 +64,7 @@ def gate_long_encodes(tok: Tokenizer, wait) -> list[str]:
     inner = tok._encode_batch
 
     def gated(texts, **kw):  # type: ignore[no-untyped-def]
-        if len(texts[0]) >= tok.async_threshold_chars:
+        if sum(map(len, texts)) >= tok.async_threshold_chars:   # a long text, whole or in chunks
             events.append("long entered")
             wait()
         return inner(texts, **kw)
