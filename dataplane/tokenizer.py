@@ -109,7 +109,6 @@ from typing import Any, cast
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
-from dataplane.prefix_ids import DEFAULT_MAX_IDS, PrefixIds, cut_plan
 from dataplane.chat_template import (
     ChatTemplateError,
     ContentFormat,
@@ -123,6 +122,7 @@ from dataplane.chat_template import (
     select_template,
     supports_developer_role,
 )
+from dataplane.prefix_ids import DEFAULT_MAX_IDS, PrefixIds, cut_plan
 
 __all__ = ["ChatTemplateError", "TokenizeError", "Tokenizer", "UnsupportedContent", "DEFAULT_ASYNC_THRESHOLD_CHARS"]
 
