@@ -43,3 +43,18 @@ async def test_on_the_default_redis_store_too(redis_server):
             await redis.close()
     finally:
         await session.close()
+
+
+async def test_local_placements_are_recorded_and_ended():
+    """``--local``: the data plane's own placements (``placed_on``) are charged where they say,
+    one each, and released by their ends like asked ones."""
+    session = _Session(batch=4, local=True)
+    await session.start()
+    try:
+        await session.run(16)
+        loads = await session.store.loads(["a", "b"])
+        assert [loads[w].requests for w in ("a", "b")] == [2, 2]   # the last batch, round robin
+        await session.run(4)
+        assert sum(v.requests for v in (await session.store.loads(["a", "b"])).values()) == 4
+    finally:
+        await session.close()
