@@ -85,6 +85,11 @@ class Lifecycle:
             if record is not None:
                 # (a prompt not settled at a first token: done now)
                 self.predictor.prompts_computed(record.charges, time.monotonic())
+                if event.first_token:
+                    # Its FIRST_TOKEN report was folded into this one (the data plane had not
+                    # sent it yet): learned now, the pull timed back to the first token.
+                    self._learn_ttft(record, event)
+                    self._learn_pull(record, event, since_first_s=max(event.latency_ms - event.ttft_ms, 0.0) / 1000)
                 if kind == pb.EVENT_FINISHED:
                     # A non-streamed answer sends no first-token report: its end is its success.
                     self._note_success(record)
@@ -110,15 +115,16 @@ class Lifecycle:
                 self.predictor.observe_ttft(charge.worker_id, record.work_ahead_tokens, event.ttft_ms / 1000)
                 return
 
-    def _learn_pull(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
+    def _learn_pull(self, record: RequestRecord, event: pb.LifecycleEvent, since_first_s: float = 0.0) -> None:
         """Sequential PD: from D's placement (P had answered) to the first token is D's pull
-        of the prompt tokens it lacked, and its first step (see ``Predictor``)."""
+        of the prompt tokens it lacked, and its first step (see ``Predictor``).
+        ``since_first_s``: how long ago the first token came (a folded report)."""
         if not event.streamed or record.decode_placed_at <= 0:
             return
         for charge in record.charges:
             if charge.leg == "decode":
                 self.predictor.observe_pull(charge.worker_id, record.pull_tokens,
-                                            time.monotonic() - record.decode_placed_at)
+                                            time.monotonic() - since_first_s - record.decode_placed_at)
                 return
 
     def _learn_tpot(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:

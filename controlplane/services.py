@@ -151,6 +151,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         info.CopyFrom(self.info)
         info.batches = True
         info.local_placement = self.local_placement
+        info.folds_first_token = True   # Lifecycle.report learns from a folded FIRST_TOKEN
         yield pb.ControlPlaneMessage(info=info)
         fleet_watch = asyncio.ensure_future(self._push_fleet(out))
         held.add(fleet_watch)

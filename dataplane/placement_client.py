@@ -153,6 +153,10 @@ class PlacementClient:
         # The current session's control plane lets this node place entry legs itself
         # (SessionInfo.local_placement); False while no session is up.
         self._local = False
+        # The control plane reads a FIRST_TOKEN folded into its FINISHED (report()), and the
+        # FIRST_TOKEN reports queued or held but not written yet, by request id.
+        self._folds = False
+        self._first_unsent: dict[str, pb.DataPlaneMessage] = {}
         self._holding: list | None = None    # reports held for company by _outgoing
         self._hold: asyncio.Future | None = None   # what _outgoing waits on while it holds them
         self.fallback = FallbackPlacer()
@@ -299,12 +303,28 @@ class PlacementClient:
         return self.fallback.place(req, self.info.pd_flow or pb.FLOW_SEQUENTIAL)
 
     def report(self, event: pb.LifecycleEvent) -> None:
-        """Fire and forget; kept for the next session while none is up (bounded)."""
-        if event.kind in _ENDINGS:
+        """Fire and forget; kept for the next session while none is up (bounded).
+
+        A FINISHED whose request's FIRST_TOKEN is still waiting to be written (held for
+        company, or queued) takes that report's place instead of following it, marked
+        ``first_token``: one message for the two, when the control plane reads it so
+        (``SessionInfo.folds_first_token``). A short streamed answer usually ends within
+        the hold."""
+        kind = event.kind
+        if kind in _ENDINGS:
             self._live.discard(event.request_id)
+            if self._first_unsent:
+                first = self._first_unsent.pop(event.request_id, None)
+                if first is not None and kind == pb.EVENT_FINISHED:
+                    first.event.CopyFrom(event)     # not written yet: _outgoing forgets it first
+                    first.event.first_token = True
+                    first.event.streamed = True
+                    return
         msg = pb.DataPlaneMessage(event=event)
         if self._connected.is_set() and self._queue is not None:
             self._queue.put_nowait(msg)
+            if kind == pb.EVENT_FIRST_TOKEN and self._folds:
+                self._first_unsent[event.request_id] = msg
         else:
             self._unsent.append(msg)
 
@@ -419,7 +439,8 @@ class PlacementClient:
                 raise
             log.warning("control-plane session with %s cancelled; reconnecting", target)   # drop_session()
         finally:
-            self._local = False
+            self._local = self._folds = False
+            self._first_unsent.clear()
             self._connected.clear()
             self._down_since = time.monotonic()
             self._keep_unsent(queue)
@@ -451,6 +472,7 @@ class PlacementClient:
             self.info = msg.info
             self._cp_batches = msg.info.batches
             self._local = msg.info.local_placement and msg.info.batches
+            self._folds = msg.info.folds_first_token
 
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
         """Reports still queued (or held for company) when a session ends go out on the next
@@ -474,6 +496,7 @@ class PlacementClient:
             if msg is None:
                 return
             if not self._cp_batches:
+                self._first_unsent.clear()   # what is written is never changed by report()
                 yield msg
                 continue
             batch = [msg]
@@ -492,6 +515,7 @@ class PlacementClient:
                     self._hold = None
                 end = _drain(queue, batch)
                 self._holding = None
+            self._first_unsent.clear()   # written now: report() no longer folds into them
             yield pb.DataPlaneMessage(batch=pb.DataPlaneBatch(messages=batch)) if len(batch) > 1 else batch[0]
             if end:
                 return

@@ -272,7 +272,7 @@ class Placement(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., flow: _Optional[_Union[Flow, str]] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., explanation: _Optional[str] = ..., error: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., metaserver_url: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., queued_ms: _Optional[float] = ...) -> None: ...
 
 class LifecycleEvent(_message.Message):
-    __slots__ = ("request_id", "kind", "worker_id", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "message", "upstream_status", "streamed", "retry_after_s")
+    __slots__ = ("request_id", "kind", "worker_id", "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms", "message", "upstream_status", "streamed", "retry_after_s", "first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class LifecycleEvent(_message.Message):
     UPSTREAM_STATUS_FIELD_NUMBER: _ClassVar[int]
     STREAMED_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: EventKind
     worker_id: str
@@ -295,7 +296,8 @@ class LifecycleEvent(_message.Message):
     upstream_status: int
     streamed: bool
     retry_after_s: float
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ..., streamed: _Optional[bool] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., message: _Optional[str] = ..., upstream_status: _Optional[int] = ..., streamed: _Optional[bool] = ..., retry_after_s: _Optional[float] = ..., first_token: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("node_id", "live_requests", "batches", "token")
@@ -328,18 +330,20 @@ class DataPlaneBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[DataPlaneMessage, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches", "local_placement")
+    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches", "local_placement", "folds_first_token")
     PD_FLOW_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KV_HASH_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    FOLDS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pd_flow: Flow
     parallel_protocol: str
     kv_hash: KVHashConfig
     batches: bool
     local_placement: bool
-    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ..., local_placement: _Optional[bool] = ...) -> None: ...
+    folds_first_token: bool
+    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ..., local_placement: _Optional[bool] = ..., folds_first_token: _Optional[bool] = ...) -> None: ...
 
 class KVHashConfig(_message.Message):
     __slots__ = ("enabled", "block_size", "algo", "seed", "seed_set", "lora_key_format")

@@ -132,3 +132,54 @@ def test_local_placement_leaves_pd_models_and_unknown_models_to_the_control_plan
     assert placer.place_local(pb.PlaceRequest(request_id="3", model=MODEL, exclude_workers=["a"])) is None
     assert placer.place_local(pb.PlaceRequest(request_id="4", model=MODEL)).decode.worker_id == "a"
     assert placer.placed_local == 1
+
+
+async def test_the_control_plane_records_a_local_placement_and_learns_a_folded_first_token():
+    from tests.test_omni_scheduling import entry, make
+
+    plane = await make("round_robin")
+    assert plane.placer.places_anywhere
+    learned: list[tuple[str, float, float]] = []
+    plane.placer.predictor.observe_ttft = lambda wid, work, ttft: learned.append((wid, work, ttft))  # type: ignore[method-assign]
+    assert await plane.placer.record(entry("r1", tokens=300, placed_on="b"), "s1")
+    assert (await plane.load("b")).requests == 1 and (await plane.load("a")).requests == 0
+    assert plane.fleet.placements["b"] == 1
+    # Its FIRST_TOKEN folded into its FINISHED: the end releases it, and the first token is learned.
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED, first_token=True,
+                                                   streamed=True, ttft_ms=250.0, latency_ms=400.0,
+                                                   completion_tokens=10))
+    assert (await plane.load("b")).requests == 0
+    assert learned == [("b", 300, 0.25)]
+    # Not folded: a FINISHED alone teaches no time to first token.
+    assert await plane.placer.record(entry("r2", placed_on="a"), "s1")
+    await plane.lifecycle.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FINISHED, ttft_ms=250.0,
+                                                   latency_ms=400.0, completion_tokens=10))
+    assert len(learned) == 1
+    # A worker it does not know (removed meanwhile): nothing recorded, counted.
+    assert not await plane.placer.record(entry("r3", placed_on="gone"), "s1")
+    assert plane.placer.stats.errors["LOCAL_PLACEMENT_UNRECORDED"] == 1
+    assert not (await make("least_load")).placer.places_anywhere
+
+
+async def test_a_finished_report_takes_the_place_of_its_unsent_first_token():
+    from dataplane.placement_client import PlacementClient
+
+    pc = PlacementClient("127.0.0.1:1", "node")
+    try:
+        pc._queue = queue = asyncio.Queue()
+        pc._connected.set()
+        pc._folds = True
+        pc.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=5.0, streamed=True))
+        pc.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED, ttft_ms=5.0, latency_ms=9.0))
+        assert queue.qsize() == 1
+        folded = queue.get_nowait().event
+        assert (folded.kind, folded.first_token, folded.streamed, folded.latency_ms) == \
+            (pb.EVENT_FINISHED, True, True, 9.0)
+        # Once written (``_outgoing`` forgets it), a first token is never changed: the end follows it.
+        pc.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=5.0, streamed=True))
+        pc._first_unsent.clear()
+        pc.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FINISHED, latency_ms=9.0))
+        kinds = [queue.get_nowait().event for _ in range(queue.qsize())]
+        assert [(e.kind, e.first_token) for e in kinds] == [(pb.EVENT_FIRST_TOKEN, False), (pb.EVENT_FINISHED, False)]
+    finally:
+        await pc.close()
