@@ -62,7 +62,9 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
             mine = ctx.predictor.held.get(ctx.request_id)
             if mine is not None and mine[0] == wid:
                 held -= mine[1]
-            ttft += line.b * held
+            extra = line.b * held
+            cap = ctx.predictor.held_cap_s
+            ttft += extra if extra < cap else cap
     elif role is Role.DECODE:
         line = model.pull      # what this decode engine pulls: the prompt less its own prefix
         ttft = line.a + line.b * uncached

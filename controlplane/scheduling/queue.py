@@ -3,11 +3,15 @@
 Committing a request to an engine the moment it arrives piles a burst into engine queues
 that are first come, first served, and the engine that frees up first is rarely the one
 that was chosen. With this stage a request whose best engine is predicted to be busy for
-longer than ``hold_s`` waits in the control plane instead, where waiting requests are
-ordered by Omni's weight of shortness and waiting time (0.8 / 0.2), and is bound
-to an engine only when one can start it soon. A request that has waited ``starvation_s``
-goes ahead of every shorter one. The queue is bounded in size (beyond: refused, HTTP 429)
-and in wait (beyond: placed on the best engine anyway, or refused: ``on_timeout``).
+longer than ``hold_s`` waits in the control plane instead, and is bound to an engine only
+when one can start it soon. Waiting requests whose prefill their engine can still finish
+within ``starvation_s`` go first come, first served (``on_time_first``); the rest are
+ordered by Omni's weight of shortness and waiting time (0.8 / 0.2), which is what gains
+when not all can make it. A request that has waited ``starvation_s`` goes ahead of every
+other one. The work held for each engine counts in the prediction (``show_held``), so the
+policy does not keep choosing an engine whose turns already wait here. The queue is
+bounded in size (beyond: refused, HTTP 429) and in wait (beyond: placed on the best engine
+anyway, or refused: ``on_timeout``).
 
 The constants are seconds of wall-clock time, not parts of the request's TTFT target nor
 of the engines' speed. ``hold_s`` is how much work an engine keeps queued so that it never
@@ -58,11 +62,11 @@ class HoldQueue:
     # Bind at once a request whose own prefill on its chosen engine is predicted to take
     # longer than this (0: off; see should_hold).
     bind_long_s: float = 1.0
-    # Order first come, first served the held requests that every engine's queue still lets go
-    # before starvation_s, the longest left out where one would be late (see order). Off: it
-    # gained on 2 prefill + 2 decode engines at 3x and lost on one shared system prompt at 8x
-    # and 16x (docs/benchmarks/pd_queue.md, fifth session); False: Omni's weights alone.
-    on_time_first: bool = False
+    # Order first come, first served the held requests whose prefill every engine's queue still
+    # predicts done within starvation_s, the longest left out where one would be late (see
+    # order); False: Omni's weights alone (shortest first), which reorder requests that would
+    # all have made it (docs/benchmarks/pd_queue.md, sixth session).
+    on_time_first: bool = True
     name: str = "omni"
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
@@ -70,10 +74,10 @@ class HoldQueue:
     _work: dict[str, HeldWork] = field(default_factory=dict, repr=False)
     # per worker: its learned seconds per prompt token, as of its last hold decision (see order)
     _rate: dict[str, float] = field(default_factory=dict, repr=False)
-    # Publish the work held for each engine to the prediction (see _publish). Off: with
-    # on_time_first it brought PD 2:2 at 3x level with not held, but gave back part of the
-    # order's gains at overload (docs/benchmarks/pd_queue.md, fifth session).
-    show_held: bool = False
+    # Publish the work held for each engine to the prediction, up to starvation_s of it (see
+    # _publish); False: the policy sees only the ledger, and keeps choosing the engine a
+    # conversation's cache follows while its turns wait here for it.
+    show_held: bool = True
     _predictor: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -184,9 +188,18 @@ class HoldQueue:
         On 2 prefill + 2 decode engines at 3x, the held requests that missed their TTFT waited
         1.7-1.9 s for one prefill engine while 10-15 later ones went to the other; not held,
         that engine's queue shows in the ledger and the policy sends the next turns elsewhere
-        (docs/benchmarks/pd_queue.md, fifth session)."""
+        (docs/benchmarks/pd_queue.md, fifth session).
+
+        It counts up to ``starvation_s`` of it (``Predictor.held_cap_s``): a request held for
+        an engine waits behind only the held requests that engine can finish within
+        ``starvation_s`` (first come, first served, ``_on_time``); the backlog beyond goes
+        after it (by the weights). Counted whole, at overload every engine's backlog decided instead
+        of its cache, conversations were computed again elsewhere, and held requests met the
+        SLO no more often than not held (one shared system prompt at 16x: 46.7, 47.0 % against
+        47.7, 47.3; capped 49.3, 53.3; docs/benchmarks/pd_queue.md, sixth session)."""
         self.forget(request_id)
         self._predictor = predictor
+        predictor.held_cap_s = self.starvation_s
         if len(predictor.held) >= 65536:
             for wid, _ in predictor.held.values():
                 predictor.model(wid).held_tokens = 0
@@ -220,18 +233,18 @@ class HoldQueue:
         """Waiting requests (objects with ``work_tokens``, the prompt tokens they would have
         computed where they were last held, ``enqueued_at`` and, read only with
         ``on_time_first``, ``engine``, the engine they were held for, "" if none yet), best
-        first: the starved, first come first served; then (``on_time_first``) those that every
-        engine's queue can still let go before they starve (``_on_time``), first come first
-        served; then the rest by Omni's weights of shortness and waiting time.
+        first: the starved, first come first served; then (``on_time_first``) those whose
+        prefill every engine's queue can still finish before they starve (``_on_time``), first
+        come first served; then the rest by Omni's weights of shortness and waiting time.
 
-        Shortest first is what gains when not every request can leave in time (on one shared
-        system prompt at 16x, held requests met the SLO 55-57 % against 46-47 % not held), but
-        below that it reorders requests that would all have made it, and the longer ones, pushed
-        back behind every shorter arrival for the same engine until ``starvation_s``, miss: on 2
+        Shortest first is what gains when not every request can make it (on one shared system
+        prompt at 16x, held requests met the SLO 55-57 % against 46-47 % not held), but below
+        that it reorders requests that would all have made it, and the longer ones, pushed back
+        behind every shorter arrival for the same engine until ``starvation_s``, miss: on 2
         prefill and 2 decode engines at 3x, the held requests that missed waited 1.7-1.9 s in
-        this queue while 11-14 later ones went to the same engine. First come, first served for
-        those on time removed that (0-3), and gained 3 points there, but lost 3-6 on the shared
-        system prompt at 8x and 16x, one run each: so it is off (docs/benchmarks/pd_queue.md)."""
+        this queue while 11-14 later ones went to the same engine, and held met the SLO 5
+        points below not held. First come, first served for those on time removed that (0-3)
+        (docs/benchmarks/pd_queue.md, fifth and sixth sessions)."""
         if len(waiting) < 2:
             return list(waiting)
         longest = max(w.work_tokens for w in waiting) or 1
@@ -250,14 +263,19 @@ class HoldQueue:
         return sorted(waiting, key=key)
 
     def _on_time(self, waiting: list, now: float) -> set[int]:
-        """The waiting requests (their ``id()``) that leave the queue before ``starvation_s``
-        if each engine takes those held for it first come, first served, with the longest left
-        out wherever one would be late (Moore and Hodgson's rule: the most requests in time).
+        """The waiting requests (their ``id()``) whose prefill is done within ``starvation_s``
+        of their arrival if each engine takes those held for it first come, first served, with
+        the longest left out wherever one would be late (Moore and Hodgson's rule: the most
+        requests in time).
 
-        A request held for engine e is let go once e's work ahead is down to ``hold_s``: at
-        e's predicted free time (this queue's own, ``_busy_until``) plus the work of those let
-        go before it, less ``hold_s``; its work is its tokens at e's learned speed. Requests
-        not held yet (no engine known) are not counted here: their place is the weights'."""
+        A request held for engine e is done at e's predicted free time (this queue's own,
+        ``_busy_until``) plus the work of those before it and its own, each its tokens at e's
+        learned speed. Judged by when it would leave the queue instead (its prefill not
+        counted), requests that then missed their first token counted as on time, and at
+        overload too many went first come, first served: one shared system prompt at 16x
+        met the SLO 48.0, 48.0 % against 54.7, 57.3 with the weights alone (sixth session).
+        Requests not held yet (no engine known) are not counted here: their place is the
+        weights'."""
         by_engine: dict[str, list] = {}
         for w in waiting:
             engine = getattr(w, "engine", "")
@@ -266,13 +284,13 @@ class HoldQueue:
         kept: set[int] = set()
         for engine, ws in by_engine.items():
             rate = self._rate[engine]
-            start = max(self._busy_until.get(engine, now), now) - self.hold_s
+            free = max(self._busy_until.get(engine, now), now)
             ahead = 0.0                     # work of the requests kept so far (let go before)
             longest: list[tuple[float, int, object]] = []   # max-heap of kept: (-work, seq, waiter)
             for seq, w in enumerate(sorted(ws, key=lambda w: w.enqueued_at)):
                 work = w.work_tokens * rate
                 heapq.heappush(longest, (-work, seq, w))
-                late = max(start + ahead, now) - w.enqueued_at > self.starvation_s
+                late = max(free + ahead, now) + work - w.enqueued_at > self.starvation_s
                 ahead += work
                 if late:
                     # Leave out the longest so far (this one, if it is): the others go sooner.
