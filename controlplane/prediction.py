@@ -252,6 +252,8 @@ class Predictor:
         # Per request held in the queue: the engine it was held for and its tokens there
         # (HoldQueue keeps it and each engine's held_tokens; latency.predict reads both).
         self.held: dict[str, tuple[str, int]] = {}
+        # The most seconds of held work counted ahead on one engine (HoldQueue sets it to its
+        # starvation_s: beyond that, held work goes after a request, not before it).
         self.held_cap_s = float("inf")
         # Per served model, the observed engines' median fit (a, b) per line (module docstring).
         self._pools: dict[str, FleetLines] = {}

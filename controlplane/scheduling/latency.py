@@ -58,7 +58,7 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
             # without it the engine a conversation's cache follows looks no busier than the
             # queue's hold_s, so its next turns wait for it while another engine is free
             # (docs/benchmarks/pd_queue.md, fifth session). This request's own held work is
-            # not ahead of itself.
+            # not ahead of itself, and beyond held_cap_s the rest goes after it (HoldQueue._publish).
             mine = ctx.predictor.held.get(ctx.request_id)
             if mine is not None and mine[0] == wid:
                 held -= mine[1]
