@@ -613,7 +613,8 @@ async def test_reserve_survives_a_dropped_connection_without_charging_twice(redi
         await s.reserve(_rec("r2"), (Charge("w", "aggregated", 10),))
         assert (await s.loads(["w"]))["w"] == Load(2, 20, 0, 0)
         # the same operation delivered twice (a retry after a lost reply) is applied once
-        args = [s.prefix, "r3", s.replica_id, s.replica_ttl_ms, "op-x", 1, "session", "", 0, 1, "w", "aggregated", 5, 0]
+        args = [s.prefix, "r3", s.replica_id, s.replica_ttl_ms, "op-x", "", "", '[["w","aggregated",5,0]]',
+                1, "session", "", 0, 1, "w", "aggregated", 5, 0]
         await s._reserve(args=args)
         await s._reserve(args=args)
         assert (await s.loads(["w"]))["w"] == Load(3, 25, 0, 0)
