@@ -412,8 +412,8 @@ async def test_write_behind_reserve_is_exact_once_sent(redis_server):
 
 async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_server):
     """Reserves (write-behind), ends, settles and gets made in one turn of the event loop go to
-    Redis in one write; a call written at once (a loads read) sends what was queued before it,
-    so it sees those charges."""
+    Redis in one write (the write-behind reserves and ends in one script call); a call written
+    at once (a loads read) sends what was queued before it, so it sees those charges."""
     prefix, n = _prefix(), 12
     wb = RedisStore(redis_server.url, key_prefix=prefix, write_behind=True)
     try:
@@ -436,8 +436,9 @@ async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_serve
 
         ended = await asyncio.gather(*(report(i) for i in range(n)), *(place(i) for i in range(n)))
         assert [r.request_id for r in ended[:n]] == [f"a{i}" for i in range(n)]
-        # 3 turns: settles and reserves, gets, ends; 4 commands a request
-        assert wb.wire.commands - commands == 4 * n
+        # 3 turns: settles and reserves, gets, ends; a settle and a get a request, the turn's
+        # write-behind reserves one command, its ends another
+        assert wb.wire.commands - commands == 2 * n + 2
         assert wb.wire.writes - writes == 3, "a turn's calls went out in more than one write"
         wb.loads_max_age_s = 0.0   # (loads read from Redis: a write of its own)
         for i in range(n, 2 * n):
@@ -446,6 +447,33 @@ async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_serve
         await wb.reserve(_rec("c"), (Charge("w", "aggregated", 5),))
         assert (await wb.loads(["w", "x"]))["w"].requests == 2 * n + 1    # (a pipeline of reads too)
         assert wb.write_behind_failures == 0
+    finally:
+        await wb.close()
+
+
+async def test_write_behind_calls_join_one_script_call_only_until_another_command(redis_server):
+    """A turn's write-behind reserves and ends share one script call (one command, one reply)
+    while nothing else is queued after it; a command queued between them closes it, so a read
+    queued after a reserve sees it and an end queued after the read is not applied before it."""
+    wb = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
+    try:
+        await wb.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
+        await wb.end("warm")
+        await wb.loads(["w"])
+        assert wb.wire is not None
+        writes, commands = wb.wire.writes, wb.wire.commands
+        for i in range(3):
+            await wb.reserve(_rec(f"r{i}"), (Charge("w", "aggregated", 10),))
+        read = wb.wire.pipeline_nowait([("HGETALL", wb._k_rec + "r1")])   # queued after the reserves
+        assert read is not None
+        assert (await wb.end("r1")).request_id == "r1"
+        await wb.end("r0")
+        assert wb._record((await read)[0]).request_id == "r1"   # the reserve went first, the end after
+        await wait_until(lambda: not wb._behind, timeout=5, what="the replies")
+        assert (wb.wire.commands - commands, wb.wire.writes - writes) == (3, 1)
+        assert (await wb.loads(["w"]))["w"] == Load(1, 10, 0, 0) == (await RedisStore(
+            redis_server.url, key_prefix=wb.prefix).loads(["w"]))["w"]
+        assert [r.request_id for r in await wb.records()] == ["r2"] and wb.write_behind_failures == 0
     finally:
         await wb.close()
 
@@ -460,14 +488,16 @@ async def test_the_mirror_keeps_its_own_charges_still_on_their_way_to_redis(redi
         await wb.end("warm")
         assert (await wb.loads(["w"]))["w"] == Load(0, 0, 0, 0)
         seen: list[Load] = []
-        handle = wb._reserved_behind
+        handle = wb._behind_done
 
-        def spy(fut: asyncio.Future) -> None:
-            handle(fut)
+        def spy(ops, fut: asyncio.Future) -> None:
+            handle(ops, fut)
             seen.append(wb._mirror["w"])
-        monkeypatch.setattr(wb, "_reserved_behind", spy)
+        monkeypatch.setattr(wb, "_behind_done", spy)
+        assert wb.wire is not None
         for i in range(5):
             await wb.reserve(_rec(f"r{i}"), (Charge("w", "aggregated", 10, 4),))
+            wb.wire.pipeline_nowait([("PING",)])   # (a command queued between: each reserve a call of its own)
         assert (await wb.loads(["w"]))["w"] == Load(5, 50, 20, 5)
         await wait_until(lambda: len(seen) == 5, timeout=5, what="the replies")
         assert seen == [Load(5, 50, 20, 5)] * 5, "the mirror forgot charges not yet in Redis"

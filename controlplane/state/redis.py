@@ -216,54 +216,78 @@ local function end_record(rid)
 end
 """
 
-# ARGV: P, request id, replica, alive ttl ms, op token, session, orphaned_at (wall clock, '' for
-#       none), the charges a new record ends up with (JSON), n fields, fields..., n notes,
-#       notes..., n charges, (worker, leg, tokens, prefill_tokens) * n
+# A reserve whose arguments start at ARGV[i]: request id, replica, alive ttl ms, op token,
+# session, orphaned_at (wall clock, '' for none), the charges a new record ends up with (JSON),
+# n fields, fields..., n notes, notes..., n charges, (worker, leg, tokens, prefill_tokens) * n.
+# Returns the record's key (false: a late reserve of a request that had ended, see
+# end(tombstone_s=)) and the index after its arguments.
 # A new record (every placement's) is written with one HSET holding its final charges, which
 # the caller encoded: no read of what was just written, no JSON in Lua (a call from Lua costs
 # ~1.5 us of redis-server's time on top of the command, 45 arguments ~6 us, cjson ~4 us).
-_RESERVE_BODY = _LUA_COMMON + r"""
-local rid, rep, ttl, op = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local rk = P .. 'rec:' .. rid
-local exists = false
-if redis.call('EXISTS', rk, P .. 'ended:' .. rid) > 0 then   -- (neither: a new request, one call)
-  exists = redis.call('EXISTS', rk) == 1
+_RESERVE_AT = r"""
+local function reserve_at(i)
+  local rid, rep, ttl, op = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local fi = i + 7
+  local nf = tonumber(ARGV[fi])
+  local ni = fi + 1 + 2 * nf
+  local nn = tonumber(ARGV[ni])
+  local ci = ni + 1 + 2 * nn
+  local nc = tonumber(ARGV[ci])
+  local after = ci + 1 + 4 * nc
+  local rk = P .. 'rec:' .. rid
+  local exists = false
+  if redis.call('EXISTS', rk, P .. 'ended:' .. rid) > 0 then   -- (neither: a new request, one call)
+    exists = redis.call('EXISTS', rk) == 1
+    if not exists then return false, after end
+    if redis.call('HGET', rk, 'op') == op then return rk, after end   -- a retried call that already happened
+  end
   if not exists then
-    return result(false)   -- it ended before this (late) reserve arrived: see end(tombstone_s=)
+    redis.call('HSET', rk, 'replica', rep, 'charges', ARGV[i + 6], 'op', op, unpack(ARGV, fi + 1, fi + 2 * nf))
+    redis.call('SADD', P .. 'recs', rid)
+    redis.call('SADD', P .. 'rep:' .. rep, rid)
+    redis.call('SADD', P .. 'replicas', rep)
+    redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
+    local sess, orphaned = ARGV[i + 4], ARGV[i + 5]
+    if sess ~= '' then redis.call('SADD', P .. 'sess:' .. sess, rid) end
+    if (tonumber(orphaned) or 0) ~= 0 then redis.call('ZADD', P .. 'orphans', orphaned, rid) end
+  else
+    for j = 1, nn do redis.call('HSET', rk, ARGV[ni + 2 * j - 1], ARGV[ni + 2 * j]) end
   end
-  if redis.call('HGET', rk, 'op') == op then
-    return result(redis.call('HGETALL', rk))   -- a retried call that already happened
+  local list = exists and charges_of(rk) or nil
+  for j = 0, nc - 1 do
+    local b = ci + 1 + 4 * j
+    local c = {ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])}
+    if list then table.insert(list, c) end
+    addload(c[1], 1, c[3], c[4])
   end
+  if list then redis.call('HSET', rk, 'charges', encode(list), 'op', op) end
+  return rk, after
 end
-local i = 9
-local nf = tonumber(ARGV[i]); i = i + 1
-if not exists then
-  redis.call('HSET', rk, 'replica', rep, 'charges', ARGV[8], 'op', op, unpack(ARGV, i, i + 2 * nf - 1))
-  redis.call('SADD', P .. 'recs', rid)
-  redis.call('SADD', P .. 'rep:' .. rep, rid)
-  redis.call('SADD', P .. 'replicas', rep)
-  redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
-  if ARGV[6] ~= '' then redis.call('SADD', P .. 'sess:' .. ARGV[6], rid) end
-  if (tonumber(ARGV[7]) or 0) ~= 0 then redis.call('ZADD', P .. 'orphans', ARGV[7], rid) end
-end
-i = i + 2 * nf
-local nn = tonumber(ARGV[i]); i = i + 1
-if exists then
-  for j = 0, nn - 1 do redis.call('HSET', rk, ARGV[i + 2 * j], ARGV[i + 2 * j + 1]) end
-end
-i = i + 2 * nn
-local nc = tonumber(ARGV[i]); i = i + 1
-local list = exists and charges_of(rk) or nil
-for j = 0, nc - 1 do
-  local c = {ARGV[i + 4 * j], ARGV[i + 4 * j + 1], tonumber(ARGV[i + 4 * j + 2]), tonumber(ARGV[i + 4 * j + 3])}
-  if list then table.insert(list, c) end
-  addload(c[1], 1, c[3], c[4])
-end
-if list then redis.call('HSET', rk, 'charges', encode(list), 'op', op) end
 """
-_RESERVE = _RESERVE_BODY + "return result(redis.call('HGETALL', rk))\n"
-# Write-behind (see RedisStore.reserve): nobody reads the record, only the loads it changed.
-_RESERVE_BEHIND = _RESERVE_BODY + "return result(false)\n"
+
+# ARGV: P, then a reserve's arguments (above)
+_RESERVE = _LUA_COMMON + _RESERVE_AT + r"""
+local rk = reserve_at(2)
+if not rk then return result(false) end
+return result(redis.call('HGETALL', rk))
+"""
+
+# Write-behind (see RedisStore.reserve and end): the reserves and ends of one loop turn in one
+# call, in the order they were made. ARGV: P, then per call 'r' and a reserve's arguments, or
+# 'e' and a request id. Nobody reads the records, only the loads they changed (each once).
+_BEHIND = _LUA_COMMON + _RESERVE_AT + r"""
+local i, n = 2, #ARGV
+while i <= n do
+  if ARGV[i] == 'r' then
+    local _
+    _, i = reserve_at(i + 1)
+  else
+    end_record(ARGV[i + 1])
+    i = i + 2
+  end
+end
+return result(false)
+"""
 
 # ARGV: P, request id, leg ('' = any), worker id ('' = any)
 _RELEASE = _LUA_COMMON + r"""
@@ -289,12 +313,6 @@ if not rec and tonumber(ARGV[3]) > 0 then
   redis.call('SET', P .. 'ended:' .. ARGV[2], '1', 'PX', ARGV[3])   -- a reserve still on its way charges nothing
 end
 return result(rec)
-"""
-# Write-behind (see RedisStore.end): nobody reads the record (this replica answered from its
-# own copy), only the loads it changed.
-_END_BEHIND = _LUA_COMMON + r"""
-end_record(ARGV[2])
-return result(false)
 """
 
 # ARGV: P, request id
@@ -471,9 +489,12 @@ def _sum_load(load: Load, sign: int, requests: int, tokens: int, prefill_tokens:
 
 
 def _load(values: list[Any]) -> Load:
-    if values[0] is None and values[1] is None:
+    """A load as HMGET (or a script, as integers) gives its four amounts: every reply and
+    refresh of the load copy decodes one per worker (no generator: ~1 us less each)."""
+    r, t, p, n = values
+    if r is None and t is None:
         return IDLE
-    return Load(*(int(x or 0) for x in values))
+    return Load(int(r or 0), int(t or 0), int(p or 0), int(n or 0))
 
 
 def safe_url(url: str) -> str:
@@ -733,22 +754,47 @@ class RedisStore:
             if not u[4]:
                 del unconfirmed[c.worker_id]
 
-    def _reserved_behind(self, fut: asyncio.Future) -> None:
+    def _behind_call(self, args: list[Any], end_of: str | None) -> bool:
+        """Send a write-behind reserve (``end_of`` None) or end (of that request) in the call
+        that carries this loop turn's others (``_BEHIND``: one script call and one reply for
+        all of them, redis_wire.Batch); False when no connection is open (the caller then
+        awaits Redis)."""
+        assert self.wire is not None
+        batch = self.wire.batch_nowait(_BEHIND, [self.prefix], args)
+        if batch is None:
+            return False
+        if not batch.ops:
+            batch.future.add_done_callback(functools.partial(self._behind_done, batch.ops))
+        batch.ops.append(end_of)
+        return True
+
+    def _behind_done(self, ops: list[str | None], fut: asyncio.Future) -> None:
+        """The reply to one call of write-behind reserves and ends (``ops``: None for a
+        reserve, the request id for an end, in order)."""
         if self.loads_max_age_s:
-            self._answered_behind()
-        if fut.cancelled():
-            return
-        exc = fut.exception()
+            for _ in ops:
+                self._answered_behind()
+        exc: BaseException | None = asyncio.CancelledError() if fut.cancelled() else fut.exception()
         if exc is None and isinstance(fut.result(), hiredis_error):
-            exc = fut.result()
-            if str(exc).startswith("NOSCRIPT") and self.wire is not None:
-                self.wire.unloaded(_RESERVE_BEHIND)   # Redis's script cache was flushed: EVAL it next time
-        if exc is not None:
-            self.write_behind_failures += 1
-            log.warning("a write-behind reserve failed (%s: %s); Redis lacks that charge",
-                        type(exc).__name__, str(exc)[:200])
+            exc = redis_wire.error_of(fut.result())
+            if isinstance(exc, NoScriptError) and self.wire is not None:
+                self.wire.unloaded(_BEHIND)   # Redis's script cache was flushed: EVAL it next time
+        if exc is None:
+            self._mirror_reply(fut.result()[1])
             return
-        self._mirror_reply(fut.result()[1])   # (its record: nobody waits for it)
+        # Nothing of it or a part of it ran (an error stops a script where it is): a reserve is
+        # counted lost (Redis may lack its charge), an end handed to lost_ends (replaying an
+        # end that did run finds no record: harmless).
+        for request_id in ops:
+            self.write_behind_failures += 1
+            if request_id is None:
+                log.warning("a write-behind reserve failed (%s: %s); Redis lacks that charge",
+                            type(exc).__name__, str(exc)[:200])
+            elif self.lost_ends is not None:
+                self.lost_ends(request_id, exc)
+            else:
+                log.warning("a write-behind end failed (%s: %s); Redis may keep request %s's load until "
+                            "the replica sweep", type(exc).__name__, str(exc)[:200], request_id)
 
     def _ledger_reply(self, reply: list) -> RequestRecord | None:
         record, flat = reply
@@ -772,24 +818,6 @@ class RedisStore:
         if u is None:
             return load
         return _sum_load(load, 1, u[0], u[1], u[2], u[3])
-
-    def _ended_behind(self, request_id: str, fut: asyncio.Future) -> None:
-        if self.loads_max_age_s:
-            self._answered_behind()
-        exc: BaseException | None = asyncio.CancelledError() if fut.cancelled() else fut.exception()
-        if exc is None and isinstance(fut.result(), hiredis_error):
-            exc = redis_wire.error_of(fut.result())
-            if isinstance(exc, NoScriptError) and self.wire is not None:
-                self.wire.unloaded(_END_BEHIND)   # Redis's script cache was flushed: EVAL it next time
-        if exc is not None:
-            self.write_behind_failures += 1
-            if self.lost_ends is not None:
-                self.lost_ends(request_id, exc)
-            else:
-                log.warning("a write-behind end failed (%s: %s); Redis may keep request %s's load until "
-                            "the replica sweep", type(exc).__name__, str(exc)[:200], request_id)
-            return
-        self._mirror_reply(fut.result()[1])
 
     def _remember(self, record: RequestRecord | None, request_id: str) -> None:
         """What this replica's own call learnt of a request it reserved (write-behind ends)."""
@@ -892,7 +920,7 @@ class RedisStore:
         # A new record's charges as it ends up with them (the script writes them as they are):
         # its own (``charged``: ``charges``, added to the loads by the script), or a template's
         # own, kept but not added to any load as MemoryStore does, and ``charges``.
-        args: list[Any] = [self.prefix, record.request_id, self.replica_id, self.replica_ttl_ms,
+        args: list[Any] = ["r", record.request_id, self.replica_id, self.replica_ttl_ms,
                            f"{self.replica_id}:{next(self._ops)}", record.session,
                            repr(self._to_wall(record.orphaned_at)) if record.orphaned_at else "",
                            _charges_json(record.charges if charged else record.charges + tuple(charges))]
@@ -904,9 +932,7 @@ class RedisStore:
         for c in charges:
             args += (c.worker_id, c.leg, int(c.tokens), int(c.prefill_tokens))
         if self.write_behind and self.wire is not None:   # (write-behind runs on the wire client)
-            fut = self.wire.script_nowait(_RESERVE_BEHIND, [], args)
-            if fut is not None:
-                fut.add_done_callback(self._reserved_behind)
+            if self._behind_call(args, None):
                 if self.loads_max_age_s:   # this replica sees its own charge at once
                     if not self._riding and time.monotonic() - self._mirror_at > RIDE_REFRESH_S:
                         self._refresh_with_writes()
@@ -916,6 +942,7 @@ class RedisStore:
                 self._mine.put(record)
                 return record
         # None for a late reserve of a request that had already ended (see end(tombstone_s=))
+        args[0] = self.prefix
         answered = self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
         if answered is not None and self.write_behind:
             self._mine.put(answered)
@@ -943,12 +970,9 @@ class RedisStore:
         if not tombstone_s and self.write_behind:
             record = self._mine.pop(request_id)
             if record is not None:
-                assert self.wire is not None
-                fut = self.wire.script_nowait(_END_BEHIND, [], [self.prefix, request_id])
-                if fut is not None:
+                if self._behind_call(["e", request_id], request_id):
                     if self.loads_max_age_s:
                         self._sent_behind(record.charges, -1)
-                    fut.add_done_callback(functools.partial(self._ended_behind, request_id))
                     return record
         return await self._end_now(request_id, tombstone_s)
 

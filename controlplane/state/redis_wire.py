@@ -113,6 +113,24 @@ class _Protocol(asyncio.Protocol):
                                   else exc)
 
 
+class Batch:
+    """One script call that callers join with their own arguments while it is the last command
+    queued this loop turn (``WireClient.batch_nowait``); packed when it leaves. ``ops``: the
+    caller's notes of what joined it, in order (its reply answers them all)."""
+
+    __slots__ = ("source", "head", "args", "future", "ops")
+
+    def __init__(self, source: str, head: tuple, future: asyncio.Future) -> None:
+        self.source = source
+        self.head = head
+        self.args: list[Any] = []
+        self.future = future
+        self.ops: list[Any] = []
+
+    def pack(self) -> bytes:
+        return hiredis.pack_command((*self.head, *self.args))
+
+
 class WireClient:
     def __init__(self, url: str, *, timeout_s: float = 1.0, connect_timeout_s: float = 2.0) -> None:
         opts = parse_url(url)
@@ -128,9 +146,10 @@ class WireClient:
         self._loaded_on: dict[int, set[str]] = {}   # connection -> scripts it has run
         # Commands queued this loop turn (see the module's docstring): packed, for _queued_on,
         # their replies' futures already in its waiters; the last one's future ends the timer.
-        self._queued: list[bytes] = []
+        self._queued: list[bytes | Batch] = []
         self._queued_on: _Protocol | None = None
         self._queued_last: asyncio.Future | None = None
+        self._batch: Batch | None = None   # the last queued command, while callers may join it
         self.writes = 0   # sends to Redis (for tests and benchmarks: commands per write)
         self.commands = 0
 
@@ -226,7 +245,41 @@ class WireClient:
         else:
             self._queued += [hiredis.pack_command(c) for c in many]
         self._queued_last = fut
+        self._batch = None   # (a later batch call goes after this command: a new batch)
         return fut
+
+    def batch_nowait(self, source: str, first: list[Any], args: list[Any]) -> Batch | None:
+        """Join ``args`` to the call of script ``source`` this loop turn's queue ends with, or
+        queue a new one whose arguments start with ``first``: one command, one reply, one
+        future for every caller that joins it before another command is queued or it leaves
+        (so the connection's order stays the callers' order). The caller reads ``.ops`` to
+        know whether it is the first (then it adds its done-callback) and notes itself there.
+        None when no connection is open. The script gets no keys (as ``script_nowait``)."""
+        proto = self._proto
+        if proto is None or proto.closed:
+            return None
+        batch = self._batch
+        if batch is None or self._queued_on is not proto or batch.source is not source:
+            if self._queued and self._queued_on is not proto:
+                self.flush()
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            proto.waiters.append(fut)
+            if not self._queued:
+                self._queued_on = proto
+                loop.call_soon(self.flush)
+            loaded = self._loaded_on.setdefault(id(proto), set())
+            if source in loaded:
+                batch = Batch(source, ("EVALSHA", self._sha(source), 0), fut)
+            else:
+                loaded.add(source)
+                batch = Batch(source, ("EVAL", source, 0), fut)
+            batch.args += first
+            self._queued.append(batch)
+            self._queued_last = fut
+            self._batch = batch
+        batch.args += args
+        return batch
 
     def pipeline_nowait(self, commands: list[tuple]) -> asyncio.Future | None:
         """Queue several commands with this loop turn's others; their replies, as a list, land
@@ -247,10 +300,11 @@ class WireClient:
         queued, proto, last = self._queued, self._queued_on, self._queued_last
         if not queued:
             return
-        self._queued, self._queued_on, self._queued_last = [], None, None
+        self._queued, self._queued_on, self._queued_last, self._batch = [], None, None, None
         if proto is None or proto.closed or last is None:
             return   # the connection broke meanwhile: it failed their futures
-        proto.transport.write(queued[0] if len(queued) == 1 else b"".join(queued))
+        data = [q if type(q) is bytes else cast(Batch, q).pack() for q in queued]
+        proto.transport.write(data[0] if len(data) == 1 else b"".join(data))
         self.writes += 1
         self.commands += len(queued)
         # Replies come in order: the last one's arrival ends the wait for all of them.
