@@ -58,15 +58,17 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
-from itertools import groupby, islice
-from operator import countOf, itemgetter
+from functools import reduce
+from itertools import groupby, islice, repeat
+from operator import countOf, itemgetter, or_
 from typing import cast
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 WorkerKey = tuple[str, int]   # (worker_id, dp_rank)
-_STAMP_BITS = 32
-_STAMP = (1 << _STAMP_BITS) - 1
+_STAMP_BITS = 32            # a routed value's low bits: its stamp, and the ends flag above it
+_ENDS = 1 << 31             # routed: a chain through this mark ends within the next stride - 1 blocks
+_STAMP = _ENDS - 1          # routed: the bucket of the last routing through this mark
 _INTERN_MAX = 1 << 16      # distinct masks remembered for sharing; beyond, the table starts over
 _SHARD_BITS_MAX = 8        # at most 256 shards: a shard is picked by a hash's low byte
 _SHARD_TARGET = 12         # auto: about 4,096-8,192 blocks a shard at max_blocks
@@ -251,6 +253,7 @@ class PrefixIndex:
         self._key_of: list[WorkerKey | None] = []
         self._blocks_of: list[SlotBlocks] = []
         self._by_worker: dict[str, list[int]] = {}           # worker id -> its slots (DP ranks)
+        self._bits_of: dict[str, int] = {}                   # worker id -> the mask of its slots
         self._free: list[int] = []
         self._all = 0                                        # mask of registered slots
         self._refs = 0
@@ -336,6 +339,7 @@ class PrefixIndex:
                 self._blocks_of.append(SlotBlocks(self, 1 << slot))
             self._slot_of[key] = slot
             self._by_worker.setdefault(key[0], []).append(slot)
+            self._bits_of[key[0]] = self._bits_of.get(key[0], 0) | 1 << slot
             self._all |= 1 << slot
             self.added.append((slot, key[0]))
         return slot
@@ -360,15 +364,14 @@ class PrefixIndex:
         return out
 
     def mask_of(self, worker_ids: Iterable[str]) -> int:
-        """The slots of these workers (all their DP ranks) as one mask; unknown ids add nothing."""
+        """The slots of these workers (all their DP ranks) as one mask; unknown ids add nothing.
+        A few ids (a placement's candidates) OR their workers' masks in C; many (a routable
+        group, built once per group) set bits in a bytearray: O(n), not O(n^2/64) big-integer ORs."""
+        if isinstance(worker_ids, (list, tuple)) and len(worker_ids) <= 64:
+            return reduce(or_, map(self._bits_of.get, worker_ids, repeat(0)), 0)
         by_worker = self._by_worker
         found = [s for wid in worker_ids for s in by_worker.get(wid, ())]
-        if len(found) <= 64:
-            mask = 0
-            for s in found:
-                mask |= 1 << s
-            return mask
-        bits = bytearray((len(self._key_of) + 7) // 8)   # O(n), not O(n^2/64) big-integer ORs
+        bits = bytearray((len(self._key_of) + 7) // 8)
         for s in found:
             bits[s >> 3] |= 1 << (s & 7)
         return int.from_bytes(bits, "little")
@@ -386,8 +389,11 @@ class PrefixIndex:
             self._free.append(slot)
             slots = self._by_worker[worker_id]
             slots.remove(slot)
-            if not slots:
+            if slots:
+                self._bits_of[worker_id] &= ~(1 << slot)
+            else:
                 del self._by_worker[worker_id]
+                del self._bits_of[worker_id]
             self.generation += 1
             self.added = []
 
@@ -484,7 +490,8 @@ class PrefixIndex:
         mine = self._blocks_of[slot]
         bit, shards, mask, shift = mine.bit, self._shards, self._mask, self._shift
         intern, parents = self._intern.setdefault, self._parent
-        n = gone = 0
+        ends = _ENDS if shift else 0
+        n = gone = flagged = 0
         for h in hashes:                    # _unhold, inline: a run of removals is one call
             d = shards[h & mask]
             m = d.get(h)
@@ -496,8 +503,11 @@ class PrefixIndex:
                 else:
                     del d[h]
                     gone += 1
+                    flagged |= m & ends
                     if parents is not None:
                         parents[h & mask].pop(h, None)
+        if flagged:
+            self._ends_lost()
         mine.live -= n
         self._refs -= n
         self._removed += n
@@ -515,6 +525,11 @@ class PrefixIndex:
             self._size -= 1
             if self._parent is not None:
                 self._parent[h & self._mask].pop(h, None)
+            if self._shift and m & _ENDS:
+                self._ends_lost()
+
+    def _ends_lost(self) -> None:
+        """A routed mark flagged for chain ends went before its bucket's expiry (RoutedIndex)."""
 
     def _clear_slot(self, slot: int) -> None:
         mine = self._blocks_of[slot]
@@ -873,6 +888,18 @@ class RoutedIndex(PrefixIndex):
     K = 1 every block is a mark and the walk is the exact one over routed blocks. Stats and
     ``size()`` count marks; :meth:`blocks_by_worker` estimates blocks as marks x K.
 
+    Ends flags: looking for chain ends between two marks costs K - 1 probes each time the
+    alive set changes (about half of a walk's cost, and most of them miss: chains end there
+    rarely). So a routing whose chain ends between depths d and d + K (d a multiple of K,
+    d > 0) flags the mark at d (``_ENDS``, a bit of the value's low word; flags survive
+    restamping and partial removal), and the walk searches only after flagged marks. A
+    stale flag (its chain expired) costs a search, never a wrong depth. What could hide an
+    end is covered by stamps, since buckets expire oldest first: chains shorter than K
+    (ends before the first mark) are searched for while the newest bucket that routed one
+    lives (``_short``), and every end while marks whose flags may be missing live
+    (``_blind``: marks loaded from a snapshot, which holds no flags, or a flagged mark that
+    left before its bucket's expiry).
+
     Unlike the exact index it is not bounded by LRU eviction: its owner (``KVCache``) keeps it
     under ``max_blocks`` (marks) by expiring the oldest buckets early, which, like expiry itself,
     keeps every routed prefix prefix-closed; that is what lets :meth:`_walk` gallop.
@@ -885,6 +912,11 @@ class RoutedIndex(PrefixIndex):
         if stride < 1:
             raise ValueError("stride must be at least 1")
         self.stride = stride
+        # Routing stamps (as given, oldest expired first) bounding what ends flags cannot tell
+        # (see the class docstring); -1: nothing to cover.
+        self._last = -1         # the newest stamp routed or marked
+        self._short = -1        # the newest stamp of a routed chain shorter than the stride
+        self._blind = -1        # marks without reliable ends flags live until this stamp expires
 
     def marks(self, chain: Sequence[int], after: int = 0) -> list[int]:
         """The blocks of ``chain`` that routing it records: depths K, 2K, ... and its last block,
@@ -915,6 +947,9 @@ class RoutedIndex(PrefixIndex):
         sparse = chain if k == 1 else chain[k - 1::k]     # sparse[j] lies at depth (j + 1) * k
         s = len(sparse)
         alive <<= shift
+        blind = self._blind >= 0             # search after every mark (see the class docstring)
+        short = blind or self._short >= 0    # search before the first mark
+        vlo = 0                              # the value of sparse[i - 1] (every alive slot holds it)
         i = 0                                # every alive slot holds sparse[:i]
         while True:
             # hi: the first index >= i not held by every alive slot (s: none), vh: its value
@@ -922,7 +957,7 @@ class RoutedIndex(PrefixIndex):
                 h = sparse[i]
                 v = shards[h & mask].get(h)      # probes inline: a method call each cost as much again
                 if v is not None and v & alive == alive:
-                    lo, step = i, 1          # gallop forward
+                    lo, step, vlo = i, 1, v  # gallop forward
                     while True:
                         j = lo + step
                         if j >= s:
@@ -931,7 +966,7 @@ class RoutedIndex(PrefixIndex):
                         h = sparse[j]
                         vh = shards[h & mask].get(h)
                         if vh is not None and vh & alive == alive:
-                            lo, step = j, step * 2
+                            lo, step, vlo = j, step * 2, vh
                         else:
                             hi = j
                             break
@@ -940,7 +975,7 @@ class RoutedIndex(PrefixIndex):
                         h = sparse[mid]
                         v = shards[h & mask].get(h)
                         if v is not None and v & alive == alive:
-                            lo = mid
+                            lo, vlo = mid, v
                         else:
                             hi, vh = mid, v
                 else:
@@ -953,7 +988,8 @@ class RoutedIndex(PrefixIndex):
             if k > 1:
                 top = min(base + k - 1, n)
                 ends: list[tuple[int, int]] = []
-                if top > base:
+                # chain ends between base and the next mark: only after a flagged mark
+                if top > base and (vlo & _ENDS or blind if base else short):
                     vals = [shards[h & mask].get(h) for h in chain[base:top]]   # < K: no bulk pick
                     if vals.count(None) != len(vals):
                         for off in range(len(vals) - 1, -1, -1):
@@ -972,7 +1008,7 @@ class RoutedIndex(PrefixIndex):
             alive = m
             if not alive:
                 break
-            i = hi + 1
+            i, vlo = hi + 1, vh
         return levels
 
     def route(self, key: WorkerKey, chain: Sequence[int], stamp: int, held: int = 0) -> list[int]:
@@ -993,6 +1029,20 @@ class RoutedIndex(PrefixIndex):
                 after = held                # the held prefix was routed in this bucket already
         changed = self._mark(key, self.marks(chain, after), stamp)
         self._stored += len(chain)
+        k, n = self.stride, len(chain)
+        if stamp > self._last:
+            self._last = stamp
+        if n % k:                           # it ends between two marks: flag the one before
+            if n < k:
+                if stamp > self._short:
+                    self._short = stamp
+            else:
+                h = chain[n - n % k - 1]
+                d = self._shards[h & self._mask]
+                v = d.get(h)
+                if v is not None and not v & _ENDS:
+                    v |= _ENDS
+                    d[h] = self._intern.setdefault(v, v)
         return changed
 
     def mark(self, key: WorkerKey, hashes: Sequence[int], stamp: int) -> list[int]:
@@ -1000,7 +1050,19 @@ class RoutedIndex(PrefixIndex):
         kvcache/persist.py); returns those whose stamp changed, as :meth:`route`."""
         changed = self._mark(key, hashes, stamp)
         self._stored += len(hashes)
+        if self.stride > 1 and hashes:
+            # Which marks end chains, and where, is not known here: search after every mark
+            # while these live.
+            self._last = max(self._last, stamp)
+            self._blind = max(self._blind, stamp)
         return changed
+
+    def _ends_lost(self) -> None:
+        """A flagged mark left before its bucket's expiry: the chains that ended after it may
+        be routed again without flagging it again (their end marks were stamped no later
+        than the newest routing), so search after every mark until that bucket expires."""
+        if self.stride > 1:
+            self._blind = max(self._blind, self._last)
 
     def _mark(self, key: WorkerKey, chain: Sequence[int], stamp: int) -> list[int]:
         slot = self._slot(key)
@@ -1072,7 +1134,12 @@ class RoutedIndex(PrefixIndex):
         return gone
 
     def expire(self, chain: Iterable[int], stamp: int) -> int:
-        """Forget the marks of the routing ``stamp`` that no later routing refreshed."""
+        """Forget the marks of the routing ``stamp`` that no later routing refreshed (buckets
+        expire oldest first: see the ends flags in the class docstring)."""
+        if stamp >= self._short:
+            self._short = -1
+        if stamp >= self._blind:
+            self._blind = -1
         get, stamp = self._get, stamp & _STAMP
         gone = 0
         for h in chain:

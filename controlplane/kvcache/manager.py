@@ -366,7 +366,9 @@ class KVCache:
         if predicted_depth:
             self.exact.touch(chain[:predicted_depth])
         if self.pending is not None:
-            self.pending.route((worker.id, dp_rank), chain)
+            # (the depth found is a hint: route() skips the marks up to it only where they
+            # were routed to this worker in this bucket already)
+            self.pending.route((worker.id, dp_rank), chain, predicted_depth)
 
     def _expire(self) -> None:
         self.routed.expire()
