@@ -173,3 +173,103 @@ async def test_snapshots_keep_marks_and_refuse_another_strides():
     header, runs = persist.parse(await persist.dump(dense))
     persist.load(other, header, runs, [w], now=header["ts"])
     assert other.match(chain[:45] + [1], [w]) == {"w": 45}
+
+
+class _CountingDict(dict):
+    """A shard that counts the walk's probes (``get``)."""
+
+    probes = 0
+
+    def get(self, key, default=None):
+        _CountingDict.probes += 1
+        return super().get(key, default)
+
+
+def _counting(idx: RoutedIndex) -> RoutedIndex:
+    idx._shards = [_CountingDict() for _ in idx._shards]
+    return idx
+
+
+def test_ends_are_searched_for_only_after_a_mark_a_chain_ended_after():
+    idx = _counting(RoutedIndex(stride=K))
+    chain = list(range(1, 129))                   # 128 blocks: it ends on a mark
+    idx.route(("a", 0), chain, stamp=1)
+    prompt = chain[:40] + [9999]
+    _CountingDict.probes = 0
+    assert idx.match_depths(prompt) == {("a", 0): 32}
+    assert _CountingDict.probes == 2              # the marks at 16 and 32 only: no search of depths 33-41
+    idx.route(("b", 0), chain[:40], stamp=1)      # ends at 40: the mark at 32 is flagged
+    _CountingDict.probes = 0
+    assert idx.match_depths(prompt) == {("a", 0): 32, ("b", 0): 40}
+    assert _CountingDict.probes == 2 + 9          # and depths 33-41 searched
+    idx.route(("c", 0), chain[:9], stamp=1)       # shorter than the stride: searched before the first mark
+    assert idx.match_depths(chain[:9] + [9999]) == {("c", 0): 9}
+    assert idx.match_depths([chain[0], 9999]) == {}
+
+
+def test_a_flagged_mark_lost_before_expiry_keeps_ends_searched_for_until_its_bucket_expires():
+    idx = RoutedIndex(stride=K)
+    a, b = ("a", 0), ("b", 0)
+    chain = list(range(1, 65))
+    ended = idx.route(a, chain[:40], stamp=1)     # flags the mark at 32
+    idx.remove(a, [chain[31]])                    # the engine evicted it: the flagged mark goes
+    idx.route(b, chain, stamp=2)                  # the mark at 32 again, no chain ends after it
+    idx.route(a, chain, stamp=2)
+    prompt = chain[:40] + [9999]
+    assert idx.match_depths(prompt) == {a: 40, b: 32}     # a's end at 40 is still found
+    assert reference_depth(idx, prompt, "a") == 40
+    idx.expire(ended, 1)
+    assert idx.match_depths(prompt) == {a: 32, b: 32}
+    assert idx._blind == -1
+
+
+def test_marks_loaded_without_flags_are_searched_after_until_they_expire():
+    idx = RoutedIndex(stride=K)
+    chain = list(range(1, 41))
+    loaded = idx.mark(("a", 0), idx.marks(chain), 7)      # a snapshot's marks: no flags
+    assert idx.match_depths(chain[:40] + [9999]) == {("a", 0): 40}
+    idx.expire(loaded, 7)
+    assert idx.size() == 0 and idx._blind == -1
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_ends_flags_never_hide_an_end_the_marks_hold(seed):
+    """Routings, in-order expiry, removals (BlockRemoved on pending marks), dropped workers and
+    snapshot-style loads at random: every walk finds what it finds searching after every mark
+    (removals leave holes a walk may gallop over, so the linear reading is no reference here)."""
+    rng = random.Random(seed)
+    trunks = [[rng.getrandbits(64) for _ in range(100)] for _ in range(3)]
+    chains = [t[:rng.randrange(1, 100)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))]
+              for t in trunks for _ in range(6)]
+    idx = RoutedIndex(stride=K)
+    queued: dict[int, list[int]] = {}
+    bucket = oldest = 1
+    for step in range(2000):
+        if rng.random() < 0.05:
+            bucket += 1
+        chain = rng.choice(chains)
+        cut = chain[:rng.randrange(1, len(chain) + 1)]
+        w = (wid(rng.randrange(8)), 0)
+        r = rng.random()
+        if r < 0.1:
+            gone = [h for h in cut if rng.random() < 0.3]
+            idx.remove(w, gone)
+        elif r < 0.13:
+            queued.setdefault(bucket, []).extend(idx.mark(w, idx.marks(cut), bucket))
+        elif r < 0.135:
+            idx.drop_worker(w[0])
+        else:
+            held = max(idx.match_depths(cut, [w]).values(), default=0)
+            queued.setdefault(bucket, []).extend(idx.route(w, cut, bucket, held=held))
+        if rng.random() < 0.03 and oldest < bucket:       # oldest bucket first, as RoutingMemory expires
+            idx.expire(queued.pop(oldest, []), oldest)
+            oldest += 1
+        if step % 10 == 0:
+            workers = [wid(i) for i in range(8)]
+            for probe in rng.sample(chains, 4):
+                probe = probe[:rng.randrange(1, len(probe) + 1)] + ([rng.getrandbits(64)] if rng.random() < 0.5 else [])
+                alive = idx.mask_of(workers)
+                got = idx.depths(probe, alive)
+                blind, idx._blind = idx._blind, 1 << 62     # as without flags: search after every mark
+                assert got == idx.depths(probe, alive), step
+                idx._blind = blind

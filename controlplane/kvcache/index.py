@@ -867,8 +867,9 @@ class PrefixIndex:
 class RoutedIndex(PrefixIndex):
     """The approximate index: prefixes remembered because they were *routed*, not announced.
 
-    Each value is the holders' mask shifted left by 32 bits with a routing stamp in the low
-    bits: the time bucket of the last routing that included the block. A routing's expiry (queued by
+    Each value is the holders' mask shifted left by 32 bits with a routing stamp in the low 31
+    bits (and the ends flag, below, in bit 31): the time bucket of the last routing that included
+    the block. A routing's expiry (queued by
     the caller with its stamp) forgets the blocks whose stamp is still its own; a block routed
     again since (the next turn of a conversation, a shared system prompt) outlives it and counts,
     for every worker it was routed to, until ``approx_ttl_s`` after its last routing. This keeps
@@ -1008,11 +1009,11 @@ class RoutedIndex(PrefixIndex):
             alive = m
             if not alive:
                 break
-            i, vlo = hi + 1, vh
+            i, vlo = hi + 1, vh or 0       # (held by every alive slot: not None)
         return levels
 
     def route(self, key: WorkerKey, chain: Sequence[int], stamp: int, held: int = 0) -> list[int]:
-        """``chain`` was routed to ``key`` now; ``stamp`` (32 bits) names the time bucket. Returns
+        """``chain`` was routed to ``key`` now; ``stamp`` (its low 31 bits kept) names the time bucket. Returns
         the marks whose stamp changed (the caller queues them for that bucket's expiry); marks
         this worker already holds with this stamp are left as they are, so a hot prefix routed
         again within its bucket costs one probe a mark. ``held``: the leading blocks the walk
