@@ -468,10 +468,11 @@ class PlacementClient:
                 fut.set_result(msg.placement)
         elif body == "fleet":
             self.fallback.update(msg.fleet)
+            # Local placement starts with this session's own list, not the last session's.
+            self._local = self.info.local_placement and self._cp_batches
         elif body == "info":
             self.info = msg.info
             self._cp_batches = msg.info.batches
-            self._local = msg.info.local_placement and msg.info.batches
             self._folds = msg.info.folds_first_token
 
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
