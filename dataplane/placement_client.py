@@ -224,15 +224,9 @@ class PlacementClient:
         builds it there): it is then sent as it is, not copied into one."""
         out = req if isinstance(req, pb.DataPlaneMessage) else pb.DataPlaneMessage(place=req)
         req = out.place                  # seq is set on the message that is sent
-        queue = self._queue
-        if self._local and queue is not None and req.leg == pb.LEG_ENTRY and not req.explain:
-            # The control plane's policy needs no shared state: placed here, and the control
-            # plane told with the next batch of reports (no round trip; see dataplane.fallback).
-            local = self.fallback.place_local(req)
+        if self._local:
+            local = self.place_here(out)
             if local is not None:
-                req.placed_on = local.decode.worker_id
-                self._live.add(req.request_id)
-                queue.put_nowait(out)
                 return local
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
@@ -278,6 +272,22 @@ class PlacementClient:
             finally:
                 self._due.pop(seq, None)
                 self._pending.pop(seq, None)
+
+    def place_here(self, out: pb.DataPlaneMessage) -> pb.Placement | None:
+        """The placement of ``out``'s entry leg made here, when the control plane's policy
+        needs no shared state (``SessionInfo.local_placement``; see ``dataplane.fallback``),
+        the control plane told with the next batch of reports (no round trip); else None:
+        ask it (:meth:`place`). Not a coroutine: the common case awaits nothing."""
+        req = out.place
+        queue = self._queue
+        if not self._local or queue is None or req.leg != pb.LEG_ENTRY or req.explain:
+            return None
+        local = self.fallback.place_local(req)
+        if local is not None:
+            req.placed_on = local.decode.worker_id
+            self._live.add(req.request_id)
+            queue.put_nowait(out)
+        return local
 
     def _sweep(self) -> None:
         """Fail the placements whose deadline passed; again in ``_sweep_s`` while any wait."""

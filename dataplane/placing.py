@@ -38,6 +38,9 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: pb.Leg,
         # it expects D to report. The request follows over HTTP (flows/layerwise.py), not here.
         msg.path = req.path
         msg.engine_request_id, msg.num_prompts = req.request_id, req.num_prompts
+    placement = placements.place_here(out)   # (round_robin: placed here, no round trip)
+    if placement is not None:
+        return placement
     try:
         placement = await placements.place(out)
     except ControlPlaneUnavailable as exc:
