@@ -86,6 +86,8 @@ class _ControlPlaneLink:
                                   value=pc.sessions_started)
         yield CounterMetricFamily("omni_dp_fallback_placements", "Placements made locally while no control "
                                   "plane answered", value=pc.fallback.placed)
+        yield CounterMetricFamily("omni_dp_controlplane_fleet_updates", "Lists of routable workers received "
+                                  "from the control plane", value=pc.fleet_updates)
         yield CounterMetricFamily("omni_dp_local_placements", "Entry legs placed by the data plane itself "
                                   "(the control plane's policy needs no shared state), the control plane "
                                   "told afterwards", value=pc.fallback.placed_local)

@@ -135,6 +135,7 @@ class PlacementClient:
         # Reports made while no session was up, sent first on the next one.
         self._unsent: collections.deque[pb.DataPlaneMessage] = collections.deque(maxlen=max_buffered_reports)
         self.sessions_started = 0
+        self.fleet_updates = 0         # FleetSnapshots received
         self._seq = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         # When each pending placement gives up (loop time), swept every _sweep_s: a timeout
@@ -478,6 +479,7 @@ class PlacementClient:
                 fut.set_result(msg.placement)
         elif body == "fleet":
             self.fallback.update(msg.fleet)
+            self.fleet_updates += 1
             # Local placement starts with this session's own list, not the last session's.
             self._local = self.info.local_placement and self._cp_batches
         elif body == "info":

@@ -92,6 +92,20 @@ async def test_a_drained_worker_gets_no_new_local_placement(fresh: Cluster, http
     await wait_until(lambda: _lists(http, c.url, 2), what="the worker back in the data plane's list")
 
 
+async def test_weights_set_by_the_operator_shape_the_local_round_robin(fresh: Cluster, http):
+    c = fresh
+    pushed = await metric(http, c.url, "omni_dp_controlplane_fleet_updates_total")
+    async with grpc.aio.insecure_channel(c.cp.address) as ch:
+        await pb_grpc.AdminStub(ch).SetWeight(pb.SetWeightRequest(worker_id="a", weight=3.0), timeout=5)
+    await wait_until(lambda: _updated(http, c.url, pushed), what="the data plane's worker list with the new weight")
+    assert await asyncio.gather(*(complete(http, c.url) for _ in range(8))) == [200] * 8
+    assert (len(await c.sim_requests("a")), len(await c.sim_requests("b"))) == (6, 2)
+
+
+async def _updated(http, url: str, before: float) -> bool:
+    return await metric(http, url, "omni_dp_controlplane_fleet_updates_total") > before
+
+
 async def _lists(http, url: str, n: int) -> bool:
     return await metric(http, url, "omni_dp_fallback_workers") == n
 
