@@ -180,6 +180,22 @@ def code_tree(tree: Path | None):
             os.environ["PYTHONPATH"] = saved_path
 
 
+def prefix_reuse(before: str | None, after: str | None) -> dict | None:
+    """The tokenizer's prefix-id reuse over the window (``omni_dp_tokenizer_prefix_*``): texts,
+    texts that reused a prefix, and the share of their ids taken from the cache; None when the
+    data plane has no such counters (code before it, or reuse off)."""
+    if not before or not after:
+        return None
+    names = ("texts", "hits", "ids_reused", "ids_encoded")
+    vals = [(prom.gauge(before, f"omni_dp_tokenizer_prefix_{n}_total"),
+             prom.gauge(after, f"omni_dp_tokenizer_prefix_{n}_total")) for n in names]
+    if any(a is None or b is None for a, b in vals):
+        return None
+    d = dict(zip(names, (b - a for a, b in vals), strict=True))
+    total = d["ids_reused"] + d["ids_encoded"]
+    return {**{k: int(v) for k, v in d.items()}, "hit_rate": round(d["ids_reused"] / total, 3) if total else 0.0}
+
+
 def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[float], warm: list[dict],
              args, cost: Cost, variant: str = "after", tree: Path | None = None) -> dict:
     offsets = [t / speedup for t in offsets]
@@ -232,6 +248,7 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
     dp_hist = prom.delta(*(prom.histogram(t, "omni_dp_placement_seconds") if t else None for t in (dp0, dp1)))
     cp_hist = prom.delta(*(prom.histogram(t, "omni_placement_seconds") if t else None for t in (cp0, cp1)))
     lag = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in (lag_delta(lag0, lag1) or {}).items()}
+    reuse = prefix_reuse(dp0, dp1)
     samples = [placements[i] for i in sorted(placements)]
     intervals = [stage_intervals(records[i]) for i in sorted(records)]
     stages = {name: [iv[name] for iv in intervals if name in iv] for name in STAGES}
@@ -253,6 +270,7 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
         "loop": {"ticks": lag.get("ticks"), "ticks_over_5ms": lag.get("ticks_over_5ms"),
                  "longest_ms": lag.get("longest_ms"), "longest_le_ms": lag.get("longest_le_ms"),
                  "longest_best_ms": lag.get("longest_ms") or lag.get("longest_le_ms")},
+        "prefix_reuse": reuse,
         "dp_cpu_share": round((cpu1[0] - cpu0[0]) / wall, 3), "cp_cpu_share": round((cpu1[1] - cpu0[1]) / wall, 3),
         "host_load_1m": [round(load0, 2), round(load1, 2)],   # the machine is shared: how busy it was
         "dp_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) * 1000 / n, 3),
@@ -285,6 +303,7 @@ METRICS = {   # summary key -> (cell path, label)
     "dispatched_p99_ms": (("stages_ms", "dispatched", "p99"), "dispatched p99 ms"),
     "dp_cpu_ms_per_request": (("dp_cpu_ms_per_request",), "data plane CPU ms/request"),
     "cp_cpu_ms_per_request": (("cp_cpu_ms_per_request",), "control plane CPU ms/request"),
+    "prefix_hit_rate": (("prefix_reuse", "hit_rate"), "share of ids reused from the prefix cache"),
 }
 
 
@@ -393,12 +412,14 @@ def write_text_markdown(path: Path, report: dict) -> None:
              "block hashes; placement = hashes to the control plane's answer (matched to placed); "
              "dispatched = answer to the request sent to the engine. Longest stall: the data plane's 10 ms loop "
              "timer, worst lateness per repeat (median (min..max) over repeats). CPU per request: "
-             "process CPU time over the window / requests (data plane with its hashing process; control plane).",
+             "process CPU time over the window / requests (data plane with its hashing process; control plane). "
+             "Ids reused: the share of the long prompts' ids the tokenizer took from its prefix-id cache "
+             "(`omni_dp_tokenizer_prefix_ids_reused_total` over reused + encoded; - where the code has none).",
              "",
              "| code | speedup | requests | errors | tokenized p50 / p90 / p99 / max | hashed p99 | "
              "placement p50 / p99 / max | dispatched p99 | longest stall ms | data plane CPU ms/req | "
-             "control plane CPU ms/req |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "control plane CPU ms/req | ids reused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         st = r["pooled_stages_ms"]
         tk, pl = st["tokenized"], st["placement"]
@@ -406,7 +427,8 @@ def write_text_markdown(path: Path, report: dict) -> None:
             f"| {r['variant']} | {r['speedup']:g}x | {r['requests']} | {r['errors']} | "
             f"{tk['p50']} / {tk['p90']} / {tk['p99']} / {tk['max']} | {st['hashed']['p99']} | "
             f"{pl['p50']} / {pl['p99']} / {pl['max']} | {st['dispatched']['p99']} | {_cell(r['stall_ms'], 1)} | "
-            f"{_cell(r['dp_cpu_ms_per_request'], 1)} | {_cell(r['cp_cpu_ms_per_request'], 2)} |")
+            f"{_cell(r['dp_cpu_ms_per_request'], 1)} | {_cell(r['cp_cpu_ms_per_request'], 2)} | "
+            f"{_cell(r['prefix_hit_rate'], 2)} |")
     by = {(r["variant"], r["speedup"]): r for r in summary}
     ratios = []
     for (variant, speedup), r in sorted(by.items()):

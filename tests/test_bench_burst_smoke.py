@@ -74,6 +74,8 @@ def test_burst_text_mode_smoke(tmp_path):
         assert 0 < st["tokenized"]["p50"] <= st["tokenized"]["max"]
         assert cell["dp_cpu_ms_per_request"] > 0 and cell["cp_cpu_ms_per_request"] >= 0
         assert cell["prompt_tokens"]["p50"] >= 900     # the data plane counted real tokens
+        reuse = cell["prefix_reuse"]                    # the tokenizer's prefix-id cache was read
+        assert reuse is not None and reuse["texts"] == cell["ok"] and 0 <= reuse["hit_rate"] <= 1
     assert {r["variant"] for r in report["summary"]} == {"before", "after"}
 
 
