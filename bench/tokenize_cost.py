@@ -2,6 +2,13 @@
 
     python bench/tokenize_cost.py [--dir MODEL_DIR] [--reps 7]
     python bench/tokenize_cost.py --burst 18 [--burst-chars 10000,60000] [--reps 3]
+    python bench/tokenize_cost.py --reuse 8 [--reps 5]
+
+``--reuse T``: a conversation of T turns (each resends the earlier ones, ~6k characters more a
+turn, lines of pseudo-English), every turn tokenized whole (``prefix_cache_ids=0``) and through
+the prefix-id cache (``dataplane/prefix_ids.py``), interleaved, ids checked equal; then the same
+number of unrelated texts (no prefix to reuse: what the cache's bookkeeping costs on a miss).
+Each round starts with an empty cache; per turn the median of ``--reps`` rounds.
 
 ``--burst N``: where a burst of N long prompts (sizes drawn in ``--burst-chars``) should be
 tokenized, all submitted at once, ``--reps`` rounds with the strategies interleaved: the loop's
@@ -240,6 +247,63 @@ async def burst_async(tok: Tokenizer, model_dir: Path, n: int, chars: tuple[int,
         print(f"{name:34s} {col(p50):>16} {col(p90):>16} {col(mx):>16} {col(st):>16}")
 
 
+def conversation(turns: int, turn_chars: int = 6000, seed: int = 0) -> list[str]:
+    """Prompt texts of a multi-turn chat: turn k is turn k-1, its answer and a new question."""
+    rng = random.Random(seed)
+
+    def lines(n: int) -> str:
+        words = varied_text(n, rng.randint(0, 10**6)).split(" ")
+        out, line = [], []
+        for w in words:
+            line.append(w)
+            if rng.random() < 0.06:
+                out.append(" ".join(line))
+                line = []
+        return "\n".join([*out, " ".join(line)]) + "\n"
+
+    texts, text = [], "System: you answer questions about the documents below.\n" + lines(turn_chars)
+    for _ in range(turns):
+        text += "User: " + lines(turn_chars // 6)
+        texts.append(text + "Assistant:")
+        text += "Assistant: " + lines(turn_chars * 5 // 6)
+    return texts
+
+
+def reuse_cost(tok: Tokenizer, turns: int, reps: int) -> None:
+    from dataplane.prefix_ids import PrefixIds
+
+    if tok.prefix_ids is None:
+        print("this tokenizer's pipeline cannot be cut exactly: no prefix-id reuse")
+        return
+    plan = tok.prefix_ids.plan
+    cases = {"turn": conversation(turns), "unrelated": [conversation(1, 6000 * (k + 1), seed=100 + k)[0]
+                                                         for k in range(turns)]}
+    rows: dict[tuple[str, int], dict[str, list[float]]] = {}
+    reused: dict[tuple[str, int], float] = {}
+    for _ in range(reps):
+        for case, texts in cases.items():
+            cache = PrefixIds(plan, tok._encode_batch)
+            for k, text in enumerate(texts):
+                r = rows.setdefault((case, k), {"whole": [], "reuse": []})
+                t0 = time.perf_counter()
+                want = tok.backend.encode_batch_fast([text], add_special_tokens=True)[0].ids
+                t1 = time.perf_counter()
+                before = cache.stats.ids_reused
+                got = cache.encode(text, True)
+                t2 = time.perf_counter()
+                assert got == want, (case, k)
+                r["whole"].append(t1 - t0)
+                r["reuse"].append(t2 - t1)
+                reused[(case, k)] = (cache.stats.ids_reused - before) / len(want)
+    print(f"{'case':>10} {'turn':>4} {'chars':>7} {'tokens':>7} {'whole ms':>9} {'reuse ms':>9} {'ratio':>6} "
+          f"{'ids reused':>10}   (median of {reps} rounds)")
+    for (case, k), r in rows.items():
+        text = cases[case][k]
+        w, u = statistics.median(r["whole"]) * 1e3, statistics.median(r["reuse"]) * 1e3
+        print(f"{case:>10} {k + 1:4d} {len(text):7d} {len(tok.backend.encode(text).ids):7d} {w:9.2f} {u:9.2f} "
+              f"{u / w:6.2f} {reused[(case, k)]:10.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=None,
@@ -247,6 +311,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--burst", type=int, default=0, help="compare threads and processes on a burst of N prompts")
     ap.add_argument("--burst-chars", default="10000,60000", help="prompt sizes of --burst, min,max chars")
+    ap.add_argument("--reuse", type=int, default=0, help="a conversation of N turns: whole encode vs prefix-id reuse")
     a = ap.parse_args()
     if a.dir is not None:
         model_dir = a.dir
@@ -260,7 +325,9 @@ def main() -> None:
         spec.loader.exec_module(fd)
         model_dir = fd.build("tiny_llama", Path(tempfile.mkdtemp(prefix="tokbench-")))
     tok = Tokenizer.from_dir(model_dir)
-    if a.burst:
+    if a.reuse:
+        reuse_cost(tok, a.reuse, a.reps)
+    elif a.burst:
         lo, hi = (int(x) for x in a.burst_chars.split(","))
         asyncio.run(burst_async(tok, model_dir, a.burst, (lo, hi), a.reps))
     else:
