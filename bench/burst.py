@@ -187,11 +187,12 @@ def prefix_reuse(before: str | None, after: str | None) -> dict | None:
     if not before or not after:
         return None
     names = ("texts", "hits", "ids_reused", "ids_encoded")
-    vals = [(prom.gauge(before, f"omni_dp_tokenizer_prefix_{n}_total"),
-             prom.gauge(after, f"omni_dp_tokenizer_prefix_{n}_total")) for n in names]
-    if any(a is None or b is None for a, b in vals):
-        return None
-    d = dict(zip(names, (b - a for a, b in vals), strict=True))
+    d: dict[str, float] = {}
+    for n in names:
+        a, b = (prom.gauge(t, f"omni_dp_tokenizer_prefix_{n}_total") for t in (before, after))
+        if a is None or b is None:
+            return None
+        d[n] = b - a
     total = d["ids_reused"] + d["ids_encoded"]
     return {**{k: int(v) for k, v in d.items()}, "hit_rate": round(d["ids_reused"] / total, 3) if total else 0.0}
 
