@@ -193,6 +193,32 @@ async def test_deepest_level_wider_than_the_budget_is_sampled_fairly():
     assert len(seen) > 100                       # not always the lowest slots
     levels = idx.levels([1, 2, 3, 4, 5], alive)
     assert idx.depths_in(levels, idx.mask_of([wid(7), wid(299), "nope"])) == {wid(7): 3, wid(299): 4}
+    assert idx.depths_among(levels, [wid(7), wid(299), "nope"]) == {wid(7): 3, wid(299): 4}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_candidates_depths_read_slot_by_slot_or_through_a_mask_agree(seed):
+    """``depths_among`` (a few candidates: narrow levels read slot by slot, wide ones ANDed
+    with the candidates' mask) and ``mask_of`` for a few ids (per-worker masks ORed) give what
+    the plain mask and ``depths_in`` give, DP ranks and dropped workers included."""
+    rng = random.Random(seed)
+    idx = PrefixIndex()
+    doc = list(range(1, 41))
+    for i in range(200):
+        idx.apply(wid(i), i % 3, [stored(doc[:rng.randrange(1, 41)])])
+    for i in rng.sample(range(200), 20):
+        idx.drop_worker(wid(i), rng.choice([None, 0, 1, 2]))
+    alive = idx.mask_of([wid(i) for i in range(200)])
+    for _ in range(30):
+        chain = doc[:rng.randrange(1, 41)] + [999]
+        levels = idx.levels(chain, alive)
+        some = [wid(i) for i in rng.sample(range(210), rng.randrange(1, 40))]
+        plain = 0
+        for w in some:
+            for slot in idx._by_worker.get(w, ()):
+                plain |= 1 << slot
+        assert idx.mask_of(some) == plain
+        assert idx.depths_among(levels, some) == idx.depths_in(levels, plain)
 
 
 async def test_round_robin_at_scale_is_even_and_weighted():

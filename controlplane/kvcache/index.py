@@ -764,6 +764,36 @@ class PrefixIndex:
                 m ^= low
         return out
 
+    def depths_among(self, levels: list[tuple[int, int]], worker_ids: Sequence[str]) -> dict[str, int]:
+        """``depths_in(levels, mask_of(worker_ids))`` for a few ids (a placement's candidates):
+        a level of a few slots is read slot by slot, not ANDed with the ids' mask, which is
+        built only for a level of many (at 1,000 slots a big-integer OR or AND costs about
+        as much as reading a slot, and the ids' mask takes one OR per id)."""
+        out: dict[str, int] = {}
+        key_of = self._taken_keys()
+        few = len(worker_ids)
+        ids: set[str] | None = None
+        mask = -1
+        for depth, m in levels:                 # shallowest first: a deeper rank overwrites
+            if m.bit_count() <= few:
+                if ids is None:
+                    ids = set(worker_ids)
+                while m:
+                    low = m & -m
+                    wid = key_of[low.bit_length() - 1][0]
+                    if wid in ids:
+                        out[wid] = depth
+                    m ^= low
+                continue
+            if mask < 0:
+                mask = self.mask_of(worker_ids)
+            m &= mask
+            while m:
+                low = m & -m
+                out[key_of[low.bit_length() - 1][0]] = depth
+                m ^= low
+        return out
+
     def top(self, levels: list[tuple[int, int]], k: int, rng: random.Random) -> dict[str, int]:
         """Up to ``k`` worker ids holding the deepest matches by ``levels``, with their depths, in
         O(k) big-integer steps whatever the number of slots; where a level holds more than the

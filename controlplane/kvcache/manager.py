@@ -331,8 +331,7 @@ class KVCache:
         exact_mask, approx_mask, pending_mask = self._group_masks(ids)
         pending = self.pending.index if self.pending is not None and pending_mask else None
         return GroupMatch(self, self.exact.levels(chain, exact_mask), self.approx.levels(chain, approx_mask),
-                          pending.levels(chain, pending_mask) if pending is not None else [],
-                          exact_mask, approx_mask, pending_mask, k, rng)
+                          pending.levels(chain, pending_mask) if pending is not None else [], k, rng)
 
     def deepest(self, chain: Sequence[int], ids: tuple[str, ...], k: int, rng: random.Random) -> dict[str, int]:
         """Up to ``k`` of the workers ``ids`` holding the deepest matches of ``chain``."""
@@ -396,13 +395,11 @@ def _deeper(out: dict, got: dict) -> None:
 class GroupMatch:
     """One walk of a prompt's chain over a whole routable group (see ``KVCache.group_match``)."""
 
-    __slots__ = ("top", "_kv", "_exact", "_approx", "_pending", "_exact_mask", "_approx_mask", "_pending_mask")
+    __slots__ = ("top", "_kv", "_exact", "_approx", "_pending")
 
     def __init__(self, kv: KVCache, exact: list[tuple[int, int]], approx: list[tuple[int, int]],
-                 pending: list[tuple[int, int]], exact_mask: int, approx_mask: int, pending_mask: int,
-                 k: int, rng: random.Random) -> None:
+                 pending: list[tuple[int, int]], k: int, rng: random.Random) -> None:
         self._kv, self._exact, self._approx, self._pending = kv, exact, approx, pending
-        self._exact_mask, self._approx_mask, self._pending_mask = exact_mask, approx_mask, pending_mask
         top = kv.exact.top(exact, k, rng) if exact else {}
         merged = False
         for levels, index in ((approx, kv.approx), (pending, kv.pending.index if pending and kv.pending else None)):
@@ -415,14 +412,13 @@ class GroupMatch:
         self.top = top
 
     def depths(self, worker_ids: Sequence[str]) -> dict[str, int]:
-        """Leading blocks held, per member of the group among ``worker_ids`` (0 omitted)."""
+        """Leading blocks held, per member of the group among ``worker_ids`` (0 omitted). (The
+        walks ran over the group's masks, so their levels hold members only.)"""
         kv = self._kv
-        out = kv.exact.depths_in(self._exact, kv.exact.mask_of(worker_ids) & self._exact_mask) \
-            if self._exact else {}
+        out = kv.exact.depths_among(self._exact, worker_ids) if self._exact else {}
         if self._approx:
-            _deeper(out, kv.approx.depths_in(self._approx, kv.approx.mask_of(worker_ids) & self._approx_mask))
+            _deeper(out, kv.approx.depths_among(self._approx, worker_ids))
         if self._pending:
             assert kv.pending is not None   # pending levels come from the pending index
-            pending = kv.pending.index
-            _deeper(out, pending.depths_in(self._pending, pending.mask_of(worker_ids) & self._pending_mask))
+            _deeper(out, kv.pending.index.depths_among(self._pending, worker_ids))
         return out
