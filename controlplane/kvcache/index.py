@@ -254,6 +254,7 @@ class PrefixIndex:
         self._blocks_of: list[SlotBlocks] = []
         self._by_worker: dict[str, list[int]] = {}           # worker id -> its slots (DP ranks)
         self._bits_of: dict[str, int] = {}                   # worker id -> the mask of its slots
+        self._one: list[int] = []                            # slot -> 1 << slot (see depths_among)
         self._free: list[int] = []
         self._all = 0                                        # mask of registered slots
         self._refs = 0
@@ -337,6 +338,7 @@ class PrefixIndex:
                 slot = len(self._key_of)
                 self._key_of.append(key)
                 self._blocks_of.append(SlotBlocks(self, 1 << slot))
+                self._one.append(1 << slot)
             self._slot_of[key] = slot
             self._by_worker.setdefault(key[0], []).append(slot)
             self._bits_of[key[0]] = self._bits_of.get(key[0], 0) | 1 << slot
@@ -770,28 +772,30 @@ class PrefixIndex:
         built only for a level of many (at 1,000 slots a big-integer OR or AND costs about
         as much as reading a slot, and the ids' mask takes one OR per id)."""
         out: dict[str, int] = {}
-        key_of = self._taken_keys()
+        key_of, one = self._taken_keys(), self._one
         few = len(worker_ids)
         ids: set[str] | None = None
         mask = -1
+        # Slots are taken highest first, each cleared by one XOR with its bit from a table
+        # (m & -m, then m ^ low, cost three big-integer operations a slot).
         for depth, m in levels:                 # shallowest first: a deeper rank overwrites
             if m.bit_count() <= few:
                 if ids is None:
                     ids = set(worker_ids)
                 while m:
-                    low = m & -m
-                    wid = key_of[low.bit_length() - 1][0]
+                    slot = m.bit_length() - 1
+                    wid = key_of[slot][0]
                     if wid in ids:
                         out[wid] = depth
-                    m ^= low
+                    m ^= one[slot]
                 continue
             if mask < 0:
                 mask = self.mask_of(worker_ids)
             m &= mask
             while m:
-                low = m & -m
-                out[key_of[low.bit_length() - 1][0]] = depth
-                m ^= low
+                slot = m.bit_length() - 1
+                out[key_of[slot][0]] = depth
+                m ^= one[slot]
         return out
 
     def top(self, levels: list[tuple[int, int]], k: int, rng: random.Random) -> dict[str, int]:
@@ -802,15 +806,25 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if k <= 0:
             return out
-        key_of = self._taken_keys()
+        key_of, one = self._taken_keys(), self._one
         width = len(key_of)
-        full = (1 << width) - 1
         for depth, m in reversed(levels):
-            if m.bit_count() > k - len(out):
-                r = rng.randrange(width)
-                m = ((m >> r) | (m << (width - r))) & full    # rotate right by r
-            else:
-                r = 0
+            if m.bit_count() <= k - len(out):
+                # all of them, lowest slot first; taken highest first (see depths_among)
+                slots = []
+                while m:
+                    slot = m.bit_length() - 1
+                    slots.append(slot)
+                    m ^= one[slot]
+                for slot in reversed(slots):
+                    wid = key_of[slot][0]
+                    if wid not in out:
+                        out[wid] = depth
+                if len(out) >= k:
+                    break
+                continue
+            r = rng.randrange(width)
+            m = ((m >> r) | (m << (width - r))) & ((1 << width) - 1)    # rotate right by r
             while m and len(out) < k:
                 low = m & -m
                 slot = low.bit_length() - 1 + r

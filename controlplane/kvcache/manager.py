@@ -21,6 +21,7 @@ import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from urllib.parse import urlsplit
 
 from controlplane import validate
@@ -408,7 +409,7 @@ class GroupMatch:
                 _deeper(top, index.top(levels, k, rng))
                 merged = True
         if merged and len(top) > k:
-            top = dict(sorted(top.items(), key=lambda kv_: -kv_[1])[:k])
+            top = dict(sorted(top.items(), key=itemgetter(1), reverse=True)[:k])   # (stable: ties keep their order)
         self.top = top
 
     def depths(self, worker_ids: Sequence[str]) -> dict[str, int]:
