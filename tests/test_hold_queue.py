@@ -105,9 +105,10 @@ class _Waiting:
 def test_held_requests_that_all_make_it_in_time_go_first_come_first_served():
     """Shortest first only reorders requests that would all have made it, and the longer ones
     miss: on 2 prefill + 2 decode engines at 3x held requests met the SLO 5 points below not
-    held. A request is on time if its prefill is predicted done within starvation_s of its
-    arrival; when some cannot be, the longest is left out (Moore-Hodgson) and goes by the
-    weights. On by default (``on_time_first``)."""
+    held. While an engine finishes the prefill of every request held for it within
+    starvation_s of its arrival, first come first served; once one would be late the engine
+    is behind, and the weights (shortest first) decide, which is what gains at overload. On by
+    default (``on_time_first``)."""
     predictor = _predictor("a")
     q = HoldQueue(hold_s=0.15, starvation_s=1.0, bind_affine=False, bind_long_s=0.0)
     assert q.on_time_first
@@ -115,13 +116,21 @@ def test_held_requests_that_all_make_it_in_time_go_first_come_first_served():
     # Done at ~100.8 and ~100.85: both within 1 s of arrival.
     long_, short = _Waiting(3000, 99.9), _Waiting(500, 99.95)
     assert q.order([short, long_], now=100.0) == [long_, short]
-    # 0.8 s ahead of the short one would finish it 1.4 s after it came: the long one goes last.
+    # 0.8 s ahead of the short one would finish it 1.4 s after it came: the weights decide.
     longer = _Waiting(8000, 99.9)
     assert q.order([longer, short], now=100.0) == [short, longer]
     # One that would leave the queue in time (its engine down to hold_s at ~100.35) but finish
-    # its own prefill at ~100.95, 1.05 s after it came, is not on time either.
+    # its own prefill at ~100.95, 1.05 s after it came, is late too.
     mid = _Waiting(4500, 99.9)
     assert q.order([mid, short], now=100.0) == [short, mid]
+    # One late request puts all of its engine's behind the weights, not only itself: the
+    # short one goes before the long one that came first.
+    late = _Waiting(8000, 99.91)
+    assert q.order([long_, late, short], now=100.0) == [short, long_, late]
+    # Another engine's late request does not.
+    q.should_hold(_ctx(predictor, "b-first", 5000, 100.0), _view("b", 0))
+    other = _Waiting(8000, 99.91, engine="b")
+    assert q.order([short, other, long_], now=100.0) == [long_, short, other]
     # A request not held yet (no engine) keeps its place by the weights, after those on time.
     new = _Waiting(100, 99.99, engine="")
     assert q.order([new, long_, short], now=100.0) == [long_, short, new]

@@ -30,7 +30,6 @@ engine whose ranks step together in one window (seed 003's PD-hybrid; see its do
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -62,10 +61,10 @@ class HoldQueue:
     # Bind at once a request whose own prefill on its chosen engine is predicted to take
     # longer than this (0: off; see should_hold).
     bind_long_s: float = 1.0
-    # Order first come, first served the held requests whose prefill every engine's queue still
-    # predicts done within starvation_s, the longest left out where one would be late (see
-    # order); False: Omni's weights alone (shortest first), which reorder requests that would
-    # all have made it (docs/benchmarks/pd_queue.md, sixth session).
+    # Order first come, first served the requests held for an engine whose queue, so ordered,
+    # finishes every one's prefill within starvation_s (see order); False: Omni's weights alone
+    # (shortest first), which reorder requests that would all have made it
+    # (docs/benchmarks/pd_queue.md, sixth session).
     on_time_first: bool = True
     name: str = "omni"
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
@@ -190,13 +189,14 @@ class HoldQueue:
         that engine's queue shows in the ledger and the policy sends the next turns elsewhere
         (docs/benchmarks/pd_queue.md, fifth session).
 
-        It counts up to ``starvation_s`` of it (``Predictor.held_cap_s``): a request held for
-        an engine waits behind only the held requests that engine can finish within
-        ``starvation_s`` (first come, first served, ``_on_time``); the backlog beyond goes
-        after it (by the weights). Counted whole, at overload every engine's backlog decided instead
-        of its cache, conversations were computed again elsewhere, and held requests met the
-        SLO no more often than not held (one shared system prompt at 16x: 46.7, 47.0 % against
-        47.7, 47.3; capped 49.3, 53.3; docs/benchmarks/pd_queue.md, sixth session)."""
+        It counts up to ``starvation_s`` of it (``Predictor.held_cap_s``): while an engine
+        finishes its held requests within ``starvation_s`` they go first come, first served
+        (``_on_time``), so no more than that is ahead of a new one; beyond, the engine is
+        behind and the weights put shorter work first, not the backlog. Counted whole, at
+        overload every engine's backlog decided instead of its cache, conversations were
+        computed again elsewhere, and held requests met the SLO no more often than not held
+        (one shared system prompt at 16x: 46.7, 47.0 % against 47.7, 47.3; capped 49.3, 53.3;
+        docs/benchmarks/pd_queue.md, sixth session)."""
         self.forget(request_id)
         self._predictor = predictor
         predictor.held_cap_s = self.starvation_s
@@ -233,9 +233,10 @@ class HoldQueue:
         """Waiting requests (objects with ``work_tokens``, the prompt tokens they would have
         computed where they were last held, ``enqueued_at`` and, read only with
         ``on_time_first``, ``engine``, the engine they were held for, "" if none yet), best
-        first: the starved, first come first served; then (``on_time_first``) those whose
-        prefill every engine's queue can still finish before they starve (``_on_time``), first
-        come first served; then the rest by Omni's weights of shortness and waiting time.
+        first: the starved, first come first served; then (``on_time_first``) those held for
+        an engine whose queue so ordered finishes every one's prefill before it starves
+        (``_on_time``), first come first served; then the rest by Omni's weights of shortness
+        and waiting time.
 
         Shortest first is what gains when not every request can make it (on one shared system
         prompt at 16x, held requests met the SLO 55-57 % against 46-47 % not held), but below
@@ -243,7 +244,7 @@ class HoldQueue:
         behind every shorter arrival for the same engine until ``starvation_s``, miss: on 2
         prefill and 2 decode engines at 3x, the held requests that missed waited 1.7-1.9 s in
         this queue while 11-14 later ones went to the same engine, and held met the SLO 5
-        points below not held. First come, first served for those on time removed that (0-3)
+        points below not held. First come, first served while all can make it removed that
         (docs/benchmarks/pd_queue.md, fifth and sixth sessions)."""
         if len(waiting) < 2:
             return list(waiting)
@@ -263,19 +264,22 @@ class HoldQueue:
         return sorted(waiting, key=key)
 
     def _on_time(self, waiting: list, now: float) -> set[int]:
-        """The waiting requests (their ``id()``) whose prefill is done within ``starvation_s``
-        of their arrival if each engine takes those held for it first come, first served, with
-        the longest left out wherever one would be late (Moore and Hodgson's rule: the most
-        requests in time).
+        """The waiting requests (their ``id()``) held for an engine that, taking those held for
+        it first come, first served, finishes every one's prefill within ``starvation_s`` of
+        its arrival. An engine where one would be late is behind: for its requests the
+        weights decide (shortest first gains when not all can make it).
 
         A request held for engine e is done at e's predicted free time (this queue's own,
         ``_busy_until``) plus the work of those before it and its own, each its tokens at e's
-        learned speed. Judged by when it would leave the queue instead (its prefill not
-        counted), requests that then missed their first token counted as on time, and at
-        overload too many went first come, first served: one shared system prompt at 16x
-        met the SLO 48.0, 48.0 % against 54.7, 57.3 with the weights alone (sixth session).
-        Requests not held yet (no engine known) are not counted here: their place is the
-        weights'."""
+        learned speed. Two rules lost at overload, one shared system prompt at 16x
+        (docs/benchmarks/pd_queue.md, sixth session): judged by when it would leave the queue
+        (its prefill not counted), requests that then missed their first token counted as on
+        time (48.0, 48.0 % against 54.7, 57.3 with the weights alone); first come, first
+        served for the most an engine can finish in time (Moore and Hodgson's rule, the
+        longest left out) met the weights' gains no better than not holding on one prefill
+        engine at 2x (49.0, 49.3 % against 48.3, 48.0 not held; this rule 54.0, 54.3), the
+        estimates being too rough to pick who makes it. Requests not held yet (no engine
+        known) are not counted here: their place is the weights'."""
         by_engine: dict[str, list] = {}
         for w in waiting:
             engine = getattr(w, "engine", "")
@@ -284,19 +288,14 @@ class HoldQueue:
         kept: set[int] = set()
         for engine, ws in by_engine.items():
             rate = self._rate[engine]
-            free = max(self._busy_until.get(engine, now), now)
-            ahead = 0.0                     # work of the requests kept so far (let go before)
-            longest: list[tuple[float, int, object]] = []   # max-heap of kept: (-work, seq, waiter)
-            for seq, w in enumerate(sorted(ws, key=lambda w: w.enqueued_at)):
-                work = w.work_tokens * rate
-                heapq.heappush(longest, (-work, seq, w))
-                late = max(free + ahead, now) + work - w.enqueued_at > self.starvation_s
-                ahead += work
-                if late:
-                    # Leave out the longest so far (this one, if it is): the others go sooner.
-                    neg, _, _ = heapq.heappop(longest)
-                    ahead += neg
-            kept.update(id(w) for _, _, w in longest)
+            done = max(self._busy_until.get(engine, now), now)
+            ws.sort(key=lambda w: w.enqueued_at)
+            for w in ws:
+                done += w.work_tokens * rate
+                if done - w.enqueued_at > self.starvation_s:
+                    break
+            else:
+                kept.update(id(w) for w in ws)
         return kept
 
 
