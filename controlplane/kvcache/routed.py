@@ -29,8 +29,8 @@ first, so the chain's end mark is among the first to go).
 
 **Bounded steps.** Expiry and the cap run on the placement path (``KVCache.match`` expires,
 ``route`` shrinks), and a bucket is expired whole (which keeps routed prefixes prefix-closed).
-At the default cap of 2M marks a bucket of 1/16 of it was 125,000 marks, tens of milliseconds
-of the event loop in one step. So a bucket holds at most ``STEP_MARKS`` marks (plus the last
+At the default cap of 2M marks a bucket of 1/16 of it was 125,000 marks, 0.1-0.4 s of the
+event loop in one step. So a bucket holds at most ``STEP_MARKS`` marks (plus the last
 routing's), and one call goes through at most ``STEP_MARKS`` of the queued marks: due buckets
 left over are expired by the next calls (every placement makes one), a few milliseconds later.
 Only the hard cap (``max_blocks``) is kept at once whatever it costs; the margin below it
@@ -47,8 +47,10 @@ from collections.abc import Sequence
 from controlplane.kvcache.index import PrefixIndexConfig, RoutedIndex, WorkerKey
 
 # Queued marks one call to expire() or shrink() goes through at most (a bucket holds at most
-# this many plus its last routing's): ~1-3 ms of the loop on the project's 2-core machine.
-STEP_MARKS = 8192
+# this many plus its last routing's): an expired mark costs ~1 us on the project's 2-core
+# machine when it is quiet and up to ~3 us under load, so 2-6 ms of the loop at most. (More
+# buckets at a full cap: 1,000 at 2M marks, and a snapshot's runs are per slot and bucket.)
+STEP_MARKS = 2048
 
 
 class RoutingMemory:
