@@ -362,7 +362,7 @@ class PrefixIndex:
         for wid in worker_ids:
             slots = by_worker.get(wid)
             if slots:
-                out[wid] = sum(blocks_of[s].live for s in slots)
+                out[wid] = blocks_of[slots[0]].live if len(slots) == 1 else sum(blocks_of[s].live for s in slots)
         return out
 
     def mask_of(self, worker_ids: Iterable[str]) -> int:
@@ -652,7 +652,7 @@ class PrefixIndex:
                     m = v & alive
                 if m != alive:
                     if depth:
-                        levels.append((depth, (alive & ~m) >> shift))
+                        levels.append((depth, (alive ^ m) >> shift if shift else alive ^ m))   # (m is in alive)
                     alive = m
                     if not alive:
                         break
@@ -1028,7 +1028,7 @@ class RoutedIndex(PrefixIndex):
             else:
                 hi = s
             m = vh & alive if hi < s and vh is not None else 0
-            drop = alive & ~m                # these stop between depth hi * k and the next mark
+            drop = alive ^ m                 # (m is in alive) these stop between depth hi * k and the next mark
             base = hi * k
             if k > 1:
                 top = min(base + k - 1, n)
