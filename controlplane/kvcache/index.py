@@ -120,7 +120,7 @@ class SlotBlocks:
     64,000 hashes here, 25 ms at a million), the same stall as the index's one dict.
     """
 
-    __slots__ = ("_index", "_r", "_seen", "_stop", "_trash", "_w", "bit", "hashes", "extra", "live")
+    __slots__ = ("_index", "_r", "_seen", "_stop", "_trash", "_w", "bit", "current", "hashes", "extra", "live")
 
     COMPACT_STEP = 1024     # entries looked at per compact() call (~0.15 ms here)
     FREE_STEP = 8           # sets of a finished compaction freed per compact() call
@@ -128,6 +128,7 @@ class SlotBlocks:
     def __init__(self, index: PrefixIndex, bit: int) -> None:
         self._index = index
         self.bit = bit << index._shift
+        self.current: tuple[int, int] | None = None   # routed: (stamp, interned bit | stamp) last marked
         self.hashes = array("Q")
         self.extra: set[int] | None = None     # hashes that do not fit 64 unsigned bits
         self.live = 0
@@ -1114,10 +1115,15 @@ class RoutedIndex(PrefixIndex):
         if not chain:
             return []
         mine = self._blocks_of[slot]
-        sbit, keep = mine.bit, ~_STAMP
+        sbit = mine.bit
         stamp &= _STAMP
         intern = self._intern.setdefault
-        current = intern(sbit | stamp, sbit | stamp)
+        got = mine.current                  # a worker is routed many times a bucket: its value once
+        if got is not None and got[0] == stamp:
+            current = got[1]
+        else:
+            current = intern(sbit | stamp, sbit | stamp)    # (hashing a 1,000-slot mask costs as much as an OR)
+            mine.current = (stamp, current)
         fresh = current                     # one int object shared by the marks new to the index
         changed: list[int] = []
         new: list[int] = []
@@ -1141,7 +1147,7 @@ class RoutedIndex(PrefixIndex):
                 if held_here and same:
                     act = 0                 # held here, routed in this bucket already
                 else:
-                    m2 = (m & keep) | current
+                    m2 = (m ^ (m & _STAMP)) | current      # (the stamp cleared: the ends flag stays)
                     last2 = intern(m2, m2)
                     act = 1 | (0 if held_here else 2) | (0 if same else 4)
             if act:
