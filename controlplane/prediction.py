@@ -71,14 +71,23 @@ class OnlineLine:
     proportional to tokens, not a constant.
 
     With ``bounded_slope``, beyond the largest x among recent samples (``x_hi``, fading like
-    them) the line goes on at no more than the prior's slope: a slope fitted where the data
-    are is a correlation there, not a rule for loads never seen. The decode step's line
+    them) the line goes on at no more than the configured prior's slope (``cap_b``): a slope
+    fitted where the data are is a correlation there, not a rule for loads never seen. The decode step's line
     needs it: on an aggregated engine the TPOT is mostly the prefill chunks sharing its
     steps, which grow with the load as the batch does, so its first samples (batch 1-10,
     TPOT 8-30 ms) fitted 1.5-2.5 ms a request, and an engine with 100 requests was predicted
     a TPOT of 0.25 s (it had 0.03 s), took no new request for the rest of the run, and the
     other engines' queues grew to 4 s (bench/workload_suite.py ``hetero`` at 3x;
     docs/benchmarks/workloads_notes.md).
+
+    The bound is the configured prior's slope, kept when an engine not observed yet takes
+    the fleet's line (:meth:`adopt`): the fleet's fitted slope is the same correlation
+    (measured on other engines' small batches), so made the bound it bounded nothing. On
+    mixed chat and summarisation traffic one engine's first TPOT samples (batches 4-12,
+    prefill chunks in their steps) fitted 1.5-2.5 ms a request, every engine not observed
+    yet took that as its bound and, with no sample of its own (``x_hi`` 0), was predicted a
+    TPOT of 0.23 s at a batch of 84 (it did 0.01 s): new chats went to an engine with a 2 s
+    queue instead (``mixed`` at 4x; docs/benchmarks/workloads_notes.md).
     """
 
     prior_a: float
@@ -89,6 +98,7 @@ class OnlineLine:
     prior_weight_b: float = 0.5
     bounded_slope: bool = False
     x_hi: float = 0.0           # the largest x among recent samples (``bounded_slope``)
+    cap_b: float = 0.0          # the slope beyond ``x_hi`` at most (``bounded_slope``): the configured prior's
     sw: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -100,6 +110,8 @@ class OnlineLine:
 
     def __post_init__(self) -> None:
         self.a, self.b = self.prior_a, self.prior_b
+        if not self.cap_b:
+            self.cap_b = self.prior_b
 
     def add(self, x: float, y: float) -> None:
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
@@ -132,12 +144,13 @@ class OnlineLine:
 
     def __call__(self, x: float) -> float:
         if self.bounded_slope and x > self.x_hi:
-            b, hi = self.b, self.x_hi
-            return self.a + b * hi + (b if b < self.prior_b else self.prior_b) * (x - hi)
+            b, hi, cap = self.b, self.x_hi, self.cap_b
+            return self.a + b * hi + (b if b < cap else cap) * (x - hi)
         return self.a + self.b * x
 
     def adopt(self, a: float, b: float) -> None:
-        """Take (a, b) as the priors and the current fit; only while nothing was observed."""
+        """Take (a, b) as the priors and the current fit; only while nothing was observed. The
+        slope's bound (``cap_b``) stays the configured prior's (class docstring)."""
         if self.n == 0:
             self.prior_a, self.prior_b, self.a, self.b = a, b, a, b
 

@@ -121,3 +121,42 @@ def test_the_median_is_over_the_engines_serving_the_same_model():
     assert p.fleet_tpot(1, "big") > 2 * p.fleet_tpot(1, "small")
     # The served model is kept from the first call that names it.
     assert p.model("big-2").served == "big"
+
+
+def test_an_unobserved_engine_adopts_the_fleets_tpot_line_but_not_its_slope_as_the_bound():
+    """The mixed case's failure: one engine's first TPOT samples (small batches, prefill chunks in
+    their steps) fitted 2 ms a request; the engines not observed yet took that slope as their
+    prior and so as their bound, and with no batch of their own seen, a busy one was predicted
+    0.23 s at a batch of 84. The bound stays the configured prior's slope."""
+    p = Predictor()
+    steep_start(p.model("seen").tpot)
+    p.observe_tpot("seen", 10, 0.028)      # (through the predictor: the fleet's line moves)
+    seen = p.model("seen").tpot
+    assert seen.b > 1.5e-3
+    fresh = p.model("fresh").tpot
+    assert fresh.n == 0 and fresh.b == pytest.approx(seen.b) and fresh.a == pytest.approx(seen.a)
+    assert fresh.cap_b == p.defaults.tpot_s_per_request
+    # Beyond the batches it has seen (none), no faster than the configured prior's 0.5 ms a request.
+    assert fresh(85) == pytest.approx(fresh.a + p.defaults.tpot_s_per_request * 85)
+    assert fresh(85) < 0.07 < fresh.a + fresh.b * 85
+    # Its own first samples (small batches again) do not lift the bound either.
+    for i in range(8):
+        fresh.add(1 + i % 4, 0.01 + 2e-3 * (1 + i % 4))
+    assert fresh.cap_b == p.defaults.tpot_s_per_request
+    assert fresh(85) == pytest.approx(fresh(fresh.x_hi) + fresh.cap_b * (85 - fresh.x_hi))
+
+
+def test_a_busy_engine_not_observed_yet_wins_over_an_observed_one_with_a_long_queue():
+    """The decision the bound changes: engine a, 84 requests decoding, no prompt ahead, not
+    observed yet; engine b, observed at small batches (2 ms a request), 1.9 s of prompts ahead."""
+    p = Predictor()
+    p.model("b", "m")
+    for i in range(40):
+        p.observe_ttft("b", 1000 + 100 * i, 0.01 + 2e-4 * (1000 + 100 * i))
+    steep_start(p.model("b").tpot)
+    p.observe_tpot("b", 10, 0.028)
+    c = PlacementContext(request_id="q", model="m", leg="entry", roles=frozenset({Role.BOTH}), prompt_tokens=300,
+                         block_size=16, predictor=p, now=100.0)
+    a, b = view("a", requests=84, prefill_tokens=0), view("b", requests=60, prefill_tokens=9500)
+    scores = PredictedLatencyScorer().score(c, [a, b])
+    assert scores[0] == 1.0 and scores[1] < 0.8
