@@ -71,13 +71,13 @@ class OnlineLine:
     proportional to tokens, not a constant.
 
     With ``bounded_slope``, beyond the largest x among recent samples (``x_hi``, fading like
-    them) the line goes on at no more than the configured prior's slope (``cap_b``): a slope
-    fitted where the data are is a correlation there, not a rule for loads never seen. The decode step's line
-    needs it: on an aggregated engine the TPOT is mostly the prefill chunks sharing its
-    steps, which grow with the load as the batch does, so its first samples (batch 1-10,
-    TPOT 8-30 ms) fitted 1.5-2.5 ms a request, and an engine with 100 requests was predicted
-    a TPOT of 0.25 s (it had 0.03 s), took no new request for the rest of the run, and the
-    other engines' queues grew to 4 s (bench/workload_suite.py ``hetero`` at 3x;
+    them) the line goes on at no more than the configured prior's slope (``cap_b``): a
+    slope fitted where the data are is a correlation there, not a rule for loads never
+    seen. The decode step's line needs it: on an aggregated engine the TPOT is mostly the
+    prefill chunks sharing its steps, which grow with the load as the batch does, so its
+    first samples (batch 1-10, TPOT 8-30 ms) fitted 1.5-2.5 ms a request, and an engine
+    with 100 requests was predicted a TPOT of 0.25 s (it had 0.03 s), took no new request
+    for the rest of the run, and the other engines' queues grew to 4 s (bench/workload_suite.py ``hetero`` at 3x;
     docs/benchmarks/workloads_notes.md).
 
     The bound is the configured prior's slope, kept when an engine not observed yet takes
