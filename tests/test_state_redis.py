@@ -478,6 +478,28 @@ async def test_write_behind_calls_join_one_script_call_only_until_another_comman
         await wb.close()
 
 
+async def test_one_script_call_takes_at_most_batch_max_callers(redis_server, monkeypatch):
+    """A burst's write-behind calls are split into script calls of at most BATCH_MAX callers
+    (one call holds Redis for all of them), still in one write and all applied."""
+    from controlplane.state import redis_wire
+
+    monkeypatch.setattr(redis_wire, "BATCH_MAX", 3)
+    wb = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
+    try:
+        await wb.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
+        await wb.end("warm")
+        await wb.loads(["w"])
+        assert wb.wire is not None
+        writes, commands = wb.wire.writes, wb.wire.commands
+        for i in range(7):
+            await wb.reserve(_rec(f"r{i}"), (Charge("w", "aggregated", 10),))
+        await wait_until(lambda: not wb._behind, timeout=5, what="the replies")
+        assert (wb.wire.commands - commands, wb.wire.writes - writes) == (3, 1)
+        assert (await wb.loads(["w"]))["w"] == Load(7, 70, 0, 0) and len(await wb.records()) == 7
+    finally:
+        await wb.close()
+
+
 async def test_the_mirror_keeps_its_own_charges_still_on_their_way_to_redis(redis_server, monkeypatch):
     """Write-behind reserves sent together: the reply to the first reports Redis's load
     without the later ones, which this replica already counts; the mirror keeps counting them

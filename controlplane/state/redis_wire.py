@@ -38,6 +38,9 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import NoScriptError, ResponseError
 
 _UNAVAILABLE_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
+# Callers one script call takes at most (batch_nowait): bounds how long one call holds Redis
+# (~30 us of redis-server a write-behind reserve or end) and the size of its reply.
+BATCH_MAX = 256
 
 
 def error_of(reply: hiredis.ReplyError) -> Exception:
@@ -69,6 +72,9 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.closed = False
         self.lost: Exception | None = None
+        # The loop it was made in (the caller's): asyncio.get_running_loop() checks the pid, a
+        # getpid() system call each time, and the queue's calls are per placement.
+        self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -121,7 +127,7 @@ class Batch:
     queued this loop turn (``WireClient.batch_nowait``); packed when it leaves. ``ops``: the
     caller's notes of what joined it, in order (its reply answers them all)."""
 
-    __slots__ = ("source", "head", "args", "future", "ops")
+    __slots__ = ("source", "head", "args", "future", "ops", "calls")
 
     def __init__(self, source: str, head: tuple, future: asyncio.Future) -> None:
         self.source = source
@@ -129,6 +135,7 @@ class Batch:
         self.args: list[Any] = []
         self.future = future
         self.ops: list[Any] = []
+        self.calls = 0
 
     def pack(self) -> bytes:
         return hiredis.pack_command((*self.head, *self.args))
@@ -235,14 +242,15 @@ class WireClient:
     def _queue(self, proto: _Protocol, args: tuple, many: list[tuple] | None = None) -> asyncio.Future:
         if self._queued and self._queued_on is not proto:
             self.flush()   # (commands for a connection that broke: their futures have failed)
-        fut = asyncio.get_running_loop().create_future()
+        loop = proto.loop
+        fut = loop.create_future()
         if many is None:
             proto.waiters.append(fut)
         else:
             proto.waiters.append([fut, len(many), []])
         if not self._queued:
             self._queued_on = proto
-            asyncio.get_running_loop().call_soon(self.flush)
+            loop.call_soon(self.flush)
         if many is None:
             self._queued.append(hiredis.pack_command(args))
         else:
@@ -262,10 +270,10 @@ class WireClient:
         if proto is None or proto.closed:
             return None
         batch = self._batch
-        if batch is None or self._queued_on is not proto or batch.source is not source:
+        if batch is None or self._queued_on is not proto or batch.source is not source or batch.calls >= BATCH_MAX:
             if self._queued and self._queued_on is not proto:
                 self.flush()
-            loop = asyncio.get_running_loop()
+            loop = proto.loop
             fut = loop.create_future()
             proto.waiters.append(fut)
             if not self._queued:
@@ -282,6 +290,7 @@ class WireClient:
             self._queued_last = fut
             self._batch = batch
         batch.args += args
+        batch.calls += 1
         return batch
 
     def pipeline_nowait(self, commands: list[tuple]) -> asyncio.Future | None:
@@ -311,7 +320,7 @@ class WireClient:
         self.writes += 1
         self.commands += len(queued)
         # Replies come in order: the last one's arrival ends the wait for all of them.
-        timer = asyncio.get_running_loop().call_later(
+        timer = proto.loop.call_later(
             self.timeout_s, proto.abort, TimeoutError(f"no reply from redis within {self.timeout_s:g}s"))
         last.add_done_callback(lambda _: timer.cancel())
 
