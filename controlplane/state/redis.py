@@ -225,6 +225,8 @@ end
 # the caller encoded: no read of what was just written, no JSON in Lua (a call from Lua costs
 # ~1.5 us of redis-server's time on top of the command, 45 arguments ~6 us, cjson ~4 us).
 _RESERVE_AT = r"""
+local announced = {}   -- replicas whose alive key and membership this call has set already
+
 local function reserve_at(i)
   local rid, rep, ttl, op = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local fi = i + 7
@@ -245,8 +247,11 @@ local function reserve_at(i)
     redis.call('HSET', rk, 'replica', rep, 'charges', ARGV[i + 6], 'op', op, unpack(ARGV, fi + 1, fi + 2 * nf))
     redis.call('SADD', P .. 'recs', rid)
     redis.call('SADD', P .. 'rep:' .. rep, rid)
-    redis.call('SADD', P .. 'replicas', rep)
-    redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
+    if not announced[rep] then   -- (once per call: a turn's reserves share one)
+      announced[rep] = true
+      redis.call('SADD', P .. 'replicas', rep)
+      redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
+    end
     local sess, orphaned = ARGV[i + 4], ARGV[i + 5]
     if sess ~= '' then redis.call('SADD', P .. 'sess:' .. sess, rid) end
     if (tonumber(orphaned) or 0) ~= 0 then redis.call('ZADD', P .. 'orphans', orphaned, rid) end
