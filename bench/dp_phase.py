@@ -17,13 +17,15 @@ answers, the decodes a long prefill holds). Targets, interleaved per rate and re
 * ``free`` (optional): ``balance`` on an engine without the barrier (independent ranks),
   which shows what the barrier itself costs.
 
-Both use the ``predicted_latency`` policy's worker choice (one engine: it only decides
-the rank). Per run: SLO attainment (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a
-failed request misses), output tokens per second over the run (first send to last
-answer), TTFT / chat TPOT percentiles, and the engine's barrier counters (``/sim/state``'s
-``dp_barrier``): the share of steps that were mixed (a rank prefilling while another only
-decodes) and the rank-seconds ranks with work waited at the barrier. Model time is real
-time here (no scaling), so keep rates within what the machine's cores can stream.
+All use the ``predicted_latency`` policy's worker choice (one engine: it only decides the
+rank), as the built-in policy without the ``slo`` filter (it left that policy: see
+``controlplane/scheduling/latency.py``, ``SLOFilter``). Per run: SLO attainment (TTFT <=
+--slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed request misses), output tokens per
+second over the run (first send to last answer), TTFT / chat TPOT percentiles, and the
+engine's barrier counters (``/sim/state``'s ``dp_barrier``): the share of steps that were
+mixed (a rank prefilling while another only decodes) and the rank-seconds ranks with work
+waited at the barrier. Model time is real time here (no scaling), so keep rates within
+what the machine's cores can stream.
 """
 
 from __future__ import annotations
@@ -50,13 +52,11 @@ from omni_proxy.launcher import ProcessGroup  # noqa: E402
 TARGETS = ("balance", "rank", "window", "free")
 PROFILES = """
 [profiles.rank]
-filters = [{name = "slo"}]
 scorers = [{name = "predicted_latency"}]
 picker = "near_best"
 dp_rank = "phase_aligned"
 
 [profiles.window]
-filters = [{name = "slo"}]
 scorers = [{name = "predicted_latency"}]
 picker = "near_best"
 dp_rank = "phase_aligned"

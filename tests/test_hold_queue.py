@@ -161,8 +161,8 @@ def test_with_show_held_the_work_held_for_an_engine_counts_in_its_predicted_ttft
     # Placed (not held): it leaves the prediction.
     assert not q.should_hold(_ctx(predictor, "held", 2000, 100.0), _view("b", 0))
     assert predictor.model("b").held_tokens == 0 and not predictor.held
-    # Off: nothing is published.
-    off = HoldQueue(hold_s=0.15, bind_affine=False, bind_long_s=0.0, show_held=False)
+    # Off (the default): nothing is published.
+    off = HoldQueue(hold_s=0.15, bind_affine=False, bind_long_s=0.0)
     assert off.should_hold(_ctx(predictor, "quiet", 3000, 100.0), _view("a", 5000))
     assert predictor.model("a").held_tokens == 0
 
@@ -174,8 +174,7 @@ def test_held_work_counts_in_the_prediction_up_to_starvation_s():
     held requests met the SLO no more often than not held (one shared system prompt at 16x)."""
     predictor = _predictor("a", "b")
     idle_a = _view("a", 0)
-    q = HoldQueue(hold_s=0.15, bind_affine=False, bind_long_s=0.0, starvation_s=1.0)
-    assert q.show_held
+    q = HoldQueue(hold_s=0.15, bind_affine=False, bind_long_s=0.0, starvation_s=1.0, show_held=True)
     before = predict(_ctx(predictor, "next", 1000, 100.0), idle_a)[0]
     assert q.should_hold(_ctx(predictor, "h1", 6000, 100.0), _view("a", 5000))      # 0.6 s held for a
     assert abs(predict(_ctx(predictor, "next", 1000, 100.0), idle_a)[0] - before - 0.6) < 0.01

@@ -8,8 +8,8 @@ when one can start it soon. Waiting requests whose prefill their engine can stil
 within ``starvation_s`` go first come, first served (``on_time_first``); the rest are
 ordered by Omni's weight of shortness and waiting time (0.8 / 0.2), which is what gains
 when not all can make it. A request that has waited ``starvation_s`` goes ahead of every
-other one. The work held for each engine counts in the prediction (``show_held``), so the
-policy does not keep choosing an engine whose turns already wait here. The queue is
+other one. With ``show_held`` (off) the work held for each engine counts in the prediction,
+so the policy does not keep choosing an engine whose turns already wait here. The queue is
 bounded in size (beyond: refused, HTTP 429) and in wait (beyond: placed on the best engine
 anyway, or refused: ``on_timeout``).
 
@@ -74,9 +74,11 @@ class HoldQueue:
     # per worker: its learned seconds per prompt token, as of its last hold decision (see order)
     _rate: dict[str, float] = field(default_factory=dict, repr=False)
     # Publish the work held for each engine to the prediction, up to starvation_s of it (see
-    # _publish); False: the policy sees only the ledger, and keeps choosing the engine a
-    # conversation's cache follows while its turns wait here for it.
-    show_held: bool = True
+    # _publish). Off: on mixed chat and summaries at 4x it cost 13-17 points (held requests met
+    # the SLO 51.3, 64.7 % with it against 70.3, 79.7 without; not held 73.3, 77.0), and its
+    # gain on 2 prefill + 2 decode engines at 3x did not show through this session's noise
+    # (docs/benchmarks/pd_queue.md, sixth session).
+    show_held: bool = False
     _predictor: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
