@@ -3,6 +3,15 @@
     python bench/tokenize_cost.py [--dir MODEL_DIR] [--reps 7]
     python bench/tokenize_cost.py --burst 18 [--burst-chars 10000,60000] [--reps 3]
     python bench/tokenize_cost.py --reuse 8 [--reps 5]
+    python bench/tokenize_cost.py --pieces 1024,2048,4096 [--reps 5]
+
+``--pieces SIZES``: prompts of about 10k, 30k and 70k tokens (lines of pseudo-English, no
+prefix to reuse) encoded whole and cut at the prefix-id cache's safe cuts into pieces of at
+least each size, the pieces in one ``encode_batch_fast`` call ("batch": the Rust tokenizer's
+threads take them in parallel) and one call per piece ("one by one": the same pieces on one
+thread, which separates a piece's lower cost from the parallelism). Interleaved, the order
+rotated each round, ids checked equal; wall and process CPU (every thread) per prompt, median of
+``--reps`` rounds.
 
 ``--reuse T``: a conversation of T turns (each resends the earlier ones, ~6k characters more a
 turn, lines of pseudo-English), every turn tokenized whole (``prefix_cache_ids=0``) and through
@@ -41,6 +50,8 @@ import statistics
 import tempfile
 import time
 from array import array
+from collections.abc import Callable
+from functools import partial
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -307,6 +318,56 @@ def reuse_cost(tok: Tokenizer, turns: int, reps: int) -> None:
               f"{u / w:6.2f} {wc:9.2f} {uc:9.2f} {uc / max(wc, 1e-9):6.2f} {reused[(case, k)]:10.1%}")
 
 
+def pieces_cost(tok: Tokenizer, sizes: list[int], reps: int) -> None:
+    from dataplane.prefix_ids import cuts
+
+    encode = tok._encode_batch
+    texts = {target: conversation(1, int(target * 2.1), seed=target)[0] for target in (10_000, 30_000, 70_000)}
+
+    def cut(text: str, size: int) -> list[str]:
+        bounds = [0, *cuts(text, size), len(text)]
+        return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def whole(text: str) -> list[int]:
+        return encode([text], add_special_tokens=False)[0].ids
+
+    def batch(text: str, size: int) -> list[int]:
+        return [i for e in encode(cut(text, size), add_special_tokens=False) for i in e.ids]
+
+    def one_by_one(text: str, size: int) -> list[int]:
+        return [i for piece in cut(text, size) for i in encode([piece], add_special_tokens=False)[0].ids]
+
+    ways: dict[str, Callable[[str], list[int]]] = {"whole": whole}
+    for size in sizes:
+        ways[f"batch {size}"] = partial(batch, size=size)
+        ways[f"one by one {size}"] = partial(one_by_one, size=size)
+    names = list(ways)
+    wall: dict[tuple[int, str], list[float]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}
+    for rnd in range(reps):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for target, text in texts.items():
+            want = None
+            for name in order:
+                c0, t0 = time.process_time(), time.perf_counter()
+                ids = ways[name](text)
+                wall.setdefault((target, name), []).append(time.perf_counter() - t0)
+                cpu.setdefault((target, name), []).append(time.process_time() - c0)
+                assert want is None or ids == want, (target, name)
+                want = ids
+    print(f"{'prompt':>16} {'way':>16} {'pieces':>6} {'wall ms':>8} {'x whole':>7} {'CPU ms':>8} {'x whole':>7}"
+          f" {'CPU min..max':>14}   (median of {reps} rounds; CPU of the process, every thread)")
+    for target, text in texts.items():
+        ntok = len(ways["whole"](text))
+        w0, c0 = (statistics.median(d[(target, "whole")]) for d in (wall, cpu))
+        for name in names:
+            w, c = statistics.median(wall[(target, name)]), statistics.median(cpu[(target, name)])
+            size = int(name.split()[-1]) if name != "whole" else len(text)
+            print(f"{len(text):7d} ch {ntok:5d} t {name:>16} {len(cut(text, size)):6d} {w * 1e3:8.1f} "
+                  f"{w / w0:7.2f} {c * 1e3:8.1f} {c / c0:7.2f} "
+                  f"{min(cpu[(target, name)]) * 1e3:6.1f}..{max(cpu[(target, name)]) * 1e3:.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=None,
@@ -315,6 +376,7 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=0, help="compare threads and processes on a burst of N prompts")
     ap.add_argument("--burst-chars", default="10000,60000", help="prompt sizes of --burst, min,max chars")
     ap.add_argument("--reuse", type=int, default=0, help="a conversation of N turns: whole encode vs prefix-id reuse")
+    ap.add_argument("--pieces", default="", help="whole vs pieces of at least these sizes (chars), e.g. 1024,4096")
     a = ap.parse_args()
     if a.dir is not None:
         model_dir = a.dir
@@ -328,7 +390,9 @@ def main() -> None:
         spec.loader.exec_module(fd)
         model_dir = fd.build("tiny_llama", Path(tempfile.mkdtemp(prefix="tokbench-")))
     tok = Tokenizer.from_dir(model_dir)
-    if a.reuse:
+    if a.pieces:
+        pieces_cost(tok, [int(x) for x in a.pieces.split(",")], a.reps)
+    elif a.reuse:
         reuse_cost(tok, a.reuse, a.reps)
     elif a.burst:
         lo, hi = (int(x) for x in a.burst_chars.split(","))

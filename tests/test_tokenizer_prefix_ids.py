@@ -195,6 +195,76 @@ def test_the_self_check_turns_reuse_off_for_a_pipeline_wrongly_listed(deepseek_j
     assert Tokenizer(backend).prefix_ids is None
 
 
-def test_prefix_cache_ids_zero_turns_it_off(tmp_path):
+@pytest.mark.parametrize("name", ["tiny_llama", "bos_variant", "llama3", "qwen2_nfc", "qwen35"])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS, min_piece=st.integers(1, 64), special=st.booleans())
+def test_pieces_without_a_cache_equal_the_whole_encode(toks, name, text, min_piece, special):
+    """``max_ids=0``: nothing cached, the text cut into pieces at every allowed cut (at least
+    ``min_piece`` characters apart) and encoded in one batch; the ids are the whole encode's."""
+    tok = toks[name]
+    pieces = PrefixIds(tok.prefix_ids.plan, tok.backend.encode_batch_fast, max_ids=0, min_chunk_chars=min_piece)
+    assert pieces.encode(text, special) == whole(tok, text, special), (name, text)
+    assert pieces.encode(text, special) == whole(tok, text, special)
+    assert pieces.ids_held == 0 and pieces.nodes == 0 and pieces.stats.ids_reused == 0
+
+
+def _recording(tok: Tokenizer, calls: list[int]) -> None:
+    """Count the texts of each batch the tokenizer encodes (an instance attribute over the method)."""
+    encode = tok._encode_batch
+
+    def record(texts, **kw):
+        calls.append(len(texts))
+        return encode(texts, **kw)
+
+    tok._encode_batch = record
+
+
+def test_a_long_prompt_is_encoded_in_pieces_in_one_batch_and_a_short_one_whole(tmp_path):
+    """With the cache off (``prefix_cache_ids=0``) a long prompt still goes to the Rust tokenizer
+    as ~1k-character pieces in one call (its threads take them in parallel), and the ids equal
+    the whole encode's; a short prompt is one text, one call."""
     tok = Tokenizer.from_dir(build("tiny_llama", tmp_path / "t"), prefix_cache_ids=0)
+    ref = Tokenizer.from_dir(build("tiny_llama", tmp_path / "r"), prefix_cache_ids=0)
+    try:
+        assert tok.prefix_ids is not None and tok.prefix_ids.max_ids == 0
+        calls: list[int] = []
+        _recording(tok, calls)
+        long = "".join(f"Line {i}: words about item {i}, then more words.\n" for i in range(1500))
+        assert tok.encode_prompt(long) == whole(ref, long, True)
+        assert calls == [len(cuts(long, tok.prefix_ids.min_chunk_chars)) + 1]
+        assert calls[0] >= len(long) // 2048
+        assert tok.prefix_ids.ids_held == 0 and tok.prefix_ids.stats.ids_reused == 0
+        calls.clear()
+        short = "hello\nworld " * 10
+        assert tok.encode_prompt(short) == whole(ref, short, True)
+        assert calls == [1]
+    finally:
+        tok.close()
+        ref.close()
+
+
+def test_the_uncached_rest_is_one_batch_of_pieces(toks):
+    """A follow-up that shares a prefix: the cached chunks are reused, and everything after
+    them (new chunks and the tail) goes to the tokenizer in one call of several pieces."""
+    tok = toks["tiny_llama"]
+    cache = PrefixIds(tok.prefix_ids.plan, tok.backend.encode_batch_fast, max_ids=100_000, min_chunk_chars=200)
+    calls: list[int] = []
+
+    def record(texts, **kw):
+        calls.append(len(texts))
+        return tok.backend.encode_batch_fast(texts, **kw)
+
+    cache._encode_batch = record
+    first = "".join(f"shared line {i} of the first turn\n" for i in range(100))
+    second = first + "".join(f"new line {i} of the second turn\n" for i in range(100))
+    assert cache.encode(first, False) == whole(tok, first, False)
+    calls.clear()
+    assert cache.encode(second, False) == whole(tok, second, False)
+    assert cache.stats.ids_reused > 0
+    assert len(calls) == 1 and calls[0] >= 10
+
+
+def test_no_cut_plan_means_no_pieces(deepseek_json):
+    """A pipeline not proven safe is encoded whole even with the cache off."""
+    tok = Tokenizer(_variant(deepseek_json, GPT2_REGEX), prefix_cache_ids=0)
     assert tok.prefix_ids is None
