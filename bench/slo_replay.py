@@ -164,10 +164,11 @@ def start_engines(group: ProcessGroup, mode: str, args, cost: Cost) -> list[Engi
 
 
 def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine], extra_config: str = "",
-               dp_args: tuple[str, ...] = ()) -> str:
+               dp_args: tuple[str, ...] = (), cp_args: tuple[str, ...] = ()) -> str:
     """Our control plane and one data plane; ``extra_config``: TOML appended to the control
     plane's config (``--profiles``: custom policies, chosen by name in ``--policies``);
-    ``dp_args``: more data-plane flags (a later flag wins over the defaults here)."""
+    ``dp_args``, ``cp_args``: more data-plane / control-plane flags (a later flag wins over the
+    defaults here; ``slo_config``'s deployment targets)."""
     specs: list[str] = []
     for e in engines:
         spec = f"{e.url},role={e.role},id={e.name},kv_events={e.kv_events},kv_replay={e.kv_replay}"
@@ -180,7 +181,7 @@ def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine
     cp = group.start("controlplane", ["controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0",
                                       "--http-host", "127.0.0.1", "--http-port", "0", "--policy", policy,
                                       *(["--pd-flow", "sequential"] if mode == "pd" else []),
-                                      "--log-level", "WARNING", *specs])
+                                      "--log-level", "WARNING", *cp_args, *specs])
     dp = group.start("dataplane", ["dataplane", "--host", "127.0.0.1", "--port", "0",
                                    "--controlplane", cp.address, "--log-level", "WARNING",
                                    "--read-timeout", "600", *dp_args])
@@ -188,9 +189,9 @@ def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine
 
 
 def start_router(group: ProcessGroup, target: Target, mode: str, engines: list[Engine],
-                 extra_config: str = "") -> str:
+                 extra_config: str = "", cp_args: tuple[str, ...] = ()) -> str:
     if target.kind == "ours":
-        return start_ours(group, target.policy, mode, engines, extra_config)
+        return start_ours(group, target.policy, mode, engines, extra_config, cp_args=cp_args)
     from bench.tracedata import free_port
     eng = peerlib.Engines(both=[e.url for e in engines if e.role == "both"],
                           prefill=[e.url for e in engines if e.role == "prefill"],
@@ -276,6 +277,34 @@ def slo_headers(args) -> dict[str, str]:
         return {}
     return {"X-SLO-TTFT-Ms": f"{args.slo_ttft_ms * args.time_scale:g}",
             "X-SLO-TPOT-Ms": f"{args.slo_tpot_ms * args.time_scale:g}"}
+
+
+def slo_config(args) -> tuple[str, ...]:
+    """The SLO the run measures as our control plane's deployment targets (``[slo] ttft_ms`` /
+    ``tpot_ms``, as flags), in wall time like ``slo_headers``: an operator configures the SLO
+    the deployment is judged on. Every request without headers is then placed exactly as with
+    them (the same context fields); the peers have no such setting. Off unless
+    ``--slo-config`` (bench/workload_suite.py turns it on for our targets by default)."""
+    if not args.slo_config:
+        return ()
+    return ("--slo-ttft-ms", f"{args.slo_ttft_ms * args.time_scale:g}",
+            "--slo-tpot-ms", f"{args.slo_tpot_ms * args.time_scale:g}")
+
+
+def slo_setup(cfg: dict) -> str:
+    """The report's sentence on how ours was told the SLO (``slo_config``, ``slo_headers``)."""
+    scale = cfg["cost"]["time_scale"]
+    wall = f"{cfg['slo_ttft_ms'] * scale:g} ms / {cfg['slo_tpot_ms'] * scale:g} ms of wall time"
+    if cfg.get("slo_config"):
+        said = (f"Our control plane ran with the measured SLO as its deployment targets (`[slo] ttft_ms` / "
+                f"`tpot_ms` = {wall}: SLO x time scale, `--slo-config`), as an operator configures the SLO "
+                "the deployment is judged on; the peers have no such setting.")
+    else:
+        said = (f"Our control plane ran without deployment targets (`[slo]` unset): it judged candidates "
+                f"against its default 2 s / 100 ms of wall time, while the SLO is {wall}.")
+    if cfg.get("slo_headers"):
+        said += f" Every request carried the SLO as `X-SLO-TTFT-Ms` / `X-SLO-TPOT-Ms` ({wall})."
+    return said
 
 
 async def send_router(session, url: str, body: dict, idx: int, headers: dict[str, str] | None = None) -> Outcome:
@@ -615,7 +644,8 @@ def run_once(target: Target, mode: str, rows, bodies, offsets, args, cost: Cost)
         bodies = [as_text(b) for b in bodies]
     with _group(args, f"{target.name.replace(':', '-')}-{mode}") as group:
         engines = start_engines(group, mode, args, cost)
-        url = start_router(group, target, mode, engines, args.profiles.read_text() if args.profiles else "")
+        url = start_router(group, target, mode, engines, args.profiles.read_text() if args.profiles else "",
+                           cp_args=slo_config(args))
         res = asyncio.run(drive(engines, rows, bodies, offsets, args, url, None))
     replay = None
     if args.replay and res["ok"] and (target.kind == "ours" or args.peer_replay):
@@ -690,6 +720,7 @@ def write_markdown(path: Path, report: dict) -> None:
              f"KV pool {cfg['cost']['kv_pool_tokens']} tokens; token scale {cfg['cost']['token_scale']} "
              f"(1 sim token = {cfg['cost']['token_scale']} trace tokens), time scale "
              f"{cfg['cost']['time_scale']} (wall s per model s). Latencies are model time.", "",
+             slo_setup(cfg), "",
              "Cells: mean over repeats [min-max]. `router` = through the target; `replay` = the same "
              "request-to-engine assignment sent straight to fresh engines. Least fair share: the "
              "fewest requests any engine got, over the mean of its equals (same role and speed); "
@@ -870,6 +901,9 @@ def parse_args(argv=None):
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--slo-headers", action="store_true",
                    help="send the measured SLO as request headers, in wall time (slo_headers)")
+    p.add_argument("--slo-config", action="store_true",
+                   help="start our control plane with the measured SLO as its deployment targets ([slo], in wall "
+                        "time: slo_config)")
     p.add_argument("--max-run-seconds", type=float, default=300.0, help="wall-time bound of one run")
     p.add_argument("--poll-s", type=float, default=1.0, help="engine request-log / state sampling period")
     p.add_argument("--close-s", type=float, default=5.0,
@@ -1084,7 +1118,8 @@ def _main(parser, args, trace: Path, code: dict) -> int:
                    "requests": len(rows), "window_model_s": window_s,
                    "rates": rates, "base_rate": args.base_rate, "repeats": args.repeats, "modes": modes,
                    "targets": [t.name for t in targets], "slo_ttft_ms": args.slo_ttft_ms,
-                   "slo_tpot_ms": args.slo_tpot_ms, "max_output": args.max_output,
+                   "slo_tpot_ms": args.slo_tpot_ms, "slo_config": args.slo_config,
+                   "slo_headers": args.slo_headers, "max_output": args.max_output,
                    "agg_engines": args.agg_engines, "prefill_engines": args.prefill_engines,
                    "decode_engines": args.decode_engines, "cost": cost.describe(),
                    "peer_versions": (reused["peer_versions"] if reused is not None else

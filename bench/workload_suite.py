@@ -71,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--no-peer-replay", action="store_true", help="passed to slo_replay: replay only our assignments")
     p.add_argument("--slo-headers", action="store_true",
                    help="passed to slo_replay: send the measured SLO as request headers (X-SLO-TTFT-Ms/X-SLO-TPOT-Ms)")
+    p.add_argument("--slo-config", action=argparse.BooleanOptionalAction, default=True,
+                   help="passed to slo_replay (on by default): start our control plane with the measured SLO as "
+                        "its deployment targets ([slo] ttft_ms/tpot_ms, in wall time); --no-slo-config: its "
+                        "default 2 s / 100 ms targets")
     p.add_argument("--time-scale", default="0.5")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     p.add_argument("--summarize-only", action="store_true")
@@ -99,6 +103,8 @@ def run_case(case: str, args) -> int:
         argv += ["--no-replay"]
     if args.slo_headers:
         argv += ["--slo-headers"]
+    if args.slo_config:
+        argv += ["--slo-config"]
     if args.profiles:
         argv += ["--profiles", str(args.profiles)]
     print(f"== {case}: python bench/slo_replay.py {' '.join(shlex.quote(a) for a in argv)}", flush=True)
@@ -116,6 +122,10 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
              "`fair tokens`: the same in tokens (prompt tokens asked of a prefill or aggregated engine, output "
              "tokens of a decode engine), which is what an engine's share of the work is when requests differ "
              "in size. "
+             "`ours` runs with the measured SLO as its control plane's deployment targets (`[slo] ttft_ms` / "
+             "`tpot_ms`, in wall time: SLO x time scale; `--slo-config`, the suite's default) where a case says "
+             "`[slo] set`: an operator configures the SLO the deployment is judged on; the peers have no such "
+             "setting. "
              "Each case's own page has every target, TTFT/TPOT percentiles and the plots.", ""]
     for case in cases:
         path = out / f"workload_{case}.json"
@@ -125,6 +135,7 @@ def summarize(out: Path, cases: list[str], command: str) -> Path:
         report = json.loads(path.read_text())
         summary = report["summary"]
         ran = f"run {report['generated']} at {(report['code'].get('commit') or '?')[:10]}"
+        ran += "; ours: [slo] set" if report["config"].get("slo_config") else "; ours: no [slo]"
         if report["config"].get("reused_peers"):
             src = report["config"]["reused_peers"]
             ran += f"; peers' runs from {src['generated']} at {(src.get('commit') or '?')[:10]}"

@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", help="PEM CA that signs client certificates: mutual TLS ([auth] tls_client_ca)")
     p.add_argument("--state-file", help="keep operators' changes (drains, weights, added and removed workers) "
                                         "in this file across restarts, with the memory store ([state] file)")
+    p.add_argument("--slo-ttft-ms", type=float, help="the deployment's TTFT target in ms, for requests without "
+                   "X-SLO-TTFT-Ms ([slo] ttft_ms; 0 = none: the scorer's 2 s)")
+    p.add_argument("--slo-tpot-ms", type=float, help="the deployment's TPOT target in ms, for requests without "
+                   "X-SLO-TPOT-Ms ([slo] tpot_ms; 0 = none: the scorer's 100 ms)")
     p.add_argument("--otel-endpoint", help="OTLP/HTTP collector (e.g. http://127.0.0.1:4318): spans for placement "
                                             "and queueing, joined to the data plane's trace (otel_endpoint; "
                                             "needs the otel extra)")
@@ -62,7 +66,8 @@ def config_from_args(args: argparse.Namespace):
                       ("tokens_file", "auth.tokens_file"), ("tls_cert", "auth.tls_cert"),
                       ("tls_key", "auth.tls_key"), ("tls_client_ca", "auth.tls_client_ca"),
                       ("otel_endpoint", "otel_endpoint"), ("otel_service_name", "otel_service_name"),
-                      ("state_file", "state.file")):
+                      ("state_file", "state.file"), ("slo_ttft_ms", "slo.ttft_ms"),
+                      ("slo_tpot_ms", "slo.tpot_ms")):
         value = getattr(args, attr, None)
         if value is not None:
             cfg.set(key, value, "--" + attr.replace("_", "-"))

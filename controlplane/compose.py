@@ -116,7 +116,8 @@ def build(config: ControlPlaneConfig, store: StateStore | None = None, *, tracin
     stats = PlacementStats.new()
     placer = Placer(store, fleet, build_profile(config.policy, config.profiles), pd_flow=config.pd_flow,
                     stats=stats, predictor=predictor, block_size=config.kv_cache.block_size, kv=kv,
-                    metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0))
+                    metrics_max_age_s=max(3 * config.health.metrics_interval_s, 2.0),
+                    ttft_slo_s=config.slo.ttft_ms / 1000, tpot_slo_s=config.slo.tpot_ms / 1000)
     lifecycle = Lifecycle(store, fleet, stats, max_request_age_s=config.max_request_age_s,
                           session_grace_s=config.session_grace_s, predictor=predictor, queue=placer.queue,
                           breaker=BreakerConfig(config.health.eject_after, config.health.eject_base_s,

@@ -41,6 +41,10 @@ Example (TOML)::
     dataplane_tokens = []          # data-plane sessions (open when empty)
     tokens_file = "tokens.txt"     # lines: SCOPE NAME TOKEN
 
+    [slo]                          # the deployment's latency targets (0 = none): a request without
+    ttft_ms = 2000                 #   X-SLO-TTFT-Ms / X-SLO-TPOT-Ms is placed as if it had sent these
+    tpot_ms = 100
+
     [discovery]                    # engines without the plugin (controlplane/discovery.py)
     file = "workers.toml"          # [[workers]] tables, re-read when the file changes
     interval_s = 1.0
@@ -234,6 +238,28 @@ DISCOVERY: dict[str, Check] = {
 }
 
 
+# The largest target a file, a flag or a header may name (a day), as the data plane's
+# X-SLO-* headers (dataplane.requests.MAX_SLO_MS).
+MAX_SLO_MS = 86_400_000.0
+
+
+@dataclass
+class SLOConfig:
+    """The deployment's latency targets, in milliseconds of wall time (0 = none). Operators
+    have one SLO for a deployment: a request that names no ``X-SLO-TTFT-Ms`` /
+    ``X-SLO-TPOT-Ms`` of its own is placed as if it had sent these (``Placer._context``), so
+    a configured SLO acts exactly as the headers do on every request; a header still wins,
+    target by target. Without either, the scorer judges against its defaults (2 s / 100 ms)."""
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+
+
+SLO: dict[str, Check] = {
+    "ttft_ms": lambda x, f: v.number(x, f, 0.0, MAX_SLO_MS),
+    "tpot_ms": lambda x, f: v.number(x, f, 0.0, MAX_SLO_MS),
+}
+
+
 @dataclass
 class StateConfig:
     backend: str = "memory"
@@ -269,7 +295,7 @@ def _apply(target: object, checks: dict[str, Check], data: dict[Any, Any], secti
         if key not in checks:
             hint = next((f" (it belongs in [{sec}])" for sec, keys in (("health", HEALTH), ("kv_cache", KV_CACHE),
                                                                          ("state", STATE), ("auth", AUTH),
-                                                                         ("discovery", DISCOVERY))
+                                                                         ("discovery", DISCOVERY), ("slo", SLO))
                          if not section and key in keys), "")
             raise ValueError(f"unknown {what} {v.show(key)}{hint}: allowed are {', '.join(checks)}")
         setattr(target, key, checks[key](value, name))
@@ -449,6 +475,7 @@ class ControlPlaneConfig:
     state: StateConfig = field(default_factory=StateConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
     # The keys a file or a flag set ("listen", "state.file"...): what was chosen, not defaulted
     # (omni-proxy up binds a private port unless ``listen`` was chosen).
     explicit: set[str] = field(default_factory=set, repr=False, compare=False)
@@ -490,15 +517,17 @@ class ControlPlaneConfig:
         state = _table(data.pop("state", None), "state")
         auth = _table(data.pop("auth", None), "auth")
         discovery = _table(data.pop("discovery", None), "discovery")
+        slo = _table(data.pop("slo", None), "slo")
         cfg.explicit = {str(k) for k in data} | {f"{sec}.{k}" for sec, table in (
-            ("health", health), ("kv_cache", kv), ("state", state), ("auth", auth), ("discovery", discovery))
-            for k in table}
+            ("health", health), ("kv_cache", kv), ("state", state), ("auth", auth), ("discovery", discovery),
+            ("slo", slo)) for k in table}
         _apply(cfg, TOP_LEVEL, data, "", "config key")
         _apply(cfg.health, HEALTH, health, "health", "health key")
         _apply(cfg.kv_cache, KV_CACHE, kv, "kv_cache", "kv_cache key")
         _apply(cfg.state, STATE, state, "state", "state key")
         _apply(cfg.auth, AUTH, auth, "auth", "auth key")
         _apply(cfg.discovery, DISCOVERY, discovery, "discovery", "discovery key")
+        _apply(cfg.slo, SLO, slo, "slo", "slo key")
         if not isinstance(workers, list):
             raise ValueError(f"workers must be a list of [[workers]] tables, got {v.show(workers)}")
         cfg.workers = [WorkerSpec.from_dict(w, f"workers[{i}]") for i, w in enumerate(workers)]
@@ -507,11 +536,12 @@ class ControlPlaneConfig:
         return cfg
 
     def set(self, key: str, value: Any, name: str) -> None:
-        """Set one top-level, ``health.*``, ``kv_cache.*`` or ``state.*`` key from a flag, with the file's checks."""
+        """Set one top-level or ``section.key`` key from a flag, with the file's checks."""
         section, _, sub = key.rpartition(".")
         target, checks = {"": (self, TOP_LEVEL), "health": (self.health, HEALTH),
                           "kv_cache": (self.kv_cache, KV_CACHE), "state": (self.state, STATE),
-                          "auth": (self.auth, AUTH), "discovery": (self.discovery, DISCOVERY)}[section]
+                          "auth": (self.auth, AUTH), "discovery": (self.discovery, DISCOVERY),
+                          "slo": (self.slo, SLO)}[section]
         setattr(target, sub, checks[sub](value, name))
         self.explicit.add(key)
 

@@ -63,7 +63,8 @@ class Placer:
     def __init__(self, store: StateStore, fleet: Fleet, profile: Profile, *, pd_flow: str = "sequential",
                  metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None,
                  predictor: Predictor | None = None, block_size: int = 16, kv: KVCache | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ttft_slo_s: float = 0.0,
+                 tpot_slo_s: float = 0.0) -> None:
         # Which flow a request takes: the PD-flow decider ``pd_flow`` names (scheduling.pd_flow).
         self.flows = build_pd_flow(pd_flow)
         self.store = store
@@ -78,6 +79,10 @@ class Placer:
         # The one clock placement reads (a context's ``now``, the ledger's times, what the
         # prediction computes since): tests give a fake one, so decisions replay exactly.
         self.clock = clock
+        # The deployment's targets ([slo], seconds; 0 = none): what a request that sends no
+        # X-SLO-* header of its own is placed with (_context), target by target.
+        self.ttft_slo_s = ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s
         self._endpoints: dict[str, tuple[object, pb.Endpoint]] = {}   # see _endpoint()
         # The DP rank of a data-parallel worker, by the profile's rule (balance | phase_aligned).
         self.ranks = RankChooser(store, profile.shared, profile.dp_rank, block_size)
@@ -370,8 +375,8 @@ class Placer:
             now=self.clock(), metrics_max_age_s=self.metrics_max_age_s, roles=_ROLE_SETS[roles],
             chain_blocks=len(chain), chain=chain,
             block_size=self.block_size, predictor=self.predictor,
-            ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else 0.0,
-            tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else 0.0)
+            ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else self.ttft_slo_s,
+            tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else self.tpot_slo_s)
 
     def _everyone(self) -> list[WorkerView]:
         """Every worker, with no load read: only for explanations of what was not a candidate."""
