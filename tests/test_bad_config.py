@@ -104,6 +104,11 @@ TOML_CASES = {
     "profile_shared_key": ('policy = "p"\n[profiles.p]\nshared = {branchez = 3}\n', ["profiles.p.shared", "branchez"]),
     "profile_dp_rank": ('policy = "p"\n[profiles.p]\ndp_rank = "aligned"\n', ["profiles.p.dp_rank", "phase_aligned"]),
     "profile_shared_value": ('policy = "p"\n[profiles.p]\nshared = {branches = 0}\n', ["profiles.p.shared.branches"]),
+    "slo_negative": ("[slo]\nttft_ms = -1\n", ["slo.ttft_ms", ">= 0"]),
+    "slo_text": ('[slo]\ntpot_ms = "50ms"\n', ["slo.tpot_ms", "number"]),
+    "slo_inf": ("[slo]\ntpot_ms = inf\n", ["slo.tpot_ms", "finite"]),
+    "slo_unknown": ("[slo]\nttft_s = 1\n", ["unknown slo key", "ttft_s", "ttft_ms, tpot_ms"]),
+    "slo_top_level": ("ttft_ms = 1000\n", ["ttft_ms", "[slo]"]),
     "toml_syntax": ('policy = "random"\n[health\ninterval_s = 1\n', ["bad.toml", "line 2"]),
 }
 
@@ -146,6 +151,8 @@ FLAG_CASES = {
     "listen": (["--listen", "127.0.0.1:http"], ["--listen"]),
     "missing_file": (["--config", "does-not-exist.toml"], ["does-not-exist.toml"]),
     "log_level": (["--log-level", "chatty"], ["--log-level", "DEBUG"]),
+    "slo_ttft": (["--slo-ttft-ms", "-5"], ["--slo-ttft-ms", ">= 0"]),
+    "slo_tpot": (["--slo-tpot-ms", "nan"], ["--slo-tpot-ms", "finite"]),
 }
 
 
@@ -261,6 +268,9 @@ heartbeat_ttl_s = 30
 [health]
 interval_s = 0.5
 metrics_interval_s = 2
+[slo]
+ttft_ms = 2000
+tpot_ms = 0
 [kv_cache]
 block_size = 32
 hash_algo = "xxhash"
