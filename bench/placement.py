@@ -104,7 +104,7 @@ Before/after in one session, same machine (`python bench/placement.py --rounds 6
 Approximate memory for the same 1M routed blocks: 90 MiB (999,936 entries) before, 6 MiB
 (62,496 marks, 94 bytes each, about 6 bytes per routed block) after.
 
-## What remains (py-spy, 1,000 workers, 128-block chains)
+## What remained before the fifth session (py-spy, 1,000 workers, 128-block chains)
 
 * `cache_aware`, exact (still above 100 us): walking the event-fed index 18% (one probe per
   matched block: it cannot gallop, an engine's removals leave holes), the pending index's walk
@@ -119,6 +119,80 @@ Approximate memory for the same 1M routed blocks: 90 MiB (999,936 entries) befor
 
 p99 is dominated by the machine: on a shared 2-core host, a descheduled process shows
 milliseconds; with the host quiet p99 stays near 2-3x p50.
+
+## Cache policies at 1,000 workers: fifth session (issue 19, target <= 100 us)
+
+Profile first (py-spy, `cache_aware`, exact, 1,000 workers; shares of `Placer.place`): the
+event-fed walk 13-15 % (its one line that probes in C, 11 %), the pending index's walk 12 %
+(two thirds of it the K - 1 probes after each mark where the alive set changes, looking for
+routed chains that end between marks), the candidates' depths 8 % (a mask of the 12
+candidates, one 1,000-bit OR each), the merged top 6 %, remembering the placed chain as
+pending 8 %, the generic path the rest (pipeline 19 %, ledger and counters 7 %, views 5 %,
+least-loaded heap 3 %). At this size a group's mask is a 1,000-bit integer, and each
+operation on one (OR, AND, negation, hashing it to intern it) costs 0.1-0.4 us, as much as a
+dict probe; and the index's probes miss the first-level caches.
+
+What changed (`controlplane/kvcache/index.py`, `manager.py`), decisions unchanged (a replay of
+2,000 placements per policy, cache mode and fleet size 16 / 1,000 with every random source
+seeded and one fake clock chose the same worker every time before and after):
+
+* **Ends flags** (`RoutedIndex`, pending and approximate indexes): a routing whose chain ends
+  between two marks flags the mark before (a bit of the value's low word), and the walk
+  searches the K - 1 depths after a mark only where it is flagged; chains shorter than K and
+  marks whose flags may be missing (loaded from a snapshot, or a flagged mark removed before
+  its bucket expired) keep the search on until their bucket expires. Pending walk, in
+  process, captured prompts: 13.1 -> 6.5 us.
+* **Candidates' depths** (`PrefixIndex.depths_among`): a level with a few slots is read slot
+  by slot; only a wide one is ANDed with the candidates' mask, built by ORing per-worker masks
+  in C (`mask_of`); the group masks are not ANDed again (the walks ran over them).
+* **Fewer big-integer operations**: a mask's slots taken highest first, each cleared by one
+  XOR with its bit from a per-slot table (three operations before; `top` keeps its
+  lowest-first order), the dropped slots as `alive ^ m`, a routed slot's interned
+  `bit | stamp` kept for its bucket (hashing a 1,000-slot mask costs as much as an OR), the
+  stamp cleared with `m ^ (m & _STAMP)`.
+* **Pending routes** pass the depth found, so marks already routed to that worker in this
+  bucket are not probed again.
+
+A/B against the start of this work (3b98a27, main before these commits), the task's command
+alternated, 7 runs each (two batches), host load 5-12 (six other helpers' benchmarks and tests on 2 cores:
+the absolute numbers are 25-35 % above a quiet host's):
+`python bench/placement.py --rounds 3 --placements 1500 --sizes 1000 --policies
+cache_aware,apc_first,predicted_latency --modes exact,approx --skip events,memory`
+
+| policy | cache | before: p50 us, median (spread) | after | change of the median |
+|---|---|---|---|---|
+| cache_aware | exact | 215.7 (201-232) | 201.5 (199-219) | -6.6 % |
+| cache_aware | approx | 145.2 (135-154) | 140.2 (134-146) | -3.5 % |
+| apc_first | exact | 216.6 (206-225) | 199.8 (196-213) | -7.7 % |
+| apc_first | approx | 138.6 (131-146) | 134.3 (132-141) | -3.1 % |
+| predicted_latency | exact | 244.0 (225-265) | 229.5 (225-246) | -5.9 % |
+| predicted_latency | approx | 171.2 (164-183) | 165.3 (164-174) | -3.4 % |
+
+Deterministic counts, unmoved by the host's load (callgrind with its cache simulation,
+`cache_aware`, exact, 1,000 workers; the same 200 seeded placements in both trees, 260 minus 60
+measured so that setup cancels), per placement: instructions 894,009 -> 848,398 (-5.1 %),
+first-level misses (instructions and data) 21,455 -> 20,812 (-3.0 %), last-level misses 34 ->
+32 (the simulated last level holds the whole working set). So about 5 % less work; the
+wall-clock medians above are within the load's noise of that.
+
+The loop-stall guard is untouched: `python bench/kvindex_growth.py --blocks 1000000`, longest
+`apply()` in thread CPU growing 0.94 -> 0.90 ms, churning 1.60 -> 1.83 ms, no step over 5 ms
+in either (one run each, load 9; the store path did not change).
+
+**The 100 us target is not met**, nor 10,000 placements/s on one core: in these runs
+(placements per CPU second, medians) `cache_aware` 4,202 -> 4,386 exact and 6,013 -> 6,210
+approximate, `apc_first` 4,098 -> 4,533 and 6,508 -> 6,498, `predicted_latency` 3,669 -> 3,896
+and 5,085 -> 5,313 (host load 5-12). What remains, by the
+same profile after these changes:
+* the event-fed walk, 13 % (about 72 probes for these prompts at ~140 ns each, memory-bound:
+  a scan in chunks of 32, 16 or 8 blocks without `groupby` measured 18-41 % slower, and one
+  dict instead of 256 shards would save about a quarter of it but bring the 30-120 ms rebuild
+  stalls back). It cannot gallop: an engine's removals leave holes, and the depths feed the
+  scores;
+* remembering the placed chain as pending, 10 % (8 marks of 1,000-slot values to OR, intern
+  and write);
+* the generic path (pipeline, scorers and picker over 12 candidates, ledger, views, heap,
+  protobuf), about 60 %, spread over many small steps of 1-3 % each.
 """
 
 
