@@ -151,8 +151,9 @@ POLICIES: dict[str, dict[str, Any]] = {
     # every request bound to an engine on arrival.
     "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
     # The same with late binding in the control plane's queue (Omni's request holding). Opt-in:
-    # holding still costs attainment with 2 prefill and 2 decode engines at 3x (5 points,
-    # docs/benchmarks/pd_queue.md), and the default must never lose to the same policy without it.
+    # no set of the queue's rules measured yet is at or above the same policy without it on every
+    # workload shape (mixed traffic at 4x, PD 2:2 at 3x; docs/benchmarks/pd_queue.md, sixth
+    # session), and the default must never lose to the same policy without it.
     "predicted_latency_queued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
                                  "queue": {"name": "omni"}},
 }

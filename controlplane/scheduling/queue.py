@@ -4,11 +4,11 @@ Committing a request to an engine the moment it arrives piles a burst into engin
 that are first come, first served, and the engine that frees up first is rarely the one
 that was chosen. With this stage a request whose best engine is predicted to be busy for
 longer than ``hold_s`` waits in the control plane instead, and is bound to an engine only
-when one can start it soon. Waiting requests whose prefill their engine can still finish
-within ``starvation_s`` go first come, first served (``on_time_first``); the rest are
-ordered by Omni's weight of shortness and waiting time (0.8 / 0.2), which is what gains
-when not all can make it. A request that has waited ``starvation_s`` goes ahead of every
-other one. With ``show_held`` (off) the work held for each engine counts in the prediction,
+when one can start it soon. Waiting requests are ordered by Omni's weight of shortness and
+waiting time (0.8 / 0.2), which is what gains when not all can make it; with
+``on_time_first`` (off) those held for an engine that finishes all of them within
+``starvation_s`` go first come, first served. A request that has waited ``starvation_s``
+goes ahead of every other one. With ``show_held`` (off) the work held for each engine counts in the prediction,
 so the policy does not keep choosing an engine whose turns already wait here. The queue is
 bounded in size (beyond: refused, HTTP 429) and in wait (beyond: placed on the best engine
 anyway, or refused: ``on_timeout``).
@@ -62,10 +62,11 @@ class HoldQueue:
     # longer than this (0: off; see should_hold).
     bind_long_s: float = 1.0
     # Order first come, first served the requests held for an engine whose queue, so ordered,
-    # finishes every one's prefill within starvation_s (see order); False: Omni's weights alone
-    # (shortest first), which reorder requests that would all have made it
-    # (docs/benchmarks/pd_queue.md, sixth session).
-    on_time_first: bool = True
+    # finishes every one's prefill within starvation_s (see order). Off: it brought PD 2:2 at
+    # 3x from 5 points below not held to about 1, but lost 10 on mixed chat and summaries at 4x
+    # (64.7, 64.3 % against 74.3, 75.7 not held; the weights alone were level there)
+    # (docs/benchmarks/pd_queue.md, sixth session); False: Omni's weights alone.
+    on_time_first: bool = False
     name: str = "omni"
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
