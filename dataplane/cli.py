@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="IDS",
                    help="token ids of text prefixes kept so that a long prompt (a chat's earlier turns) "
                         "encodes only what follows the longest one tokenized before, with the same ids "
-                        f"(default {DEFAULT_PREFIX_IDS:,}, about 8 bytes an id; 0 = off)")
+                        f"(default {DEFAULT_PREFIX_IDS:,}, about 8 bytes an id; 0 = no cache, a long prompt "
+                        "still encoded in pieces)")
     p.add_argument("--connect-timeout", type=flags.seconds, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=flags.seconds, default=600.0,
                    help="longest silence from an engine before the leg fails")
