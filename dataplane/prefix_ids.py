@@ -55,23 +55,28 @@ Pieces: the rest in one batch
 What is not cached (all of a text no earlier prompt had) is encoded as its chunks, the same
 safe cuts, in ONE ``encode_batch_fast`` call, and the ids are joined; ``max_ids=0`` keeps no
 cache but still encodes in pieces (``--tokenizer-prefix-cache 0``). Two gains, measured with
-``bench/tokenize_cost.py --pieces`` (2 cores, pseudo-English lines, 10k-70k tokens):
+``bench/tokenize_cost.py --pieces`` (2 cores, lines of pseudo-English, prompts of 10k-70k tokens,
+three runs at host loads 5-13):
 
-* **Less CPU: 0.69-0.88x a whole encode** (pieces of at least 512-8,192 characters all land in
-  that range; 1,024, the chunk size, is kept). It is not the BPE word cache (both ways share
-  it and hit the same words) nor offsets (``encode_batch_fast`` skips them both ways; ``encode()``
-  with offsets costs 1.3x more again). ``perf`` on one thread (``TOKENIZERS_PARALLELISM=false``,
-  a 192k-character text whole against 1k-character pieces, 15 rounds) puts ~70 % of the extra
-  in glibc's allocator (``malloc_consolidate``, ``unlink_chunk``, ``_int_free``) and ~25 % in
-  ``NormalizedString::slice``/``transform_range``: the pipeline keeps one ``NormalizedString``
-  (a ``String`` and an alignments ``Vec`` of 16 bytes per byte) per pre-token alive until the
-  whole text is done, tens of thousands of small blocks, megabytes past the core's L2, freed
-  together at the end and consolidated into bins; a 1k-character piece's few hundred are freed
-  before the next piece starts, so the next one reuses the same hot blocks.
-* **Both cores for one prompt**: the Rust tokenizer runs a batch's items on its rayon threads,
-  so a single 70k-token prompt is encoded on every core while the calling thread waits (GIL
-  released). The pieces must go in one call: one ``encode_batch_fast`` call per piece wakes the
-  pool per piece and measured 0.89-1.11x a whole encode's CPU, no gain.
+* **Less CPU: 0.67-0.88x a whole encode**, for pieces of at least 512 to 8,192 characters
+  alike (no size wins consistently; 1,024, the cache's chunk, is kept). On one thread
+  (``TOKENIZERS_PARALLELISM=false``) it is 0.77-0.87x, so the saving is the piece's, not the
+  threads'. It is not the BPE word cache (both ways share it and hit the same words) nor the
+  offsets (``encode_batch_fast`` skips them both ways; ``encode()`` with offsets costs ~1.3x
+  more again). It is the allocator: ``perf`` on one thread (a 192k-character text whole
+  against 1k-character pieces) puts ~70 % of the extra in glibc's ``malloc_consolidate``,
+  ``unlink_chunk`` and ``_int_free`` and ~25 % in ``NormalizedString::slice``/
+  ``transform_range``. Until a text is done the pipeline keeps one ``NormalizedString`` per
+  pre-token alive (its ``String`` and an alignments ``Vec`` of 16 bytes per byte): for a long
+  text tens of thousands of small blocks, megabytes past the core's L2, freed together at the
+  end and consolidated into glibc's bins; a 1k-character piece's few hundred are freed before
+  the next piece starts, which then reuses the same hot blocks. With jemalloc preloaded the
+  whole encode itself costs ~0.6x glibc's, and pieces then save only ~0.88x.
+* **Every core for one prompt**: the Rust tokenizer runs a batch's items on its rayon threads,
+  so one 70k-token prompt is encoded on both cores while the calling thread waits with the GIL
+  released (wall 0.40-0.76x a whole encode at load 5). The pieces must go in ONE call: with the
+  threads on, one ``encode_batch_fast`` call per piece hands each piece to the pool separately
+  and cost 0.82-1.11x a whole encode's CPU, no gain.
 
 A text under ``async_threshold_chars`` (2,000) is encoded whole, inline: no cut, no books.
 """
