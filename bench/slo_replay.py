@@ -268,8 +268,10 @@ def slo_headers(args) -> dict[str, str]:
     """The SLO the run measures, as per-request headers (``X-SLO-TTFT-Ms``, ``X-SLO-TPOT-Ms``) in
     wall time, the clock every router sees: model time times ``--time-scale``. Every router gets
     them; the peers ignore them, ours places by them (the scorer's targets and the near-best
-    picker's band). Off by default: without them our 2 s default targets are 2 s of wall time,
-    twice the measured SLO at the default time scale. With them longdoc 16x goes 45.8 -> 53 %
+    picker's band). Off by default: without them (or ``slo_config``) our 2 s default targets
+    are 2 s of wall time, twice the measured SLO at the default time scale. ``slo_config`` tells
+    our control plane the same targets once, for every request (the suite's default). With
+    them longdoc 16x went 45.8 -> 53 %
     and no suite cell measured loses beyond noise; while the ``slo`` filter was in the default
     profile the heterogeneous fleet at 3x/4x and PD 2:2 at 3x lost 6-7 points
     (docs/benchmarks/workloads_notes.md)."""
