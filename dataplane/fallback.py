@@ -9,8 +9,10 @@ control plane's ``round_robin`` picker, nginx's rule):
   entry leg is placed here, as a compiled router places in process, and the control plane is
   told afterwards (``PlaceRequest.placed_on``, batched with the lifecycle reports) instead of
   asked: no round trip, no answer to build and parse. Drains, cordons, weights and health
-  reach this list through the snapshot. Anything else (PD roles, data-parallel workers, a
-  model no listed worker serves) is asked of the control plane as before.
+  reach this list through the snapshot; an engine's ``Retry-After`` that this node saw keeps
+  that engine out here at once (``rest``), not only once the next snapshot says so. Anything
+  else (PD roles, data-parallel workers, a model no listed worker serves) is asked of the
+  control plane as before.
 - **Fallback** (``place``): when no control plane has answered for a short while (all
   replicas down, a partition), the data plane keeps serving instead of failing every request
   after its placement timeout. It knows no load, no cache contents and no other data plane's
@@ -20,9 +22,12 @@ control plane's ``round_robin`` picker, nginx's rule):
 
 from __future__ import annotations
 
+import time
+
 from protos import omni_proxy_pb2 as pb
 
 LOCAL_EXPLANATION = "placed by the data plane: round robin over the control plane's routable workers"
+MAX_REST_S = 300.0   # the longest an engine's Retry-After keeps it out here (the control plane's default cap)
 
 
 class _Pool:
@@ -76,12 +81,28 @@ class FallbackPlacer:
         self._loras: dict[str, str] = {}
         self.placed = 0          # placed while no control plane answered
         self.placed_local = 0    # placed here by the control plane's leave (local placement)
+        self._resting: dict[str, float] = {}   # worker id -> monotonic time its Retry-After ends
 
     def update(self, snapshot: pb.FleetSnapshot) -> None:
         self._workers = list(snapshot.workers)
         self._pools = {}
         self._local = {}
         self._loras = {a.name: a.path for w in self._workers for a in w.loras}
+
+    def rest(self, worker_id: str, seconds: float) -> None:
+        """An engine answered with ``Retry-After``: leave it out here at once, for that long
+        (at most MAX_REST_S). The control plane ejects it for as long, but its next worker list
+        comes a few milliseconds after our report reaches it, and a round robin here would
+        send that engine more requests meanwhile."""
+        self._resting[worker_id] = time.monotonic() + min(seconds, MAX_REST_S)
+
+    def _excluding(self, exclude: set[str] | frozenset[str]) -> set[str] | frozenset[str]:
+        """``exclude`` and the workers still resting (those whose time is up are forgotten)."""
+        now = time.monotonic()
+        resting = self._resting
+        for wid in [w for w, until in resting.items() if until <= now]:
+            del resting[wid]
+        return exclude | resting.keys() if resting else exclude
 
     def lora_path(self, model: str) -> str | None:
         """The path of the LoRA adapter served as ``model`` (what its block hashes carry), or
@@ -109,6 +130,8 @@ class FallbackPlacer:
 
     def _next(self, model: str, role: int, exclude) -> pb.Endpoint | None:
         pool = self._pool(model, role)
+        if self._resting:
+            exclude = self._excluding(exclude)
         return pool.pick(exclude) if pool is not None else None
 
     def _local_pool(self, model: str) -> _Pool | None:
@@ -131,7 +154,8 @@ class FallbackPlacer:
             pool = self._local[model] = self._local_pool(model)
         if pool is None:
             return None
-        ep = pool.pick(frozenset(req.exclude_workers) if req.exclude_workers else _NO_EXCLUDE)
+        exclude = frozenset(req.exclude_workers) if req.exclude_workers else _NO_EXCLUDE
+        ep = pool.pick(self._excluding(exclude) if self._resting else exclude)
         if ep is None:
             return None
         out = pb.Placement(request_id=req.request_id, flow=pb.FLOW_AGGREGATED, explanation=LOCAL_EXPLANATION)

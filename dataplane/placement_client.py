@@ -322,6 +322,8 @@ class PlacementClient:
         (``SessionInfo.folds_first_token``). A short streamed answer usually ends within
         the hold."""
         kind = event.kind
+        if event.retry_after_s > 0:
+            self.fallback.rest(event.worker_id, event.retry_after_s)
         if kind in _ENDINGS:
             self._live.discard(event.request_id)
             if self._first_unsent:

@@ -137,6 +137,38 @@ def test_local_round_robin_follows_the_weights_smoothly():
     assert excluded.decode.worker_id == "b" and excluded.flow == pb.FLOW_AGGREGATED
 
 
+async def test_an_engines_retry_after_keeps_it_out_of_the_local_round_robin_until_it_ends(monkeypatch):
+    """The data plane that saw the Retry-After does not wait for the control plane's next
+    worker list (a round robin would send the engine more requests meanwhile); a new list
+    does not bring it back early, and it returns when its time is up."""
+    import types
+
+    import dataplane.fallback as fallback
+    from dataplane.placement_client import PlacementClient
+    now = [1000.0]
+    monkeypatch.setattr(fallback, "time", types.SimpleNamespace(monotonic=lambda: now[0]))   # this module's clock
+    client = PlacementClient(["127.0.0.1:1"], "dp-test")
+    try:
+        _check_rest(client, now)
+    finally:
+        await client.close()
+
+
+def _check_rest(client, now: list[float]) -> None:
+    placer = client.fallback
+    placer.update(_snapshot(("a", 1.0, pb.ROLE_BOTH), ("b", 1.0, pb.ROLE_BOTH)))
+    client.report(pb.LifecycleEvent(request_id="r", kind=pb.EVENT_LEG_FAILED, worker_id="a", retry_after_s=30))
+    placer.update(_snapshot(("a", 1.0, pb.ROLE_BOTH), ("b", 1.0, pb.ROLE_BOTH)))   # built before the report
+    picks = [placer.place_local(pb.PlaceRequest(request_id=str(i), model=MODEL)).decode.worker_id for i in range(4)]
+    assert picks == ["b"] * 4
+    assert placer.place(pb.PlaceRequest(request_id="f", model=MODEL), pb.FLOW_SEQUENTIAL).decode.worker_id == "b"
+    only_b = pb.PlaceRequest(request_id="x", model=MODEL, exclude_workers=["b"])
+    assert placer.place_local(only_b) is None            # every worker out: the control plane decides
+    now[0] += 30.5
+    picks = {placer.place_local(pb.PlaceRequest(request_id=str(i), model=MODEL)).decode.worker_id for i in range(4)}
+    assert picks == {"a", "b"}
+
+
 def test_local_placement_leaves_pd_models_and_unknown_models_to_the_control_plane():
     placer = FallbackPlacer()
     placer.update(_snapshot(("a", 1.0, pb.ROLE_BOTH), ("p", 1.0, pb.ROLE_PREFILL)))

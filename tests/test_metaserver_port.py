@@ -198,6 +198,9 @@ async def test_the_data_plane_places_a_layerwise_request_with_ids_only():
             self.sent.append(msg)
             return pb.Placement(request_id=msg.request_id, flow=pb.FLOW_LAYERWISE)
 
+        def place_here(self, msg: pb.DataPlaneMessage) -> None:
+            return None     # (the control plane did not offer local placement)
+
     placements = Placements()
     raw = orjson.dumps({"model": "m", "prompt": "x" * 10_000})
     req = ClientRequest(path="/v1/completions", raw=raw, body=orjson.loads(raw), model="m", stream=False,

@@ -23,6 +23,9 @@ class CapturingClient:
         self.sent.append(msg)
         return pb.Placement(request_id=msg.request_id, flow=pb.FLOW_AGGREGATED)
 
+    def place_here(self, msg: pb.DataPlaneMessage) -> None:
+        return None     # (the control plane did not offer local placement)
+
 
 async def test_targets_ride_the_placement_request():
     req = parse_request("/v1/completions", b'{"prompt": "x"}', None)
