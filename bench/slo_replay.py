@@ -1006,8 +1006,9 @@ def reused_peer_runs(path: Path, modes: list[str], rates: list[float]) -> dict[s
         raise SystemExit(f"--reuse-peers {path}: no peer runs for (mode, rate) {missing}")
     return {"runs": runs, "targets": list(dict.fromkeys(r["target"] for r in runs)),
             "peer_versions": old["config"].get("peer_versions", {}),
-            "source": {"generated": old["generated"], "commit": old["code"].get("commit"),
-                       "command": old["command"]}}
+            # A report whose peers were reused itself names where they were run: that run.
+            "source": old["config"].get("reused_peers") or {
+                "generated": old["generated"], "commit": old["code"].get("commit"), "command": old["command"]}}
 
 
 def _main(parser, args, trace: Path, code: dict) -> int:

@@ -44,6 +44,20 @@ def test_reused_peer_runs_keep_only_peers_at_the_rates_asked(tmp_path):
     assert got["peer_versions"] == {"vllm-router": "0.1.17"}
 
 
+def test_peers_reused_twice_name_the_run_that_made_them(tmp_path):
+    """A report whose peers were themselves reused passes on where they were run, not its own
+    date and commit (a second partial rerun would otherwise date the peers' runs to the first)."""
+    earlier = _earlier(tmp_path)
+    first = json.loads(earlier.read_text())
+    src = slo_replay.reused_peer_runs(earlier, ["agg"], [2.0])
+    second = tmp_path / "workload_y.json"
+    second.write_text(json.dumps({**first, "generated": "2026-02-02 00:00 UTC", "code": {"commit": "fedcba98"},
+                                  "command": "python bench/slo_replay.py --reuse-peers x",
+                                  "config": {**first["config"], "reused_peers": src["source"]}}))
+    got = slo_replay.reused_peer_runs(second, ["agg"], [2.0])
+    assert got["source"] == src["source"] and got["source"]["commit"] == "0123456789abcdef"
+
+
 def test_reused_peer_runs_refuse_a_rate_the_earlier_report_lacks(tmp_path):
     with pytest.raises(SystemExit, match=r"no peer runs for \(mode, rate\) \[\('agg', 8.0\)\]"):
         slo_replay.reused_peer_runs(_earlier(tmp_path), ["agg"], [2.0, 8.0])
@@ -71,7 +85,8 @@ def test_pages_say_the_peers_were_reused(tmp_path):
     (out / "workload_system_prompt.json").write_text(json.dumps(report))
     page = workload_suite.summarize(out, list(workload_suite.CASES), "python bench/workload_suite.py --z").read_text()
     section = page.split("## system_prompt")[1].split("## ")[0]
-    assert "run 2026-02-02 00:00 UTC at fedcba9876; peers' runs from 2026-01-01 00:00 UTC at 0123456789" in section
+    assert ("run 2026-02-02 00:00 UTC at fedcba9876; ours: no [slo]; "
+            "peers' runs from 2026-01-01 00:00 UTC at 0123456789") in section
     assert "| 2 | 95.0 | - | 80.0 (vllm-router:cache_aware) | +15.0 | - | 1.0 | - | 1.0 |" in section
     assert "## agent\n\nnot run" in page   # every case is listed, run or not
 
