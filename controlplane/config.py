@@ -69,6 +69,7 @@ from controlplane import validate as v
 from controlplane.auth import AuthConfig, parse_tokens
 from controlplane.health import HealthConfig
 from kvhash.hashing import HASH_ALGOS
+from protos.options import MAX_SLO_MS   # (the headers' limit too)
 from controlplane.kvcache.manager import KVCacheConfig
 from controlplane.scheduling.base import DP_RANK_RULES
 from controlplane.scheduling.pd_flow import PD_FLOWS as PD_FLOW_DECIDERS
@@ -238,9 +239,6 @@ DISCOVERY: dict[str, Check] = {
 }
 
 
-# The largest target a file, a flag or a header may name (a day), as the data plane's
-# X-SLO-* headers (dataplane.requests.MAX_SLO_MS).
-MAX_SLO_MS = 86_400_000.0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from dataplane.errors import APIError
+from protos.options import MAX_SLO_MS
 from dataplane.hygiene import (
     engine_request_id,
     new_id,
@@ -158,9 +159,6 @@ def _chat_prompt_tokens(messages: Any) -> int:
                            param="messages")
         total += 4  # role markers of the chat template
     return total
-
-
-MAX_SLO_MS = 86_400_000.0
 
 
 def slo_header(headers, name: str) -> float:

@@ -25,6 +25,9 @@ BULK_METHODS = frozenset({"/omni_proxy.v1.Scheduler/Session", "/omni_proxy.v1.Sc
                           "/omni_proxy.v1.Admin/Explain"})
 # The session socket's first frame, read before its token is checked (protos/framing.py).
 MAX_OPENING_FRAME_BYTES = 8 * 1024
+# The largest latency target PlaceRequest.ttft_slo_ms / tpot_slo_ms may carry (a day): the data
+# plane's X-SLO-* headers and the control plane's [slo] keys are held to it alike.
+MAX_SLO_MS = 86_400_000.0
 
 
 def max_request_bytes(method: str) -> int:
