@@ -159,6 +159,14 @@ def _escaped(regex: str | None) -> str | None:
     return regex.replace("\r", r"\r").replace("\n", r"\n") if regex is not None else None
 
 
+def _steps(state: dict | None, key: str) -> list[dict]:
+    """A pipeline component's steps: those of a ``Sequence`` (under ``key``), the component
+    itself, or none."""
+    if not state:
+        return []
+    return state.get(key, []) if state.get("type") == "Sequence" else [state]
+
+
 def _why_not(backend: Any) -> str | None:
     """Why the cut is not safe for this tokenizer, or None when it is."""
     if getattr(backend, "truncation", None) or getattr(backend, "padding", None):
@@ -166,15 +174,13 @@ def _why_not(backend: Any) -> str | None:
     model = backend.model
     if type(model).__name__ != "BPE" or getattr(model, "dropout", None):
         return f"model {type(model).__name__} (only BPE without dropout)"
-    norm = _state(backend.normalizer)
-    norms = (norm.get("normalizers", []) if norm and norm.get("type") == "Sequence" else [norm] if norm else [])
-    for n in norms:
+    for n in _steps(_state(backend.normalizer), "normalizers"):
         if n.get("type") not in _SAFE_NORMALIZERS:
             return f"normalizer {n.get('type')}"
     pre = _state(backend.pre_tokenizer)
     if pre is None:
         return "no pre-tokenizer"
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    steps = _steps(pre, "pretokenizers")
     for i, step in enumerate(steps):
         kind = step.get("type")
         if kind == "Split":
@@ -186,9 +192,7 @@ def _why_not(backend: Any) -> str | None:
                 return "pre-tokenizer ByteLevel with its own regex or prefix space"
         else:
             return f"pre-tokenizer {kind}"
-    post = _state(backend.post_processor)
-    posts = (post.get("processors", []) if post and post.get("type") == "Sequence" else [post] if post else [])
-    for p in posts:
+    for p in _steps(_state(backend.post_processor), "processors"):
         if p.get("type") not in _SAFE_PROCESSORS:
             return f"post-processor {p.get('type')}"
     for token in backend.get_added_tokens_decoder().values():

@@ -451,15 +451,26 @@ async def test_a_loop_turns_ledger_calls_leave_in_one_write_in_order(redis_serve
         await wb.close()
 
 
-async def test_write_behind_calls_join_one_script_call_only_until_another_command(redis_server):
-    """A turn's write-behind reserves and ends share one script call (one command, one reply)
-    while nothing else is queued after it; a command queued between them closes it, so a read
-    queued after a reserve sees it and an end queued after the read is not applied before it."""
+async def _warm_write_behind(redis_server) -> RedisStore:
+    """A write-behind store whose connection and scripts are up (one reserve, end and read
+    done), so a test counts only its own commands and writes."""
     wb = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
     try:
         await wb.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
         await wb.end("warm")
         await wb.loads(["w"])
+    except BaseException:
+        await wb.close()
+        raise
+    return wb
+
+
+async def test_write_behind_calls_join_one_script_call_only_until_another_command(redis_server):
+    """A turn's write-behind reserves and ends share one script call (one command, one reply)
+    while nothing else is queued after it; a command queued between them closes it, so a read
+    queued after a reserve sees it and an end queued after the read is not applied before it."""
+    wb = await _warm_write_behind(redis_server)
+    try:
         assert wb.wire is not None
         writes, commands = wb.wire.writes, wb.wire.commands
         for i in range(3):
@@ -484,11 +495,8 @@ async def test_one_script_call_takes_at_most_batch_max_callers(redis_server, mon
     from controlplane.state import redis_wire
 
     monkeypatch.setattr(redis_wire, "BATCH_MAX", 3)
-    wb = RedisStore(redis_server.url, key_prefix=_prefix(), write_behind=True, loads_max_age_s=3600.0)
+    wb = await _warm_write_behind(redis_server)
     try:
-        await wb.reserve(_rec("warm"), (Charge("w", "aggregated", 1),))
-        await wb.end("warm")
-        await wb.loads(["w"])
         assert wb.wire is not None
         writes, commands = wb.wire.writes, wb.wire.commands
         for i in range(7):
