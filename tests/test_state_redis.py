@@ -638,6 +638,50 @@ async def test_write_behind_calls_that_cancel_out_are_each_confirmed(redis_serve
         await s.close()
 
 
+async def test_a_turns_calls_read_and_write_each_load_once(redis_server, monkeypatch):
+    """A loop turn's write-behind calls read each load they change once and write it once, or
+    not at all when they cancel out (the end of a request and the next placement on the worker
+    it freed); the loads are still MemoryStore's, call by call, clamping included (an end of
+    a worker forgotten meanwhile, then a reserve there, in one call)."""
+    from controlplane.state import redis as redis_store
+
+    monkeypatch.setattr(redis_store, "RIDE_REFRESH_S", 3600.0)   # (no refresh between the calls: one script call)
+    wb = await _warm_write_behind(redis_server)
+    mem = MemoryStore()
+    admin = wb.redis
+    try:
+        assert wb.wire is not None
+        for s in (wb, mem):
+            await s.reserve(_rec("a"), (Charge("w", "aggregated", 10, 4),))
+            await s.reserve(_rec("old"), (Charge("x", "aggregated", 7, 2),))
+        await wait_until(lambda: not wb._behind, timeout=5, what="the replies")
+        for s in (wb, mem):
+            await s.forget_worker("x")
+        await admin.config_resetstat()
+        for s in (wb, mem):   # one turn, one script call
+            await s.end("a")
+            await s.reserve(_rec("b"), (Charge("w", "aggregated", 10, 4),))
+            await s.end("old")
+            await s.reserve(_rec("c"), (Charge("x", "aggregated", 1, 0),))
+            await s.reserve(_rec("d"), (Charge("y", "aggregated", 5, 0),))
+        await wait_until(lambda: not wb._behind, timeout=5, what="the replies")
+        stats = await admin.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] == 1
+        assert "cmdstat_hincrby" not in stats
+        # HMGET: the three loads and the two ends' records; HSET: three records, the loads of x and y
+        assert (stats["cmdstat_hmget"]["calls"], stats["cmdstat_hset"]["calls"]) == (5, 5)
+        workers = ["w", "x", "y"]
+        fresh = RedisStore(redis_server.url, key_prefix=wb.prefix)
+        try:
+            assert await fresh.loads(workers) == await mem.loads(workers) == {
+                "w": Load(1, 10, 4, 1), "x": Load(1, 1, 0, 0), "y": Load(1, 5, 0, 0)}
+        finally:
+            await fresh.close()
+        assert await wb.loads(workers) == await mem.loads(workers)
+    finally:
+        await wb.close()
+
+
 async def test_a_write_behind_end_redis_did_not_take_is_replayed(redis_server):
     """The default store: a write-behind end that Redis refuses (its script cache flushed:
     NOSCRIPT) is handed to the ResilientStore, which replays it; the load leaves Redis, and
