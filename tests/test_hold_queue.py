@@ -8,6 +8,8 @@ by a placement function that applies the real hold rule to one busy engine.
 
 from __future__ import annotations
 
+import pytest
+
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
 from controlplane.scheduling import PlacementContext
@@ -95,6 +97,91 @@ def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():
     assert q.take_work("doc") is None             # taken once
     assert not q.should_hold(_ctx(predictor, "idle", 8000, 50.0), _view("b", 0))
     assert q.take_work("idle") is None            # not held: nothing noted
+
+
+def test_with_hold_frac_a_request_is_held_only_while_its_engine_is_behind_its_own_ttft_budget():
+    """Below overload binding at once (first come, first served on the engine) is what wins;
+    holding reorders requests that would all have made it. With ``hold_frac`` a request is held
+    only while its best engine's work ahead exceeds that fraction of the request's TTFT budget:
+    its own target (header or [slo]) or the scorer's default, never less than ``hold_s``."""
+    predictor = _predictor("a")
+
+    def held(ahead_tokens: int, ttft_slo_s: float = 0.0, **options) -> bool:
+        q = HoldQueue(**{"hold_s": 0.15, "hold_frac": 0.25, "bind_affine": False, "bind_long_s": 0.0, **options})
+        ctx = _ctx(predictor, "r", 1000, 100.0)
+        ctx.ttft_slo_s = ttft_slo_s
+        return q.should_hold(ctx, _view("a", ahead_tokens))
+
+    # No target given: a quarter of the default 2 s is 0.5 s: 0.3 s ahead binds, 0.8 s holds.
+    assert not held(3000)
+    assert held(8000)
+    # The request's own target: a quarter of 1 s is 0.25 s, so 0.3 s ahead holds it ...
+    assert held(3000, ttft_slo_s=1.0)
+    # ... and a quarter of 4 s is 1 s, so 0.8 s ahead does not.
+    assert not held(8000, ttft_slo_s=4.0)
+    # Never below hold_s: a tenth of 1 s would hold 0.12 s ahead; hold_s (0.15) does not.
+    assert not held(1200, ttft_slo_s=1.0, hold_frac=0.1)
+    assert held(1200, ttft_slo_s=1.0, hold_frac=0.1, hold_s=0.1)
+    # 0 (the default): hold_s alone, 0.3 s ahead holds.
+    assert held(3000, hold_frac=0.0)
+
+
+def test_with_hold_frac_a_request_bound_at_once_counts_in_the_queues_own_estimate():
+    """Bound at once below the gate, a request's prefill counts in this queue's estimate of when
+    the engine frees up, and the clock runs it down: the next request is held while the two
+    together exceed the gate, and bound again once the engine has computed enough."""
+    predictor = _predictor("a")
+    q = HoldQueue(hold_s=0.15, hold_frac=0.5, bind_affine=False, bind_long_s=0.0)
+    idle = _view("a", 0)
+    first = _ctx(predictor, "first", 8000, 100.0)
+    first.ttft_slo_s = 2.0                           # gate: 1 s of work ahead
+    assert not q.should_hold(first, idle)            # nothing ahead: bound, a busy until ~100.8
+    second = _ctx(predictor, "second", 8000, 100.0)
+    second.ttft_slo_s = 2.0
+    assert not q.should_hold(second, _view("a", 8000))   # 0.8 s ahead: bound, busy until ~101.6
+    third = _ctx(predictor, "third", 1000, 100.1)
+    third.ttft_slo_s = 2.0
+    assert q.should_hold(third, _view("a", 16000))   # ~1.5 s ahead by both estimates: held
+    later = _ctx(predictor, "third", 1000, 100.7)
+    later.ttft_slo_s = 2.0
+    predictor.progressed("a", 100.0)                 # computing since t=100
+    assert not q.should_hold(later, _view("a", 16000))   # ~0.9 s left: bound
+
+
+def test_with_hold_frac_sticky_an_engine_stays_behind_until_none_is_held_for_it():
+    """Released at the gate, the held requests would race new arrivals that bind at once below
+    it; sticky, once one is held for an engine, every request for it is held down to hold_s
+    (as without the gate) until none is held for it any more."""
+    predictor = _predictor("a")
+    q = HoldQueue(hold_s=0.15, hold_frac=0.5, hold_frac_sticky=True, bind_affine=False, bind_long_s=0.0)
+
+    def ctx(rid: str) -> PlacementContext:
+        c = _ctx(predictor, rid, 1000, 100.0)
+        c.ttft_slo_s = 1.0                                   # gate: 0.5 s of work ahead
+        return c
+
+    assert not q.should_hold(ctx("below"), _view("a", 3000))      # 0.3 s ahead: bound at once
+    q._busy_until.clear()                                         # (judge by the ledger alone here)
+    assert q.should_hold(ctx("behind"), _view("a", 8000))         # 0.8 s: held, a is behind
+    q._busy_until.clear()
+    assert q.should_hold(ctx("new"), _view("a", 3000))            # 0.3 s, but a is behind: held
+    q._busy_until.clear()
+    assert q.should_hold(ctx("behind"), _view("a", 2000))         # 0.2 s: still above hold_s
+    q._busy_until.clear()
+    assert not q.should_hold(ctx("behind"), _view("a", 1000))     # 0.1 s: released
+    q.forget("new")                                               # placed elsewhere, or gone
+    q._busy_until.clear()
+    assert not q.should_hold(ctx("next"), _view("a", 3000))       # none held for a: the gate again
+    # Not sticky: the held ones and new arrivals alike bind below the gate.
+    plain = HoldQueue(hold_s=0.15, hold_frac=0.5, bind_affine=False, bind_long_s=0.0)
+    assert plain.should_hold(ctx("behind"), _view("a", 8000))
+    plain._busy_until.clear()
+    assert not plain.should_hold(ctx("new"), _view("a", 3000))
+
+
+def test_hold_frac_must_not_be_negative():
+    with pytest.raises(ValueError, match="hold_frac"):
+        HoldQueue(hold_frac=-0.5)
 
 
 class _Waiting:
