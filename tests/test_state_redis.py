@@ -717,7 +717,7 @@ async def test_reserve_survives_a_dropped_connection_without_charging_twice(redi
         await s.reserve(_rec("r2"), (Charge("w", "aggregated", 10),))
         assert (await s.loads(["w"]))["w"] == Load(2, 20, 0, 0)
         # the same operation delivered twice (a retry after a lost reply) is applied once
-        args = [s.prefix, "r3", s.replica_id, s.replica_ttl_ms, "op-x", "", "", '[["w","aggregated",5,0]]',
+        args = [s.prefix, s.replica_id, s.replica_ttl_ms, "r3", "op-x", "", "", '[["w","aggregated",5,0]]',
                 1, "session", "", 0, 1, "w", "aggregated", 5, 0]
         await s._reserve(args=args)
         await s._reserve(args=args)
@@ -771,10 +771,14 @@ async def test_a_dead_replicas_requests_can_be_orphaned_for_failover(redis_serve
         assert sorted(await live.sweep(orphan_at=now)) == ["d1", "d2"]
         assert (await live.loads(["w"]))["w"].requests == 2          # kept for the grace period
         assert sorted(await live.orphans(now)) == ["d1", "d2"]
+        # records() finds them in the orphans, out of any replica's set
+        assert sorted(r.request_id for r in await live.records()) == ["d1", "d2"]
         assert await live.claim("s-new", ["d1"]) == 1                 # the data plane came back here
         assert await live.orphans(now) == ["d2"]
+        assert sorted(r.request_id for r in await live.records()) == ["d1", "d2"]
         await live.end("d2")                                          # what release_orphans does
         assert (await live.loads(["w"]))["w"].requests == 1
+        assert [r.request_id for r in await live.records()] == ["d1"]
         # d1 is the live replica's now: a sweep of "dead" cannot touch it any more
         await live.redis.delete(prefix + "alive:live")
         other = RedisStore(redis_server.url, key_prefix=prefix, replica_id="other")
@@ -1134,7 +1138,7 @@ def test_a_records_fast_encoding_matches_the_generic_one():
     for rec in (_rec("r1", flow=2, placed_at=1000.5, predicted_ttft_s=0.25, work_ahead_tokens=7, decode_batch=3,
                      decode_placed_at=1001.0, pull_tokens=9),
                 _rec("r2", session="", created_at=0.0)):
-        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f != "charges" and getattr(rec, f)}
+        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f not in ("charges", "request_id") and getattr(rec, f)}
         assert s._encode_record(rec) == s._encode_fields(fields)
     distinct = _distinct_record()
     zero = with_charges(RequestRecord("", "", 0, 0), ())
@@ -1143,7 +1147,7 @@ def test_a_records_fast_encoding_matches_the_generic_one():
         return dataclasses.replace(_norm(r), decode_placed_at=round(r.decode_placed_at, 5))
 
     for rec in (distinct, zero):
-        flat = s._encode_record(rec) + ["charges", _charges_json(rec.charges).decode()]
+        flat = ["request_id", rec.request_id, *s._encode_record(rec), "charges", _charges_json(rec.charges).decode()]
         assert rounded(s._record(flat)) == rounded(rec)
         assert rounded(s._record(dict(zip(flat[::2], flat[1::2], strict=True)))) == rounded(rec)
     assert len(s._encode_record(zero)) == 0

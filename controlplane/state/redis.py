@@ -14,11 +14,14 @@ by using different prefixes)::
     P load:<worker>     hash  requests, tokens, prefill_tokens, prefills (integers >= 0)
     P rec:<request>     hash  one RequestRecord (fields as text; charges as JSON)
     P ended:<request>   str   tombstone of an end that found no record (``end(tombstone_s=)``)
-    P recs              set   every request id with a record
     P sess:<session>    set   request ids owned by a data-plane session
     P orphans           zset  request id -> orphaned_at (wall clock)
     P rep:<replica>     set   request ids whose reservations a replica owns
     P replicas          set   replica ids that own (or owned) records
+
+Every record is in its replica's ``rep:`` set, or in ``orphans`` once a sweep took it from a
+replica that stopped: ``records()`` reads those (no set of every id for a reserve and an end
+to keep: two calls from Lua less per request).
     P alive:<replica>   key   the replica's heartbeat, expiring after ``replica_ttl_s``
 
 Scripts build keys from the prefix, so they touch undeclared keys: use a standalone
@@ -196,7 +199,6 @@ end
 local function unlink(rid, rk, sess, rep, orphaned)
   if sess and sess ~= '' then redis.call('SREM', P .. 'sess:' .. sess, rid) end
   if rep and rep ~= '' then redis.call('SREM', P .. 'rep:' .. rep, rid) end
-  redis.call('SREM', P .. 'recs', rid)
   if (tonumber(orphaned or '0') or 0) ~= 0 then   -- (only orphaned records are there)
     redis.call('ZREM', P .. 'orphans', rid)
   end
@@ -242,9 +244,11 @@ local function end_record(rid, whole)
 end
 """
 
-# A reserve whose arguments start at ARGV[i]: request id, replica, alive ttl ms, op token,
-# session, orphaned_at (wall clock, '' for none), the charges a new record ends up with (JSON),
-# n fields, fields..., n notes, notes..., n charges, (worker, leg, tokens, prefill_tokens) * n.
+# A reserve whose arguments start at ARGV[i]: request id, op token, session, orphaned_at (wall
+# clock, '' for none), the charges a new record ends up with (JSON), n fields, fields... (but the
+# request id: the script adds it), n notes, notes..., n charges, (worker, leg, tokens,
+# prefill_tokens) * n. The replica and its alive key's ttl (ms) are ARGV[2] and ARGV[3], once
+# per call (every reserve of a turn's call is the same replica's).
 # Returns the record's key (false: a late reserve of a request that had ended, see
 # end(tombstone_s=)) and the index after its arguments.
 # A new record (every placement's) is written with one HSET holding its final charges, which
@@ -254,8 +258,8 @@ _RESERVE_AT = r"""
 local announced = {}   -- replicas whose alive key and membership this call has set already
 
 local function reserve_at(i)
-  local rid, rep, ttl, op = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local fi = i + 7
+  local rid, op, rep, ttl = ARGV[i], ARGV[i + 1], ARGV[2], ARGV[3]
+  local fi = i + 5
   local nf = tonumber(ARGV[fi])
   local ni = fi + 1 + 2 * nf
   local nn = tonumber(ARGV[ni])
@@ -270,15 +274,15 @@ local function reserve_at(i)
     if redis.call('HGET', rk, 'op') == op then return rk, after end   -- a retried call that already happened
   end
   if not exists then
-    redis.call('HSET', rk, 'replica', rep, 'charges', ARGV[i + 6], 'op', op, unpack(ARGV, fi + 1, fi + 2 * nf))
-    redis.call('SADD', P .. 'recs', rid)
+    redis.call('HSET', rk, 'request_id', rid, 'replica', rep, 'charges', ARGV[i + 4], 'op', op,
+               unpack(ARGV, fi + 1, fi + 2 * nf))
     redis.call('SADD', P .. 'rep:' .. rep, rid)
     if not announced[rep] then   -- (once per call: a turn's reserves share one)
       announced[rep] = true
       redis.call('SADD', P .. 'replicas', rep)
       redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
     end
-    local sess, orphaned = ARGV[i + 4], ARGV[i + 5]
+    local sess, orphaned = ARGV[i + 2], ARGV[i + 3]
     if sess ~= '' then redis.call('SADD', P .. 'sess:' .. sess, rid) end
     if (tonumber(orphaned) or 0) ~= 0 then redis.call('ZADD', P .. 'orphans', orphaned, rid) end
   else
@@ -296,18 +300,19 @@ local function reserve_at(i)
 end
 """
 
-# ARGV: P, then a reserve's arguments (above)
+# ARGV: P, replica, alive ttl ms, then a reserve's arguments (above)
 _RESERVE = _LUA_COMMON + _RESERVE_AT + r"""
-local rk = reserve_at(2)
+local rk = reserve_at(4)
 if not rk then return result(false) end
 return result(redis.call('HGETALL', rk))
 """
 
 # Write-behind (see RedisStore.reserve and end): the reserves and ends of one loop turn in one
-# call, in the order they were made. ARGV: P, then per call 'r' and a reserve's arguments, or
-# 'e' and a request id. Nobody reads the records, only the loads they changed (each once).
+# call, in the order they were made. ARGV: P, replica, alive ttl ms, then per call 'r' and a
+# reserve's arguments, or 'e' and a request id. Nobody reads the records, only the loads they
+# changed (each once).
 _BEHIND = _LUA_COMMON + _RESERVE_AT + r"""
-local i, n = 2, #ARGV
+local i, n = 4, #ARGV
 while i <= n do
   if ARGV[i] == 'r' then
     local _
@@ -488,8 +493,9 @@ _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerSpec))
 _LOAD_FIELDS = ("requests", "tokens", "prefill_tokens", "prefills")
 # (field, 1: a time, 2: a float, 3: an int, 0: text) for every record field but the charges
+# (the request id too: the reserve script writes it from its own argument)
 _FIELD_KINDS = tuple((f, 1 if f in _TIME_FIELDS else 2 if f in _FLOAT_FIELDS else 3 if f in _INT_FIELDS else 0)
-                     for f in _RECORD_FIELDS if f != "charges")
+                     for f in _RECORD_FIELDS if f not in ("charges", "request_id"))
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:
@@ -650,7 +656,9 @@ class RedisStore:
         self._spec_epoch = r.register_script(_SPEC_EPOCH)
         P = key_prefix
         self._k_spec, self._k_ver, self.spec_channel = P + "spec", P + "spec:ver", P + "spec:changed"
-        self._k_load, self._k_rec, self._k_recs = P + "load:", P + "rec:", P + "recs"
+        self._k_load, self._k_rec, self._k_rep = P + "load:", P + "rec:", P + "rep:"
+        # What the reserve scripts' arguments start with: every call's are this replica's.
+        self._behind_head: list[Any] = [P, self.replica_id, self.replica_ttl_ms]
         self._k_orphans, self._k_replicas, self._k_alive = P + "orphans", P + "replicas", P + "alive:"
 
     async def close(self) -> None:
@@ -683,7 +691,8 @@ class RedisStore:
         return t - self._wall_offset if t else 0.0
 
     def _encode_record(self, record: RequestRecord) -> list[str | bytes]:
-        """Every field but the charges that is not at its zero value, as ``_encode_fields``
+        """Every field but the charges (and the request id, the script's own argument) that is
+        not at its zero value, as ``_encode_fields``
         writes them, without building a dict of them and checking each name first (every
         placement's reserve runs it). A new record is written with these alone: a field
         missing in Redis reads as its zero value, in ``_record`` and in every script, so
@@ -792,7 +801,7 @@ class RedisStore:
         all of them, redis_wire.Batch); False when no connection is open (the caller then
         awaits Redis)."""
         assert self.wire is not None
-        batch = self.wire.batch_nowait(_BEHIND, [self.prefix], args)
+        batch = self.wire.batch_nowait(_BEHIND, self._behind_head, args)
         if batch is None:
             return False
         if not batch.ops:
@@ -952,8 +961,7 @@ class RedisStore:
         # A new record's charges as it ends up with them (the script writes them as they are):
         # its own (``charged``: ``charges``, added to the loads by the script), or a template's
         # own, kept but not added to any load as MemoryStore does, and ``charges``.
-        args: list[Any] = ["r", record.request_id, self.replica_id, self.replica_ttl_ms,
-                           f"{self.replica_id}:{next(self._ops)}", record.session,
+        args: list[Any] = ["r", record.request_id, f"{self.replica_id}:{next(self._ops)}", record.session,
                            repr(self._to_wall(record.orphaned_at)) if record.orphaned_at else "",
                            _charges_json(record.charges if charged else record.charges + tuple(charges))]
         enc = self._encode_record(record)
@@ -974,7 +982,7 @@ class RedisStore:
                 self._mine.put(record)
                 return record
         # None for a late reserve of a request that had already ended (see end(tombstone_s=))
-        args[0] = self.prefix
+        args[0:1] = self._behind_head
         answered = self._ledger_reply(await self._script(self._reserve, _RESERVE, args))
         if answered is not None and self.write_behind:
             self._mine.put(answered)
@@ -1030,7 +1038,14 @@ class RedisStore:
 
     @_unavailable
     async def records(self) -> list[RequestRecord]:
-        ids = await self.redis.smembers(self._k_recs)
+        # Every record is in its replica's set, or orphaned by a sweep (see the module's keys).
+        replicas = await self.redis.smembers(self._k_replicas)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rep in replicas:
+                pipe.smembers(self._k_rep + rep)
+            pipe.zrange(self._k_orphans, 0, -1)
+            *owned, orphaned = await pipe.execute()
+        ids = set(orphaned).union(*owned)
         if not ids:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
