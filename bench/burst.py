@@ -610,6 +610,59 @@ def write_plot(path: Path, report: dict) -> None:
     plt.close(fig)
 
 
+# ---- the bound on tokenizing ---------------------------------------------------------
+
+def tokenize_bound(args, warm_texts: list[str], texts: list[str], offsets: list[float]) -> int:
+    """What no scheduling of the tokenizer can beat on this window: each prompt's encode CPU
+    (what its uncached rest costs, through the prefix-id cache in arrival order after the
+    warm-up, as the data plane encodes it: process CPU, rayon threads included, the least of
+    ``--bound-reps`` rounds with a fresh tokenizer each), spread perfectly over N cores.
+    Per speedup and N: "alone" = CPU / N (a prompt that waits for nothing; a strict lower bound
+    of its tokenized time), "FIFO" = the same work served first come first served by N ideal
+    cores (each prompt in arrival order, all cores on it), and the densest second's CPU / N."""
+    from dataplane.tokenizer import Tokenizer
+
+    cpu: list[float] = []
+    reuse = 0.0
+    for _ in range(args.bound_reps):
+        tok = Tokenizer.from_dir(args.tokenizer)
+        for x in warm_texts:
+            tok.encode_prompt(x)
+        this = []
+        for x in texts:
+            c0 = time.process_time()
+            tok.encode_prompt(x)
+            this.append(time.process_time() - c0)
+        if tok.prefix_ids is not None:
+            st = tok.prefix_ids.stats
+            reuse = st.ids_reused / max(st.ids_reused + st.ids_encoded, 1)
+        tok.close()
+        cpu = this if not cpu else [min(a, b) for a, b in zip(cpu, this, strict=True)]
+    ms = sorted(c * 1000 for c in cpu)
+    out: dict[str, Any] = {"prompts": len(cpu), "ids_reused": round(reuse, 3), "load_1m": round(os.getloadavg()[0], 2),
+                           "cpu_ms": dist(ms), "cpu_s_total": round(sum(cpu), 3), "cells": []}
+    log(f"bound: encode CPU per prompt p50/p99/max {out['cpu_ms']['p50']}/{out['cpu_ms']['p99']}/"
+        f"{out['cpu_ms']['max']} ms, {sum(cpu):.2f} s in all; {reuse:.0%} of ids reused; load {out['load_1m']}")
+    for speedup in args.speedup_list:
+        arrive = [t / speedup for t in offsets]
+        for cores in (2, 4, 8):
+            done, fifo = 0.0, []
+            for a, c in zip(arrive, cpu, strict=True):
+                done = max(a, done) + c / cores
+                fifo.append((done - a) * 1000)
+            densest = max(sum(c for a2, c in zip(arrive, cpu, strict=True) if a <= a2 < a + 1.0) for a in arrive)
+            cell = {"speedup": speedup, "cores": cores, "alone_ms": dist(sorted(m / cores for m in ms)),
+                    "fifo_ms": dist(sorted(fifo)), "densest_second_busy": round(densest / cores, 3)}
+            out["cells"].append(cell)
+            log(f"bound {speedup:g}x, {cores} cores: alone p50/p99/max {cell['alone_ms']['p50']}/"
+                f"{cell['alone_ms']['p99']}/{cell['alone_ms']['max']} ms; FIFO p50/p99/max "
+                f"{cell['fifo_ms']['p50']}/{cell['fifo_ms']['p99']}/{cell['fifo_ms']['max']} ms; densest second "
+                f"keeps the cores {cell['densest_second_busy']:.0%} busy")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.bound.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
 # ---- main ----------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -650,6 +703,10 @@ def parse_args(argv=None):
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="also run every cell from this checkout (e.g. `git worktree add DIR c20e4d4`): "
                         "before/after, interleaved")
+    p.add_argument("--bound", action="store_true",
+                   help="text/chat: only the tokenizing bound (per-prompt encode CPU over N ideal cores; no "
+                        "processes started), into NAME.bound.json")
+    p.add_argument("--bound-reps", type=int, default=3, help="--bound: rounds, the least CPU per prompt kept")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks", help="output directory")
     p.add_argument("--name", default="burst", help="output file stem")
     return p, p.parse_args(argv)
@@ -664,8 +721,8 @@ def main(argv=None) -> int:
     except TraceMissing as exc:
         parser.error(str(exc))
     args.speedup_list = [float(x) for x in args.speedups.split(",") if x.strip()]
-    if args.prompts == "ids" and args.tokenizer:
-        parser.error("--tokenizer needs --prompts text or chat")
+    if args.prompts == "ids" and (args.tokenizer or args.bound):
+        parser.error("--tokenizer and --bound need --prompts text or chat")
     if args.baseline_tree and not (args.baseline_tree / "dataplane").is_dir():
         parser.error(f"--baseline-tree {args.baseline_tree}: no dataplane/ there (a checkout of this repository?)")
     for name in ("keep_logs", "profile", "out", "tokenizer", "baseline_tree"):
@@ -751,6 +808,9 @@ def _main(args, trace: Path, argv: list[str], code: dict) -> int:
         assert tok is not None   # text prompts come with a tokenizer
         lengths = [len(tok.encode_prompt(x, add_special_tokens=False)) for x in texts]
         tok.close()
+        if args.bound:
+            warm_texts = [b.get("prompt") or "".join(m["content"] for m in b["messages"]) for b in warm]
+            return tokenize_bound(args, warm_texts, texts, offsets)
     else:
         lengths = [len(b["prompt"]) for b in bodies]
     win = {"start": start, "rows": len(window), "rows_in_window": count, "t0_s": t0 / 1000,

@@ -377,9 +377,12 @@ async def run(args: argparse.Namespace) -> dict:
                                     health=HealthConfig(interval_s=30.0, poll_metrics=False))
         plane = ControlPlane(config)
         await plane.start()
+        import omni_runtime
         from controlplane import cli
-        if hasattr(cli, "settle_heap"):     # what `omni-proxy controlplane` does once started
-            cli.settle_heap()
+        # what `omni-proxy controlplane` does once started (in controlplane.cli in older trees)
+        settle = getattr(omni_runtime, "settle_heap", None) or getattr(cli, "settle_heap", None)
+        if settle is not None:
+            settle()
         try:
             target = f"127.0.0.1:{plane.grpc_port}"
             cli_ready = group.workdir / "client.ready"
@@ -509,7 +512,7 @@ async def offline(args: argparse.Namespace) -> dict:
             await sub.budget.spend()
 
     gc.collect()
-    gc.freeze()                # as the control plane does once started (cli.settle_heap)
+    gc.freeze()                # as the control plane does once started (omni_runtime.settle_heap)
     holds, gcs = HoldWatch(), GCWatch()
     holds.install()
     gcs.install()

@@ -165,25 +165,9 @@ async def _start(cp, cfg) -> None:
         raise
 
 
-def settle_heap() -> None:
-    """Once started: collect, then move every object alive now (modules, classes, config, the
-    fleet) out of the garbage collector's sight (``gc.freeze``).
-
-    Why: a full collection walks every tracked object, ~50,000 in a started control plane, and
-    took 11-25 ms of the event loop on the project's 2-core machine, every few seconds under
-    KV-event load (decoded events are young objects that get promoted): a stall for every
-    placement waiting behind it. What start-up built lives as long as the process, so scanning
-    it finds nothing; objects made later are collected as before.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def run(args: argparse.Namespace) -> int:
     from controlplane.validate import choice as v_choice
-    from omni_runtime import run_main, wait_for_stop_signal, write_ready_file
+    from omni_runtime import run_main, settle_heap, wait_for_stop_signal, write_ready_file
     from omni_runtime.logs import configure as configure_logging
 
     try:

@@ -162,7 +162,8 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from omni_runtime import bind_error, exit_with_parent, run_main, wait_for_stop_signal, write_ready_file
+    from omni_runtime import (bind_error, exit_with_parent, run_main, settle_heap, wait_for_stop_signal,
+                               write_ready_file)
 
     from dataplane.observe import configure_logging
 
@@ -199,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         # Ready means ready to place: wait (bounded) for the control-plane session.
         if not await dp.placements.wait_connected(cfg.placement_timeout_s * 2):
             logging.getLogger("dataplane").warning("control plane %s not reachable yet", cfg.controlplane)
+        settle_heap()   # start-up's objects (tokenizer, templates, modules) out of the GC's scans
         write_ready_file(args.ready_file, port=port, node_id=cfg.node_id)
         logging.getLogger("dataplane").info("data plane %s on %s:%d -> control plane %s",
                                             cfg.node_id, cfg.host, port, cfg.controlplane)

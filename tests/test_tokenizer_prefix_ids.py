@@ -9,6 +9,7 @@ tokenizes a random prefix first, so that the whole text is cut wherever a cached
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -134,7 +135,7 @@ def test_the_cache_stays_under_its_bound_and_evicts_least_recent(toks):
     reused = cache.stats.ids_reused
     cache.encode(texts[0], False)
     assert cache.stats.ids_reused == reused
-    held = sum(len(n.ids) for n in cache._lru)
+    held = sum(len(ids) // 4 for _, ids in cache._node.values())
     assert held == cache.ids_held
 
 
@@ -157,7 +158,23 @@ def test_threads_sharing_the_cache_get_exact_ids(toks):
     for th in threads:
         th.join()
     assert not wrong
-    assert cache.ids_held == sum(len(n.ids) for n in cache._lru) <= 3_000
+    assert cache.ids_held == sum(len(ids) // 4 for _, ids in cache._node.values()) <= 3_000
+
+
+def test_a_full_cache_adds_nothing_for_the_garbage_collector_to_scan(toks):
+    """Every tracked object is walked by each full collection, with the GIL held (the event
+    loop waits): the cache's chunks must not be such objects, however many there are."""
+    tok = toks["tiny_llama"]
+    cache = PrefixIds(tok.prefix_ids.plan, tok.backend.encode_batch_fast, max_ids=10**6, min_chunk_chars=64)
+    cache.encode("warm line\n" * 20, False)
+    gc.collect()
+    before = len(gc.get_objects())
+    for d in range(40):
+        cache.encode("".join(f"doc {d} line {i} with some words\n" for i in range(60)), False)
+    gc.collect()
+    gc.collect()    # a tuple inside a tuple is untracked one collection after it
+    assert cache.nodes >= 40 * 15
+    assert len(gc.get_objects()) - before < 50
 
 
 def test_cuts_are_after_a_newline_before_a_non_space():
