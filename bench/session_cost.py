@@ -54,9 +54,10 @@ class _Session:
     """One data plane's session on an in-process control plane."""
 
     def __init__(self, batch: int, *, policy: str = "round_robin", workers: int = 2, redis_url: str = "",
-                 local: bool = False) -> None:
+                 local: bool = False, fold: bool = False) -> None:
         self.batch = batch
         self.local = local
+        self.fold = fold
         self.policy, self.redis_url = policy, redis_url
         self.worker_ids = ["a", "b"] if workers == 2 else [f"w{i:02d}" for i in range(workers)]
         self.seq = 0
@@ -96,11 +97,14 @@ class _Session:
                 p.prompt_tokens, p.max_tokens = 12, 16
                 if self.local:
                     p.placed_on = self.worker_ids[self.seq % len(self.worker_ids)]
+                    if self.fold:   # it ended before its notice was written: one message
+                        p.ended.request_id, p.ended.kind = p.request_id, pb.EVENT_FINISHED
+                        p.ended.latency_ms, p.ended.completion_tokens = 1.0, 16
             # As read from the socket: decoded from its bytes.
             self.incoming.put_nowait(pb.DataPlaneMessage.FromString(out.SerializeToString()))
             self.finished = []
             if self.local:   # nothing is answered: the batch's requests end with the next one
-                self.finished = [m.place.request_id for m in msgs if m.HasField("place")]
+                self.finished = [] if self.fold else [m.place.request_id for m in msgs if m.HasField("place")]
                 await self._handled()
                 done += self.batch
                 continue
@@ -148,6 +152,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="healthy workers (ids a, b when 2)")
     ap.add_argument("--local", action="store_true", help="placements made by the data plane (PlaceRequest."
                     "placed_on, round_robin's local placement): recorded, not answered")
+    ap.add_argument("--fold", action="store_true", help="with --local: each notice carries its request's end "
+                    "(PlaceRequest.ended: it ended before the notice was written)")
     args = ap.parse_args()
     import uvloop   # as the control plane runs (a dependency)
     redis = None
@@ -158,12 +164,14 @@ def main() -> None:
         redis.start()
     try:
         runs = uvloop.run(measure(args.requests, args.repeats, args.batch, policy=args.policy, workers=args.workers,
-                                  local=args.local, redis_url=redis.url if redis is not None else ""))
+                                  local=args.local, fold=args.fold, redis_url=redis.url if redis is not None else ""))
     finally:
         if redis is not None:
             redis.close()
+    what = ("local placement with its end folded" if args.fold else "local placement recorded") if args.local \
+        else "place"
     print(f"control plane ({args.store} store, {args.policy}, {args.workers} workers), per non-streamed request "
-          f"({'local placement recorded' if args.local else 'place'} + finish, batches of {args.batch}): "
+          f"({what} + finish, batches of {args.batch}): "
           f"best {min(runs):.1f} us  "
           f"(runs: {' '.join(f'{r:.1f}' for r in runs)})")
 

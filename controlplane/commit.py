@@ -82,6 +82,17 @@ def ledger_charges(ctx: PlacementContext, charges: Sequence[tuple[WorkerView, st
     return charge_list, notes
 
 
+_NO_RANKS: dict[str, int] = {}
+
+
+def _new_record(ctx: PlacementContext, session: str, flow: int, charged: tuple[Charge, ...], notes: dict[str, Any],
+                now: float) -> RequestRecord:
+    """A new request's record, holding its charges, with what placement predicted (``notes``)."""
+    return RequestRecord(ctx.request_id, ctx.model, ctx.prompt_tokens, ctx.max_tokens, session, flow, charged, now,
+                         0.0, now, notes.get("predicted_ttft_s", 0.0), notes.get("work_ahead_tokens", 0),
+                         notes.get("decode_batch", 0), notes.get("decode_placed_at", 0.0), notes.get("pull_tokens", 0))
+
+
 class PlacementCommit:
     """Commits decided placements for one placer (see the module's docstring for the order)."""
 
@@ -107,26 +118,44 @@ class PlacementCommit:
         if record is None:
             # A new request: its record built once, holding its charges (``charged``), not
             # once here and again in the store (a frozen record of 15 fields costs ~2 us).
-            await self.store.reserve(RequestRecord(
-                ctx.request_id, ctx.model, ctx.prompt_tokens, ctx.max_tokens, session, flow, charged, now, 0.0, now,
-                notes.get("predicted_ttft_s", 0.0), notes.get("work_ahead_tokens", 0), notes.get("decode_batch", 0),
-                notes.get("decode_placed_at", 0.0), notes.get("pull_tokens", 0)), charged, charged=True)
+            await self.store.reserve(_new_record(ctx, session, flow, charged, notes, now), charged, charged=True)
         else:
             await self.store.reserve(record, charged, **notes)
+        self._progressed(ctx, charges, now)
+        self.account(ctx, charges, charge_list, ranks, kv)
+
+    def settled(self, ctx: PlacementContext, charges: Sequence[tuple[WorkerView, str]], flow: int, session: str,
+                kv: PlacedPrefixes | None) -> RequestRecord:
+        """A new request that had already ended when this control plane heard of it (a data
+        plane's local placement with its end folded in, ``PlaceRequest.ended``): accounted as
+        :meth:`write` accounts it (the counters, the prefix bookkeeping, the predictor told
+        the engine computes), but never charged: a charge and its release in one turn change
+        no load. Its record, as the ledger would have held it, for what its end teaches
+        (``Lifecycle.settle``)."""
+        now = ctx.now or time.monotonic()
+        charge_list, notes = ledger_charges(ctx, charges, flow=flow, ranks=_NO_RANKS, record=None, now=now)
+        record = _new_record(ctx, session, flow, tuple(charge_list), notes, now)
+        self._progressed(ctx, charges, now)
+        self.account(ctx, charges, charge_list, _NO_RANKS, kv, loads=False)
+        return record
+
+    @staticmethod
+    def _progressed(ctx: PlacementContext, charges: Sequence[tuple[WorkerView, str]], now: float) -> None:
         if ctx.predictor is not None:
             for w, charge_leg in charges:
                 if charge_leg != "decode" and not w.load.prefill_tokens:
                     # Nothing was ahead: the engine computes from now (EngineModel.pending_s).
                     ctx.predictor.progressed(w.spec.id, now)
-        self.account(ctx, charges, charge_list, ranks, kv)
 
     def account(self, ctx: PlacementContext, charges: Sequence[tuple[WorkerView, str]],
-                charge_list: Sequence[Charge], ranks: dict[str, int], kv: PlacedPrefixes | None) -> None:
-        """After the ledger: the fleet's load order, the prefix bookkeeping and the counters."""
+                charge_list: Sequence[Charge], ranks: dict[str, int], kv: PlacedPrefixes | None, *,
+                loads: bool = True) -> None:
+        """After the ledger: the fleet's load order (``loads``: the placement was charged),
+        the prefix bookkeeping and the counters."""
         fleet, stats, chain = self.fleet, self.stats, ctx.chain
         for worker, charge_leg in charges:
             wid = worker.spec.id
-            if not self.store_notes_loads:
+            if loads and not self.store_notes_loads:
                 # The least-loaded order learns of this charge now (a store with a load
                 # listener has told the fleet already).
                 c = next(c for c in charge_list if c.worker_id == wid)

@@ -81,28 +81,41 @@ class Lifecycle:
             if event.worker_id:
                 self._note_failure(event)
         elif kind in _ENDINGS:
-            record = await store.end(event.request_id)
-            if record is not None:
-                # (a prompt not settled at a first token: done now)
-                self.predictor.prompts_computed(record.charges, time.monotonic())
-                if event.first_token:
-                    # Its FIRST_TOKEN report was folded into this one (the data plane had not
-                    # sent it yet): learned now, the pull timed back to the first token.
-                    self._learn_ttft(record, event)
-                    self._learn_pull(record, event, since_first_s=max(event.latency_ms - event.ttft_ms, 0.0) / 1000)
-                if kind == pb.EVENT_FINISHED:
-                    # A non-streamed answer sends no first-token report: its end is its success.
-                    self._note_success(record)
-                    self._learn_tpot(record, event)
-                self.request_ended.emit(event.request_id)
-            elif self.queue is not None:
-                self.queue.cancel(event.request_id)   # it was still waiting for an engine
-            if kind == pb.EVENT_FAILED and event.worker_id:
-                self._note_failure(event)
+            self._ended(await store.end(event.request_id), event)
         else:
             return
         if self.queue is not None:
             self.queue.kick()
+
+    def settle(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
+        """A request whose end came with the notice of its placement (``PlaceRequest.ended``,
+        ``Placer.settle``): learned from as an ending ``report`` learns, with ``record`` as
+        the ledger would have held it (it was never charged, so nothing is released)."""
+        if event.kind in _ENDINGS:
+            self._ended(record, event)
+            if self.queue is not None:
+                self.queue.kick()
+
+    def _ended(self, record: RequestRecord | None, event: pb.LifecycleEvent) -> None:
+        """What a request's end teaches, once its ``record`` left the ledger (None: it held none)."""
+        kind = event.kind
+        if record is not None:
+            # (a prompt not settled at a first token: done now)
+            self.predictor.prompts_computed(record.charges, time.monotonic())
+            if event.first_token:
+                # Its FIRST_TOKEN report was folded into this one (the data plane had not
+                # sent it yet): learned now, the pull timed back to the first token.
+                self._learn_ttft(record, event)
+                self._learn_pull(record, event, since_first_s=max(event.latency_ms - event.ttft_ms, 0.0) / 1000)
+            if kind == pb.EVENT_FINISHED:
+                # A non-streamed answer sends no first-token report: its end is its success.
+                self._note_success(record)
+                self._learn_tpot(record, event)
+            self.request_ended.emit(event.request_id)
+        elif self.queue is not None:
+            self.queue.cancel(event.request_id)   # it was still waiting for an engine
+        if kind == pb.EVENT_FAILED and event.worker_id:
+            self._note_failure(event)
 
     def _learn_ttft(self, record: RequestRecord, event: pb.LifecycleEvent) -> None:
         """A real time to first token teaches the engine that computed the prompt (sequential

@@ -196,17 +196,36 @@ class Placer:
         answer. False (nothing recorded, an error counted) when the request is invalid or
         the worker is no longer known: the request runs there anyway, and its end finds no
         record, as after a release."""
+        local = await self._local(req)
+        if local is None:
+            return False
+        ctx, charges, flow = local
+        await self.commit.write(ctx, charges, flow, _NO_RANKS, None, session, self.kv)
+        return True
+
+    async def settle(self, req: pb.PlaceRequest, session: str) -> RequestRecord | None:
+        """Count an entry leg a data plane placed itself and whose end came with the notice
+        (``req.ended``): the counters as :meth:`record` counts it, no charge in the ledger
+        (``PlacementCommit.settled``); its record as the ledger would have held it, for
+        ``Lifecycle.settle``. None (an error counted) as :meth:`record` refuses."""
+        local = await self._local(req)
+        if local is None:
+            return None
+        ctx, charges, flow = local
+        return self.commit.settled(ctx, charges, flow, session, self.kv)
+
+    async def _local(self, req: pb.PlaceRequest) -> tuple[PlacementContext, list[tuple[WorkerView, str]], int] | None:
+        """A local placement's context, charges and flow, as if decided here; None (counted)
+        when the request is invalid or its worker no longer known."""
         spec = self.fleet.get(req.placed_on)
         if spec is None or spec.role is not Role.BOTH or self._invalid(req, "entry", False) is not None:
             self.stats.errors["LOCAL_PLACEMENT_UNRECORDED"] += 1
-            return False
+            return None
         wid = spec.id
         view = self.fleet.views((wid,), await self.store.loads((wid,)))[0]
         ctx = self._context(req, "entry", (Role.BOTH,), [])
         plan = self.flows.entry(view)
-        charges = [(view, plan.chosen_leg)] if plan.chosen_leg else []
-        await self.commit.write(ctx, charges, plan.flow, _NO_RANKS, None, session, self.kv)
-        return True
+        return ctx, [(view, plan.chosen_leg)] if plan.chosen_leg else [], plan.flow
 
     @staticmethod
     def _invalid(req: pb.PlaceRequest, leg: str | None, dry_run: bool) -> str | None:

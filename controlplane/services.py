@@ -152,6 +152,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         info.batches = True
         info.local_placement = self.local_placement
         info.folds_first_token = True   # Lifecycle.report learns from a folded FIRST_TOKEN
+        info.folds_placement = True     # _record reads a local placement's folded end
         yield pb.ControlPlaneMessage(info=info)
         fleet_watch = asyncio.ensure_future(self._push_fleet(out))
         held.add(fleet_watch)
@@ -312,7 +313,13 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     async def _record(self, req: pb.PlaceRequest, session: str) -> None:
         try:
-            await self.placer.record(req, session)
+            if req.HasField("ended"):
+                # It ended before the data plane wrote the notice: counted, never charged.
+                record = await self.placer.settle(req, session)
+                if record is not None:
+                    self.lifecycle.settle(record, req.ended)
+            else:
+                await self.placer.record(req, session)
         except Exception:  # contained to this request, as a placement's failure is
             log.exception("recording the local placement of %s failed", req.request_id)
 

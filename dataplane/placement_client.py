@@ -54,6 +54,11 @@ REPORT_HOLD_S = 0.002
 # reports): nothing waits on them but the control plane's counts, so they wait longer for
 # company, in fewer and larger writes (each write on loopback costs both processes a wake-up).
 LOCAL_HOLD_S = 0.010
+# The notice of a local placement waits for its request's end this long at most (then it is
+# written, and the end follows in its own report): a request that ends sooner is told in one
+# message (PlaceRequest.ended), and the control plane counts it without charging its ledger.
+# A request is in the control plane's in-flight counts from this long after it started.
+NOTICE_HOLD_S = 0.050
 # A control plane whose session socket could not be reached is asked on gRPC meanwhile.
 SOCKET_RETRY_S = 60.0
 # The pause before connecting again (omni_runtime.retry: full jitter, 50 ms doubling to 1 s):
@@ -158,6 +163,15 @@ class PlacementClient:
         # FIRST_TOKEN reports queued or held but not written yet, by request id.
         self._folds = False
         self._first_unsent: dict[str, pb.DataPlaneMessage] = {}
+        # The control plane reads a local placement's end folded into its notice
+        # (SessionInfo.folds_placement, with folds_first_token): the notices held back for
+        # their request's end (NOTICE_HOLD_S), oldest first, with when each was made, and
+        # the FIRST_TOKEN reports held with them, by request id.
+        self._folds_place = False
+        self._notices: dict[str, tuple[pb.DataPlaneMessage, float]] = {}
+        self._held_firsts: dict[str, pb.DataPlaneMessage] = {}
+        self._notice_timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._holding: list | None = None    # reports held for company by _outgoing
         self._hold: asyncio.Future | None = None   # what _outgoing waits on while it holds them
         self.fallback = FallbackPlacer()
@@ -202,6 +216,9 @@ class PlacementClient:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._notice_timer is not None:
+            self._notice_timer.cancel()
+        self._release_notices(every=True)
         if self._queue is not None:
             self._queue.put_nowait(None)   # ends the stream after what is queued (held reports too)
             _wake(self._hold)
@@ -287,8 +304,38 @@ class PlacementClient:
         if local is not None:
             req.placed_on = local.decode.worker_id
             self._live.add(req.request_id)
-            queue.put_nowait(out)
+            loop = self._loop
+            if self._folds_place and loop is not None and not req.exclude_workers:   # (never a retry's)
+                self._notices[req.request_id] = (out, loop.time())   # held for the request's end
+                if self._notice_timer is None:
+                    self._notice_timer = loop.call_later(NOTICE_HOLD_S, self._release_notices)
+            else:
+                queue.put_nowait(out)
         return local
+
+    def _release_notices(self, every: bool = False) -> None:
+        """Queue the held notices whose time is up (``every``: all of them), each followed by
+        its held FIRST_TOKEN; again when the next one's time is up."""
+        self._notice_timer = None
+        notices, queue, loop = self._notices, self._queue, self._loop
+        if not notices or queue is None or loop is None:
+            return
+        due = loop.time() - NOTICE_HOLD_S
+        for rid, (msg, made) in list(notices.items()):
+            if made > due and not every:
+                self._notice_timer = loop.call_later(made - due, self._release_notices)
+                return
+            del notices[rid]
+            self._release(rid, msg)
+
+    def _release(self, rid: str, notice: pb.DataPlaneMessage) -> None:
+        """Queue a held notice as it stands, then the FIRST_TOKEN held with it."""
+        assert self._queue is not None
+        self._queue.put_nowait(notice)
+        first = self._held_firsts.pop(rid, None) if self._held_firsts else None
+        if first is not None:
+            self._queue.put_nowait(first)
+            self._first_unsent[rid] = first
 
     def _sweep(self) -> None:
         """Fail the placements whose deadline passed; again in ``_sweep_s`` while any wait."""
@@ -320,14 +367,41 @@ class PlacementClient:
         company, or queued) takes that report's place instead of following it, marked
         ``first_token``: one message for the two, when the control plane reads it so
         (``SessionInfo.folds_first_token``). A short streamed answer usually ends within
-        the hold."""
+        the hold.
+
+        Likewise a request placed here whose notice is still held for its end
+        (``NOTICE_HOLD_S``) ends in that notice (``PlaceRequest.ended``,
+        ``SessionInfo.folds_placement``), its FIRST_TOKEN folded in too: the control plane
+        counts the request without ever charging its ledger. Any other report (a failed leg,
+        an end that is not FINISHED after a first token) releases the notice first, and the
+        reports follow it as they are."""
         kind = event.kind
+        rid = event.request_id
         if event.retry_after_s > 0:
             self.fallback.rest(event.worker_id, event.retry_after_s)
+        held = self._notices.pop(rid, None) if self._notices else None
+        if held is not None:
+            notice = held[0]
+            first_held = rid in self._held_firsts
+            if kind == pb.EVENT_FIRST_TOKEN:
+                self._notices[rid] = held          # (its place among the held ones is kept)
+                self._held_firsts[rid] = pb.DataPlaneMessage(event=event)
+                return
+            if kind in _ENDINGS and (kind == pb.EVENT_FINISHED or not first_held):
+                self._live.discard(rid)
+                ended = notice.place.ended
+                ended.CopyFrom(event)
+                if first_held:
+                    del self._held_firsts[rid]
+                    ended.first_token = ended.streamed = True
+                assert self._queue is not None     # (held only while a session is up)
+                self._queue.put_nowait(notice)
+                return
+            self._release(rid, notice)
         if kind in _ENDINGS:
-            self._live.discard(event.request_id)
+            self._live.discard(rid)
             if self._first_unsent:
-                first = self._first_unsent.pop(event.request_id, None)
+                first = self._first_unsent.pop(rid, None)
                 if first is not None and kind == pb.EVENT_FINISHED:
                     first.event.CopyFrom(event)     # not written yet: _outgoing forgets it first
                     first.event.first_token = True
@@ -337,7 +411,7 @@ class PlacementClient:
         if self._connected.is_set() and self._queue is not None:
             self._queue.put_nowait(msg)
             if kind == pb.EVENT_FIRST_TOKEN and self._folds:
-                self._first_unsent[event.request_id] = msg
+                self._first_unsent[rid] = msg
         else:
             self._unsent.append(msg)
 
@@ -416,6 +490,7 @@ class PlacementClient:
             opening.token = ""
         queue.put_nowait(pb.DataPlaneMessage(open=opening))
         self._queue = queue          # what waits in _unsent follows once the control plane answers
+        self._loop = asyncio.get_running_loop()
         self._cp_batches = False   # batch only once this control plane says it reads batches
         if sock is not None:
             sock.send_from(self._outgoing(queue))
@@ -452,7 +527,7 @@ class PlacementClient:
                 raise
             log.warning("control-plane session with %s cancelled; reconnecting", target)   # drop_session()
         finally:
-            self._local = self._folds = False
+            self._local = self._folds = self._folds_place = False
             self._first_unsent.clear()
             self._connected.clear()
             self._down_since = time.monotonic()
@@ -488,18 +563,32 @@ class PlacementClient:
             self.info = msg.info
             self._cp_batches = msg.info.batches
             self._folds = msg.info.folds_first_token
+            self._folds_place = msg.info.folds_placement and msg.info.folds_first_token
 
     def _keep_unsent(self, queue: asyncio.Queue) -> None:
         """Reports still queued (or held for company) when a session ends go out on the next
-        one, and so do the notices of local placements (a placement asked goes again instead)."""
+        one, and so do the notices of local placements (a placement asked goes again instead).
+        A notice with its end folded in goes as the two messages it was made of: the next
+        control plane may not read folds."""
+        if self._notice_timer is not None:
+            self._notice_timer.cancel()
+        self._release_notices(every=True)      # (into the queue, read below)
         held, self._holding = self._holding, None
         for msg in held or ():
             if _report_like(msg):
-                self._unsent.append(msg)
+                self._keep(msg)
         while not queue.empty():
             msg = queue.get_nowait()
             if msg is not None and _report_like(msg):
-                self._unsent.append(msg)
+                self._keep(msg)
+
+    def _keep(self, msg: pb.DataPlaneMessage) -> None:
+        self._unsent.append(msg)
+        if msg.HasField("place") and msg.place.HasField("ended"):
+            end = pb.DataPlaneMessage()
+            end.event.CopyFrom(msg.place.ended)
+            msg.place.ClearField("ended")
+            self._unsent.append(end)
 
     async def _outgoing(self, queue: asyncio.Queue):
         """The stream's writes: one message, or (the control plane reads batches) everything

@@ -201,7 +201,7 @@ class EngineFacts(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., hash_seed_set: _Optional[bool] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_connector: _Optional[str] = ..., kv_role: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms", "trace_headers", "placed_on")
+    __slots__ = ("seq", "request_id", "model", "leg", "prompt_tokens", "max_tokens", "exclude_workers", "explain", "body", "path", "engine_request_id", "num_prompts", "block_hashes", "ttft_slo_ms", "tpot_slo_ms", "trace_headers", "placed_on", "ended")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class PlaceRequest(_message.Message):
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     PLACED_ON_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     request_id: str
     model: str
@@ -243,7 +244,8 @@ class PlaceRequest(_message.Message):
     tpot_slo_ms: float
     trace_headers: _containers.ScalarMap[str, str]
     placed_on: str
-    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., placed_on: _Optional[str] = ...) -> None: ...
+    ended: LifecycleEvent
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., leg: _Optional[_Union[Leg, str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., body: _Optional[bytes] = ..., path: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., placed_on: _Optional[str] = ..., ended: _Optional[_Union[LifecycleEvent, _Mapping]] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("seq", "request_id", "flow", "prefill", "decode", "explanation", "error", "error_message", "metaserver_url", "retry_after_s", "queued_ms")
@@ -330,20 +332,22 @@ class DataPlaneBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[DataPlaneMessage, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches", "local_placement", "folds_first_token")
+    __slots__ = ("pd_flow", "parallel_protocol", "kv_hash", "batches", "local_placement", "folds_first_token", "folds_placement")
     PD_FLOW_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     KV_HASH_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     FOLDS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FOLDS_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     pd_flow: Flow
     parallel_protocol: str
     kv_hash: KVHashConfig
     batches: bool
     local_placement: bool
     folds_first_token: bool
-    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ..., local_placement: _Optional[bool] = ..., folds_first_token: _Optional[bool] = ...) -> None: ...
+    folds_placement: bool
+    def __init__(self, pd_flow: _Optional[_Union[Flow, str]] = ..., parallel_protocol: _Optional[str] = ..., kv_hash: _Optional[_Union[KVHashConfig, _Mapping]] = ..., batches: _Optional[bool] = ..., local_placement: _Optional[bool] = ..., folds_first_token: _Optional[bool] = ..., folds_placement: _Optional[bool] = ...) -> None: ...
 
 class KVHashConfig(_message.Message):
     __slots__ = ("enabled", "block_size", "algo", "seed", "seed_set", "lora_key_format")

@@ -229,3 +229,137 @@ async def test_a_finished_report_takes_the_place_of_its_unsent_first_token():
         assert [(e.kind, e.first_token) for e in kinds] == [(pb.EVENT_FIRST_TOKEN, False), (pb.EVENT_FINISHED, False)]
     finally:
         await pc.close()
+
+
+def _local_client():
+    """A placement client as a session whose control plane reads folded ends leaves it."""
+    from dataplane.placement_client import PlacementClient
+
+    pc = PlacementClient("127.0.0.1:1", "node")
+    pc._queue = asyncio.Queue()
+    pc._loop = asyncio.get_running_loop()
+    pc._connected.set()
+    pc._local = pc._folds = pc._folds_place = True
+    pc.fallback.update(_snapshot(("a", 1.0, pb.ROLE_BOTH), ("b", 1.0, pb.ROLE_BOTH)))
+    return pc
+
+
+def _placed(pc, rid: str, **kw) -> pb.Placement:
+    placement = pc.place_here(pb.DataPlaneMessage(place=pb.PlaceRequest(request_id=rid, model=MODEL,
+                                                                        leg=pb.LEG_ENTRY, **kw)))
+    assert placement is not None
+    return placement
+
+
+def _queued(pc) -> list[pb.DataPlaneMessage]:
+    return [pc._queue.get_nowait() for _ in range(pc._queue.qsize())]
+
+
+async def test_a_request_that_ends_while_its_local_placement_notice_is_held_is_told_in_that_notice():
+    pc = _local_client()
+    try:
+        _placed(pc, "r1")
+        assert pc._queue.empty()              # held for the request's end
+        pc.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED, completion_tokens=3, latency_ms=2.0))
+        [notice] = _queued(pc)
+        assert (notice.place.placed_on, notice.place.ended.kind, notice.place.ended.completion_tokens) == \
+            ("a", pb.EVENT_FINISHED, 3)
+        # Streamed: its first token waits with it, and goes in it with the end.
+        _placed(pc, "r2")
+        pc.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=1.0, streamed=True))
+        pc.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FINISHED, ttft_ms=1.0, latency_ms=4.0))
+        [notice] = _queued(pc)
+        ended = notice.place.ended
+        assert (ended.kind, ended.first_token, ended.streamed, ended.ttft_ms) == (pb.EVENT_FINISHED, True, True, 1.0)
+        # A failed leg, a first token before a failure, a retry's placement: the notice leaves
+        # first, and every report follows it as it is.
+        _placed(pc, "r3")
+        pc.report(pb.LifecycleEvent(request_id="r3", kind=pb.EVENT_LEG_FAILED, worker_id="a"))
+        _placed(pc, "r3", exclude_workers=["a"])
+        pc.report(pb.LifecycleEvent(request_id="r3", kind=pb.EVENT_FINISHED))
+        _placed(pc, "r4")
+        pc.report(pb.LifecycleEvent(request_id="r4", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=1.0, streamed=True))
+        pc.report(pb.LifecycleEvent(request_id="r4", kind=pb.EVENT_CANCELLED))
+        sent = _queued(pc)
+        assert [(m.WhichOneof("body"), m.place.request_id or m.event.request_id) for m in sent] == [
+            ("place", "r3"), ("event", "r3"), ("place", "r3"), ("event", "r3"),
+            ("place", "r4"), ("event", "r4"), ("event", "r4")]
+        assert [m.event.kind for m in sent[-2:]] == [pb.EVENT_FIRST_TOKEN, pb.EVENT_CANCELLED]
+        assert not any(m.place.HasField("ended") for m in sent)
+        assert pc.live_requests == 0
+        # A request still running when its hold is up: the notice leaves without it (the
+        # control plane counts it in flight), with the first token held with it.
+        _placed(pc, "r5")
+        pc.report(pb.LifecycleEvent(request_id="r5", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=1.0, streamed=True))
+        await wait_until(lambda: pc._queue.qsize() == 2, what="the held notice released", interval=0.01)
+        notice, first = _queued(pc)
+        pc._first_unsent.clear()              # (what _outgoing does once it writes them)
+        assert (notice.place.request_id, notice.place.HasField("ended"), first.event.kind) == \
+            ("r5", False, pb.EVENT_FIRST_TOKEN)
+        pc.report(pb.LifecycleEvent(request_id="r5", kind=pb.EVENT_FINISHED, latency_ms=80.0))
+        [end] = _queued(pc)
+        assert end.event.kind == pb.EVENT_FINISHED and pc.live_requests == 0
+    finally:
+        await pc.close()
+
+
+async def test_held_notices_go_as_they_stand_when_the_session_ends():
+    """The next control plane may not read folds: a notice folded already goes as the
+    placement and then its end, one still held as the placement (with its first token)."""
+    pc = _local_client()
+    try:
+        _placed(pc, "r1")
+        pc.report(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED, completion_tokens=3))
+        _placed(pc, "r2")
+        pc.report(pb.LifecycleEvent(request_id="r2", kind=pb.EVENT_FIRST_TOKEN, ttft_ms=1.0, streamed=True))
+        pc._keep_unsent(pc._queue)
+        kept = [(m.WhichOneof("body"), m.place.request_id or m.event.request_id, m.place.HasField("ended"))
+                for m in pc._unsent]
+        assert kept == [("place", "r1", False), ("event", "r1", False), ("place", "r2", False), ("event", "r2", False)]
+        assert pc._unsent[1].event.completion_tokens == 3 and pc._unsent[3].event.kind == pb.EVENT_FIRST_TOKEN
+        assert not pc._notices
+    finally:
+        await pc.close()
+
+
+async def test_the_control_plane_counts_a_local_placement_with_its_folded_end_without_charging_it():
+    from bench.session_cost import control_plane
+
+    c = await control_plane("a", "b")
+    learned: list[tuple[str, float]] = []
+    c.placer.predictor.observe_ttft = lambda wid, work, ttft: learned.append((wid, ttft))  # type: ignore[method-assign]
+    charged: list[str] = []
+    c.store.load_listeners.append(lambda wid, load: charged.append(wid))
+    incoming: asyncio.Queue = asyncio.Queue()
+
+    async def messages():
+        yield pb.DataPlaneMessage(open=pb.SessionOpen(node_id="n", batches=True))
+        while (m := await incoming.get()) is not None:
+            yield m
+
+    answers = c.scheduler.Session(messages(), None)
+    try:
+        info = (await answers.__anext__()).info
+        assert info.local_placement and info.folds_placement
+        batch = pb.DataPlaneMessage()
+        msgs = batch.batch.messages
+        for rid, wid in (("r1", "a"), ("r2", "b"), ("r3", "b")):
+            msgs.add().place.CopyFrom(pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=12,
+                                                      max_tokens=4, placed_on=wid))
+        msgs[0].place.ended.CopyFrom(pb.LifecycleEvent(request_id="r1", kind=pb.EVENT_FINISHED, completion_tokens=4,
+                                                       first_token=True, streamed=True, ttft_ms=5.0, latency_ms=9.0))
+        msgs[2].place.ended.CopyFrom(pb.LifecycleEvent(request_id="r3", kind=pb.EVENT_FAILED, worker_id="b",
+                                                       upstream_status=500, message="boom"))
+        msgs.add()      # a first token folded along (left empty): skipped
+        incoming.put_nowait(batch)
+        await wait_until(lambda: c.fleet.placements["b"] == 2, what="the three placements counted")
+        assert c.fleet.placements["a"] == 1
+        loads = await c.store.loads(["a", "b"])
+        assert (loads["a"].requests, loads["b"].requests) == (0, 1)     # only r2 is in flight
+        assert await c.store.get("r1") is None and await c.store.get("r3") is None
+        assert charged == ["b"]                                        # r2's charge, nothing else
+        assert learned == [("a", 0.005)]                              # r1's folded first token taught
+        assert c.fleet.state("b").failures_total == 1                 # r3's failure counted
+    finally:
+        incoming.put_nowait(None)
+        await answers.aclose()
