@@ -34,10 +34,14 @@ class _Pool:
     """One (model, role)'s workers and their smooth weighted round robin (equal weights: a
     plain cycle, the common case, without the arithmetic)."""
 
-    __slots__ = ("current", "endpoints", "equal", "next", "total", "weights")
+    __slots__ = ("current", "endpoints", "equal", "local", "next", "total", "weights")
 
     def __init__(self, workers: list[pb.KnownWorker]) -> None:
         self.endpoints = [w.endpoint for w in workers]
+        # Local placement's answer on each worker, built once per snapshot (on demand) and
+        # shared by every request placed there: read-only for its readers (the flows read
+        # its flow and endpoints; nothing reads a request id in it).
+        self.local: list[pb.Placement | None] = [None] * len(workers)
         self.weights = [w.weight if w.weight > 0 else 1.0 for w in workers]
         self.equal = len(set(self.weights)) <= 1
         self.total = sum(self.weights)
@@ -45,15 +49,30 @@ class _Pool:
         self.next = 0
 
     def pick(self, exclude: set[str] | frozenset[str]) -> pb.Endpoint | None:
+        i = self.pick_index(exclude)
+        return self.endpoints[i] if i >= 0 else None
+
+    def placed_local(self, exclude: set[str] | frozenset[str]) -> pb.Placement | None:
+        """The next worker's (shared) aggregated placement, or None when every one is excluded."""
+        i = self.pick_index(exclude)
+        if i < 0:
+            return None
+        out = self.local[i]
+        if out is None:
+            out = self.local[i] = pb.Placement(flow=pb.FLOW_AGGREGATED, explanation=LOCAL_EXPLANATION)
+            out.decode.CopyFrom(self.endpoints[i])
+        return out
+
+    def pick_index(self, exclude: set[str] | frozenset[str]) -> int:
+        """The next worker's index in the cycle (-1: every one is excluded)."""
         n = len(self.endpoints)
         if self.equal:
             for _ in range(n):
                 i = self.next
                 self.next = i + 1 if i + 1 < n else 0
-                ep = self.endpoints[i]
-                if not exclude or ep.worker_id not in exclude:
-                    return ep
-            return None
+                if not exclude or self.endpoints[i].worker_id not in exclude:
+                    return i
+            return -1
         best = -1
         total = 0.0
         current, weights, endpoints = self.current, self.weights, self.endpoints
@@ -64,10 +83,9 @@ class _Pool:
             total += weights[i]
             if best < 0 or current[i] > current[best]:
                 best = i
-        if best < 0:
-            return None
-        current[best] -= total
-        return endpoints[best]
+        if best >= 0:
+            current[best] -= total
+        return best
 
 
 _NO_EXCLUDE: frozenset[str] = frozenset()
@@ -155,12 +173,9 @@ class FallbackPlacer:
         if pool is None:
             return None
         exclude = frozenset(req.exclude_workers) if req.exclude_workers else _NO_EXCLUDE
-        ep = pool.pick(self._excluding(exclude) if self._resting else exclude)
-        if ep is None:
-            return None
-        out = pb.Placement(request_id=req.request_id, flow=pb.FLOW_AGGREGATED, explanation=LOCAL_EXPLANATION)
-        out.decode.CopyFrom(ep)
-        self.placed_local += 1
+        out = pool.placed_local(self._excluding(exclude) if self._resting else exclude)
+        if out is not None:
+            self.placed_local += 1
         return out
 
     def place(self, req: pb.PlaceRequest, pd_flow: pb.Flow) -> pb.Placement:
