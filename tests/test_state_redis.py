@@ -1138,7 +1138,8 @@ def test_a_records_fast_encoding_matches_the_generic_one():
     for rec in (_rec("r1", flow=2, placed_at=1000.5, predicted_ttft_s=0.25, work_ahead_tokens=7, decode_batch=3,
                      decode_placed_at=1001.0, pull_tokens=9),
                 _rec("r2", session="", created_at=0.0)):
-        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS if f not in ("charges", "request_id") and getattr(rec, f)}
+        fields = {f: getattr(rec, f) for f in _RECORD_FIELDS
+                  if f not in ("charges", "request_id", "session") and getattr(rec, f)}
         assert s._encode_record(rec) == s._encode_fields(fields)
     distinct = _distinct_record()
     zero = with_charges(RequestRecord("", "", 0, 0), ())
@@ -1147,7 +1148,8 @@ def test_a_records_fast_encoding_matches_the_generic_one():
         return dataclasses.replace(_norm(r), decode_placed_at=round(r.decode_placed_at, 5))
 
     for rec in (distinct, zero):
-        flat = ["request_id", rec.request_id, *s._encode_record(rec), "charges", _charges_json(rec.charges).decode()]
+        flat = ["request_id", rec.request_id, "session", rec.session, *s._encode_record(rec), "charges",
+                _charges_json(rec.charges).decode()]
         assert rounded(s._record(flat)) == rounded(rec)
         assert rounded(s._record(dict(zip(flat[::2], flat[1::2], strict=True)))) == rounded(rec)
     assert len(s._encode_record(zero)) == 0

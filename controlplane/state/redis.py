@@ -246,9 +246,10 @@ end
 
 # A reserve whose arguments start at ARGV[i]: request id, op token, session, orphaned_at (wall
 # clock, '' for none), the charges a new record ends up with (JSON), n fields, fields... (but the
-# request id: the script adds it), n notes, notes..., n charges, (worker, leg, tokens,
-# prefill_tokens) * n. The replica and its alive key's ttl (ms) are ARGV[2] and ARGV[3], once
-# per call (every reserve of a turn's call is the same replica's).
+# request id and the session: the script writes them from these arguments), n notes, notes...,
+# n charges, (worker, leg, tokens, prefill_tokens) * n. The replica and its alive key's ttl
+# (ms) are ARGV[2] and ARGV[3], once per call (every reserve of a turn's call is the same
+# replica's).
 # Returns the record's key (false: a late reserve of a request that had ended, see
 # end(tombstone_s=)) and the index after its arguments.
 # A new record (every placement's) is written with one HSET holding its final charges, which
@@ -274,8 +275,8 @@ local function reserve_at(i)
     if redis.call('HGET', rk, 'op') == op then return rk, after end   -- a retried call that already happened
   end
   if not exists then
-    redis.call('HSET', rk, 'request_id', rid, 'replica', rep, 'charges', ARGV[i + 4], 'op', op,
-               unpack(ARGV, fi + 1, fi + 2 * nf))
+    redis.call('HSET', rk, 'request_id', rid, 'session', ARGV[i + 2], 'replica', rep, 'charges', ARGV[i + 4],
+               'op', op, unpack(ARGV, fi + 1, fi + 2 * nf))
     redis.call('SADD', P .. 'rep:' .. rep, rid)
     if not announced[rep] then   -- (once per call: a turn's reserves share one)
       announced[rep] = true
@@ -493,9 +494,9 @@ _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerSpec))
 _LOAD_FIELDS = ("requests", "tokens", "prefill_tokens", "prefills")
 # (field, 1: a time, 2: a float, 3: an int, 0: text) for every record field but the charges
-# (the request id too: the reserve script writes it from its own argument)
+# (nor the request id and the session: the reserve script writes them from its own arguments)
 _FIELD_KINDS = tuple((f, 1 if f in _TIME_FIELDS else 2 if f in _FLOAT_FIELDS else 3 if f in _INT_FIELDS else 0)
-                     for f in _RECORD_FIELDS if f not in ("charges", "request_id"))
+                     for f in _RECORD_FIELDS if f not in ("charges", "request_id", "session"))
 
 
 def encode_spec(spec: WorkerSpec) -> bytes:
@@ -691,8 +692,8 @@ class RedisStore:
         return t - self._wall_offset if t else 0.0
 
     def _encode_record(self, record: RequestRecord) -> list[str | bytes]:
-        """Every field but the charges (and the request id, the script's own argument) that is
-        not at its zero value, as ``_encode_fields``
+        """Every field but the charges (and the request id and session, the script's own
+        arguments) that is not at its zero value, as ``_encode_fields``
         writes them, without building a dict of them and checking each name first (every
         placement's reserve runs it). A new record is written with these alone: a field
         missing in Redis reads as its zero value, in ``_record`` and in every script, so
@@ -775,10 +776,14 @@ class RedisStore:
             u[3] += sign * p
             u[4] += 1
             cur = mirror.get(wid)
-            if cur is not None:
+            if cur is not None:   # (_sum_load inline: a reserve and an end each)
                 self._mirror_tick += 1
                 self._mirror_gen[wid] = self._mirror_tick
-                mirror[wid] = _sum_load(cur, sign, 1, c.tokens, c.prefill_tokens, p)
+                r = cur.requests + sign
+                t = cur.tokens + sign * c.tokens
+                pt = cur.prefill_tokens + sign * c.prefill_tokens
+                n = cur.prefills + sign * p
+                mirror[wid] = Load(r if r > 0 else 0, t if t > 0 else 0, pt if pt > 0 else 0, n if n > 0 else 0)
 
     def _answered_behind(self) -> None:
         """The oldest write-behind call's reply came (replies, and so these callbacks, come in
@@ -845,12 +850,27 @@ class RedisStore:
     def _mirror_reply(self, flat: list) -> None:
         """The loads a ledger script changed, as they are now, into the load mirror."""
         if self.loads_max_age_s and flat:
+            gen, watched, mirror, tick = self._mirror_gen, self._watched, self._mirror, self._mirror_tick
             for i in range(0, len(flat), 5):
                 wid = flat[i]
-                self._mirror_tick += 1
-                self._mirror_gen[wid] = self._mirror_tick
-                if wid in self._watched:
-                    self._mirror[wid] = self._with_unconfirmed(wid, _load(flat[i + 1:i + 5]))
+                tick += 1
+                gen[wid] = tick
+                if wid in watched:
+                    mirror[wid] = self._reported(wid, flat[i + 1:i + 5])
+            self._mirror_tick = tick
+
+    def _reported(self, wid: str, values: list[Any]) -> Load:
+        """A load as Redis reported it (HMGET's or a script's four amounts), plus this replica's
+        charges still on their way there (less its ends on their way): ``_with_unconfirmed``
+        of ``_load`` building one Load (every reply's every worker)."""
+        r, t, p, n = values
+        u = self._unconfirmed.get(wid)
+        if u is None:
+            if r is None and t is None:
+                return IDLE
+            return Load(int(r or 0), int(t or 0), int(p or 0), int(n or 0))
+        r, t, p, n = int(r or 0) + u[0], int(t or 0) + u[1], int(p or 0) + u[2], int(n or 0) + u[3]
+        return Load(r if r > 0 else 0, t if t > 0 else 0, p if p > 0 else 0, n if n > 0 else 0)
 
     def _with_unconfirmed(self, wid: str, load: Load) -> Load:
         """A load as Redis reported it, plus this replica's charges still on their way there
@@ -1098,7 +1118,7 @@ class RedisStore:
         gen = self._mirror_gen
         for wid, row in zip(ids, rows, strict=False):
             if gen.get(wid, 0) <= tick:   # not changed by one of our own calls meanwhile
-                self._mirror[wid] = self._with_unconfirmed(wid, _load(row))
+                self._mirror[wid] = self._reported(wid, row)
         self._mirror_at = max(self._mirror_at, started)
 
     def _refreshed(self, fut: asyncio.Future) -> None:
