@@ -853,18 +853,22 @@ class PrefixIndex:
         """Mark a matched prefix recently used (deepest least recent, root most recent).
 
         A prefix touched since fewer than max_blocks / 4 blocks were stored or touched is still
-        far from eviction, so touching it again is skipped; prefixes are remembered in steps of
-        16 blocks at their end and at every 64th block on the way, so a hot prefix costs at most
-        16 block touches, and a new prompt sharing part of a touched one at most 64 more plus a
-        probe per 64 blocks of the small table of remembered prefixes, not O(depth).
+        far from eviction, so touching it again is skipped; prefixes are remembered at their
+        end, at their last multiple of 16 blocks and at every 64th block on the way, so a hot
+        prefix costs one probe, one sharing its first multiple of 16 blocks at most 16 block
+        touches, and a new prompt sharing part of a touched one at most 64 more plus a probe
+        per 64 blocks of the small table of remembered prefixes, not O(depth).
         """
         n = len(chain)
         if not n:
             return
+        touched, horizon = self._touched, self._clock - (self.config.max_blocks >> 2)
+        seen = touched.get(chain[n - 1])
+        if seen is not None and seen > horizon:
+            return                    # this very prefix was touched recently enough (its end is remembered)
         cut = n & ~15                 # the prefix up to a multiple of 16 blocks is remembered
         fresh = 0                     # chain[:fresh] was touched recently enough
         if cut:
-            touched, horizon = self._touched, self._clock - (self.config.max_blocks >> 2)
             seen = touched.get(chain[cut - 1])
             if seen is not None and seen > horizon:
                 fresh = cut
@@ -880,11 +884,11 @@ class PrefixIndex:
             if m is not None:
                 d[h] = m
         self._clock += n - fresh
+        if len(touched) >= 16384:
+            touched.clear()
+        clock = self._clock
+        touched[chain[n - 1]] = clock
         if cut > fresh:
-            touched = self._touched
-            if len(touched) >= 16384:
-                touched.clear()
-            clock = self._clock
             touched[chain[cut - 1]] = clock
             for p in range(((fresh >> 6) + 1) << 6, cut, 64):
                 touched[chain[p - 1]] = clock

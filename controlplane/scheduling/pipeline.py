@@ -91,7 +91,8 @@ class Profile:
             depths = [get(w.spec.id, 0) for w in remaining]
             ctx.common_blocks = self.shared.common_depth(ctx.chain, depths)
             ctx.floor_blocks = min(depths)
-            if ctx.common_blocks > ctx.floor_blocks:
+            # (only the latency models read who is starved: cache_aware and apc_first skip it)
+            if ctx.common_blocks > ctx.floor_blocks and self.uses_predictions:
                 ctx.starved = self.shares.starved(decode, [w.spec.id for w in remaining],
                                                   [w.spec.weight for w in remaining],
                                                   [w.load.prefill_tokens for w in remaining])
