@@ -146,7 +146,7 @@ class Placer:
         explain = req.explain or dry_run
         # (a slice copies upb's repeated field faster than list())
         chain = req.block_hashes[:] if self.kv is not None and self.profile.uses_prefix_cache else []
-        ctx = self._context(req, leg, roles, chain)
+        ctx = self._context(req, leg, roles, chain, explain)
         if Role.PREFILL in roles and leg == "entry" and self.profile.uses_predictions:
             await self._pair_context(req.model, ctx, chain)
         decision = await self._decide(req.model, roles, ctx, chain)
@@ -253,7 +253,7 @@ class Placer:
         sends to D first and lets the metaserver choose P when D asks for its prefill), or the
         refusal when there is none; and the explanation with the decode leg's part."""
         d_roles = _LEG_ROLES["decode"]
-        d_ctx = self._context(req, "decode", d_roles, chain)
+        d_ctx = self._context(req, "decode", d_roles, chain, explain)
         d_decision = await self._decide(req.model, d_roles, d_ctx, chain)
         if explain:
             explanation += " | decode: " + self._explain(d_decision, d_ctx, d_roles)
@@ -387,7 +387,8 @@ class Placer:
                 ctx.tree_sizes = lambda: kv.cached_blocks([v.spec.id for v in views])
         return views
 
-    def _context(self, req: pb.PlaceRequest, leg: str, roles: tuple[Role, ...], chain: list[int]) -> PlacementContext:
+    def _context(self, req: pb.PlaceRequest, leg: str, roles: tuple[Role, ...], chain: list[int],
+                 explain: bool = True) -> PlacementContext:
         return PlacementContext(
             request_id=req.request_id, model=req.model, leg=leg, prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens, exclude=frozenset(req.exclude_workers) if req.exclude_workers else _NONE,
@@ -395,7 +396,7 @@ class Placer:
             chain_blocks=len(chain), chain=chain,
             block_size=self.block_size, predictor=self.predictor,
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms > 0 else self.ttft_slo_s,
-            tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else self.tpot_slo_s)
+            tpot_slo_s=req.tpot_slo_ms / 1000 if req.tpot_slo_ms > 0 else self.tpot_slo_s, keep_scores=explain)
 
     def _everyone(self) -> list[WorkerView]:
         """Every worker, with no load read: only for explanations of what was not a candidate."""

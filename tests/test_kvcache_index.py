@@ -144,10 +144,12 @@ def test_touching_part_of_a_recently_touched_prefix_skips_most_of_it():
     idx.touch(chain[:1000])                            # shares 1,000 blocks: remembered at 960
     assert idx._clock - clock == 40
     clock = idx._clock
-    idx.touch(chain[:1000])                            # remembered at 992 now
-    assert idx._clock - clock == 8
+    idx.touch(chain[:1000])                            # its end is remembered now: nothing to touch
+    assert idx._clock - clock == 0
+    idx.touch(chain[:1005])                            # remembered at 992 (the first's last 16th block)
+    assert idx._clock - clock == 13
     for shard in idx._shards:                          # the touched tail, deepest least recent, in its shard
-        tail = [h for h in shard if 993 <= h <= 1000]
+        tail = [h for h in shard if 993 <= h <= 1005]
         assert list(shard)[len(shard) - len(tail):] == tail == sorted(tail, reverse=True)
     idx._clock += idx.config.max_blocks                # long ago: touched in full again
     clock = idx._clock

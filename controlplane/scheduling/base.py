@@ -57,6 +57,10 @@ class PlacementContext:
     # (candidates considered, routable workers) when the candidate stage sampled; (0, 0) if not.
     sampled: tuple[int, int] = (0, 0)
     matched: bool = False          # match_blocks already filled for the candidates (by the candidate stage)
+    # The decision keeps every candidate with its scores (for an explanation: omni-ctl explain,
+    # X-Explain); placement clears it when it will not explain, so the built-in cache policies
+    # may decide in one pass (scheduling/fused.py).
+    keep_scores: bool = True
 
     def blocks_held(self) -> dict[str, int]:
         """``cached_blocks``, computed on first use when placement left a function for it."""

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from controlplane.scheduling import fused
 from controlplane.scheduling.base import DP_RANK_RULES, Candidate, Decision, Filter, PlacementContext, Picker, Scorer
 from controlplane.scheduling.candidates import CANDIDATE_STAGES, SampleStage
 from controlplane.scheduling.filters import BASE_FILTERS, FILTERS, ExcludeFilter
@@ -86,6 +87,7 @@ class Profile:
             return Decision(worker=None, candidates=[], dropped=dropped, policy=self.name,
                             chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, sampled=ctx.sampled)
         decode = ctx.leg == "decode"
+        depths: list[int] | None = None
         if ctx.chain and ctx.chain_blocks:
             get = ctx.match_blocks.get
             depths = [get(w.spec.id, 0) for w in remaining]
@@ -96,6 +98,13 @@ class Profile:
                 ctx.starved = self.shares.starved(decode, [w.spec.id for w in remaining],
                                                   [w.spec.weight for w in remaining],
                                                   [w.load.prefill_tokens for w in remaining])
+        if not ctx.keep_scores and fused.applies(self.scorers, self.picker):
+            # The built-in cache policies' plugins, computed over plain lists (scheduling/fused.py)
+            worker = fused.decide(ctx, remaining, depths, self.scorers, self.picker)
+            self.shares.record(decode, worker.spec.id, len(remaining))
+            return Decision(worker=worker, candidates=[], dropped=dropped, policy=self.name,
+                            chain_blocks=ctx.chain_blocks, match_blocks=ctx.match_blocks, predicted=ctx.predicted,
+                            sampled=ctx.sampled, common_blocks=ctx.common_blocks)
         candidates = [Candidate(w) for w in remaining]
         for scorer, weight in self.scorers:
             name = scorer.name
