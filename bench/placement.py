@@ -193,6 +193,111 @@ same profile after these changes:
   and write);
 * the generic path (pipeline, scorers and picker over 12 candidates, ledger, views, heap,
   protobuf), about 60 %, spread over many small steps of 1-3 % each.
+
+## End of the fifth session: quiet host (2026-11-27)
+
+The same command as the section above, on a quiet host (load average 1.4-1.9), the final tree
+(`a2dcf18`) and the session's start (`b20b38c`) alternated, 2 runs each; p50 us per placement
+at 1,000 workers (each the median of 3 rounds):
+
+| policy | exact: start | exact: now | approx: start | approx: now |
+|---|---|---|---|---|
+| cache_aware | 173.1 / 168.4 | 162.6 / 158.0 | 124.6 / 125.6 | 121.2 / 117.1 |
+| apc_first | 168.3 / 166.4 | 162.0 / 158.0 | 122.3 / 121.5 | 117.7 / 112.2 |
+| predicted_latency | 192.6 / 195.0 | 187.2 / 181.1 | 148.2 / 146.4 | 142.2 / 137.3 |
+
+-3 to -6 %; the 100 us target (and 10,000 placements/s on one core) is not met.
+
+## Cache policies at 1,000 workers: sixth session (issue 19, target <= 100 us)
+
+**Where a placement's time goes** (`cache_aware`, exact, 1,000 workers, 128-block chains):
+
+* py-spy at the session's start (78c5fe1), shares of `Placer.place`:
+  * the candidate stage 39 %: the prefix walks and tops 28 % (event-fed walk 15 %, pending walk
+    4 %, tops and merge 7 %), the candidates' depths 5 %, least-loaded heap 3 %, uniform draws 1 %;
+  * the pipeline (scorers, picker, `Candidate` objects) 21.5 %;
+  * the commit 22 %: remembering the chain as pending 10 %, `touch` 4 %, ledger 6 %;
+  * views and loads 6 %; context, placement message, chain copy about 8 %.
+* Each step timed inside a placement (thread CPU time, p50, host load about 7; placement
+  234 us): candidate stage 86 us (event-fed walk 33, pending walk 10), views 16, pipeline 36,
+  commit 58 (pending route 23, `touch` 10, ledger 6).
+* The same steps in a loop over 1,000 captured prompts, same index: event-fed walk 8 us,
+  pending walk 2.6, the whole `group_match` 18.5, pending route 13-15, chain copy from the
+  protobuf 3.7, `touch` 1.6-1.8. Inside a placement each costs 2.5-4x that: the index and the
+  placement's own objects miss the caches.
+* What-if, in one process (6 interleaved rounds of 500, CPU p50, host load 10-11): 211.9 us now.
+  - Without `touch`: -8.0 %.
+  - Without the pending route: -16.5 %.
+  - With no prefix bookkeeping at all after the decision: -25.9 %.
+  - With the plugins instead of the one-pass path below: +4.9 %.
+
+No step is proportional to the fleet any more: the candidate stage hands the pipeline 12
+workers at most, and the walks cost O(chain + levels). At 10 workers every routable worker is a
+candidate, and a placement costs about 80 % of one at 1,000.
+
+So per-worker arrays, a decision that visits no candidate, and cached candidate lists do not
+apply: there is no loop over the fleet left to remove. What is left is the fixed cost of about
+15 steps, none above 15 %.
+
+**What changed** (decisions unchanged: 1,000 seeded placements per policy, for `cache_aware`,
+`apc_first`, `predicted_latency`, `least_load` and `power_of_two`, exact and approximate, 10 and
+1,000 workers, every random source seeded and one fake clock; same worker every time, before
+and after):
+
+* **One pass for the built-in cache policies** (`controlplane/scheduling/fused.py`).
+  `cache_aware` and `apc_first` compute their `prefix_cache` and `least_load` scores and their
+  picker's choice over plain per-candidate lists. The float operations and their order are the
+  same, and so is the draw from the picker's `rng` on ties. No `Candidate` objects or score
+  dicts are built.
+  - An explained placement keeps the plugins (`PlacementContext.keep_scores`: its explanation
+    lists every candidate's scores).
+  - Any other profile keeps the plugins too.
+  - `tests/test_scheduling_fused.py` compares the two paths on 1,500 seeded candidate sets per
+    policy: ties, engine metrics fresh and stale, weights, the balance and low-match branches.
+* **Who is starved** (`RecentShares.starved`) is computed only for profiles whose plugins read
+  it (latency predictions, the queue stage).
+* **`touch` remembers a touched prefix's end**, so touching the same prefix again costs one probe,
+  not up to 15 block touches.
+
+A/B against main before these commits (b2eaaa5). The task's command was run alternately, 3 runs
+each at 1,000 workers and 2 each at 10 and 100 (`--sizes 10,100`). Host load was 6-11 (other
+helpers' benchmarks on 2 cores: absolute numbers 25-40 % above a quiet host's). Median p50 in
+us (spread):
+
+| policy | cache | workers | before | after | change |
+|---|---|---:|---|---|---|
+| cache_aware | exact | 1000 | 208.7 (206-210) | 200.8 (200-213) | -3.8 % |
+| apc_first | exact | 1000 | 208.3 (204-208) | 197.7 (197-209) | -5.1 % |
+| predicted_latency | exact | 1000 | 235.5 (233-241) | 235.9 (233-245) | +0.2 % |
+| cache_aware | approx | 1000 | 142.5 (142-144) | 135.7 (134-139) | -4.8 % |
+| apc_first | approx | 1000 | 141.1 (139-142) | 131.0 (130-134) | -7.2 % |
+| predicted_latency | approx | 1000 | 172.6 (167-193) | 170.7 (168-178) | -1.1 % |
+| cache_aware | exact | 10 / 100 | 171.7 / 205.9 | 161.9 / 199.7 | -5.7 / -3.0 % |
+| apc_first | exact | 10 / 100 | 169.1 / 199.2 | 158.1 / 193.1 | -6.6 / -3.1 % |
+| predicted_latency | exact | 10 / 100 | 195.4 / 228.9 | 190.9 / 214.3 | -2.3 / -6.4 % |
+| cache_aware | approx | 10 / 100 | 108.0 / 132.2 | 97.8 / 121.7 | -9.4 / -7.9 % |
+| apc_first | approx | 10 / 100 | 103.2 / 128.2 | 92.5 / 117.8 | -10.4 / -8.1 % |
+| predicted_latency | approx | 10 / 100 | 123.8 / 149.6 | 123.3 / 146.3 | -0.4 / -2.2 % |
+
+CPU p50 moved the same way, within 0.6 points of each row. In one process (the one-pass path
+switched on and off between interleaved rounds, load 11), `cache_aware` went 210.2 -> 205.7 us
+exact and 155.2 -> 147.9 approximate, `apc_first` 204.3 -> 195.0 exact.
+
+**The 100 us target is not met**, nor 10,000 placements/s on one core. Not measured on a quiet
+host this session: from the fifth session's quiet figures less these changes, `cache_aware`
+should be about 150-155 us exact and 110-115 approximate. Removing all of the bookkeeping after
+the decision (-26 %) would still fall short of the 37 % needed. Getting there takes changes of
+design:
+
+* **Pending prefixes** (about 17 % inside a placement, route and walk). Today they are 1,000-slot
+  masks with stamps in their low bits, interned, restamped every bucket. They would need a form
+  whose route costs a write per new mark and nothing per mark already there.
+* **The event-fed walk** (about 14 %). One dict probe per matched block, each missing the caches.
+  It could gallop if the index knew a worker holds no holes (removals inside a prefix). Or the
+  index could move to compiled code.
+* **`touch`** (about 8 %). An LRU refresh that moves dict entries. A referenced bit read at
+  eviction (a clock) would cost a set insert instead.
+* **The rest** (pipeline, views, ledger, message). Python's fixed cost per step, 1-4 % each.
 """
 
 

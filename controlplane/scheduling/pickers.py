@@ -1,4 +1,8 @@
-"""Pickers: choose one candidate from the scored list."""
+"""Pickers: choose one candidate from the scored list.
+
+``cache_aware`` and ``max_score`` are computed again, for the built-in cache policies, in
+``fused.py``: change both (``tests/test_scheduling_fused.py`` compares them).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Scorers: each turns one signal into a preference in [0, 1]."""
+"""Scorers: each turns one signal into a preference in [0, 1].
+
+``prefix_cache`` and ``least_load`` are computed again, for the built-in cache policies, in
+``fused.py``: change both (``tests/test_scheduling_fused.py`` compares them).
+"""
 
 from __future__ import annotations
 
