@@ -273,3 +273,43 @@ def test_ends_flags_never_hide_an_end_the_marks_hold(seed):
                 blind, idx._blind = idx._blind, 1 << 62     # as without flags: search after every mark
                 assert got == idx.depths(probe, alive), step
                 idx._blind = blind
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_routing_with_the_depth_held_skips_only_marks_it_would_leave_as_they_are(seed):
+    """``route(held=...)`` skips the marks within the held prefix when its deepest mark is the
+    worker's and current: the index (every value, stamp and ends flag) and the marks reported
+    changed are those of routing with nothing held. ``held`` is the merged depth placement
+    passes: the routed walk's, or deeper (the event-fed index's), rarely on a mark."""
+    rng = random.Random(seed)
+    trunks = [[rng.getrandbits(64) for _ in range(100)] for _ in range(3)]
+    chains = [t[:rng.randrange(1, 100)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))]
+              for t in trunks for _ in range(6)]
+    hinted, plain = RoutedIndex(stride=K), RoutedIndex(stride=K)
+    probed = {id(hinted): 0, id(plain): 0}          # marks each was asked to mark
+    for idx in (hinted, plain):
+        def counting(key, hashes, stamp, _idx=idx, _mark=idx._mark):
+            probed[id(_idx)] += len(hashes)
+            return _mark(key, hashes, stamp)
+        idx._mark = counting
+    queued: dict[int, list[int]] = {}
+    bucket = oldest = 1
+    for _ in range(3000):
+        if rng.random() < 0.05:
+            bucket += 1
+        chain = rng.choice(chains)
+        cut = chain[:rng.randrange(1, len(chain) + 1)]
+        w = (wid(rng.randrange(8)), 0)
+        held = max(hinted.match_depths(cut, [w]).values(), default=0)
+        if rng.random() < 0.5:
+            held = rng.randrange(held, len(cut) + 1)         # an event-fed depth may be deeper
+        got = hinted.route(w, cut, bucket, held=held)
+        assert got == plain.route(w, cut, bucket), (cut, held)
+        queued.setdefault(bucket, []).extend(got)
+        if rng.random() < 0.03 and oldest < bucket:
+            for idx in (hinted, plain):
+                idx.expire(queued.get(oldest, []), oldest)
+            queued.pop(oldest, None)
+            oldest += 1
+        assert hinted.entries() == plain.entries()
+    assert probed[id(hinted)] < 0.8 * probed[id(plain)]   # the hint did skip marks

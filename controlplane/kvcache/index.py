@@ -1073,20 +1073,24 @@ class RoutedIndex(PrefixIndex):
         the marks whose stamp changed (the caller queues them for that bucket's expiry); marks
         this worker already holds with this stamp are left as they are, so a hot prefix routed
         again within its bucket costs one probe a mark. ``held``: the leading blocks the walk
-        found this worker holding; if the deepest of them already carries this stamp, so do all
-        marks before it (see :meth:`_walk`) and they are not probed at all."""
+        found this worker holding (by any index); if the deepest mark within them (the chain's
+        end, or the last multiple of the stride) is this worker's and already carries this
+        stamp, so do all marks before it (see :meth:`_walk`) and they are not probed at all."""
         if not chain:
             return []
         after = 0
-        if 0 < held <= len(chain):
-            m = self._get(chain[held - 1])
-            slot = self._slot_of.get(key)
-            if m is not None and slot is not None and m & self._blocks_of[slot].bit \
-                    and m & _STAMP == stamp & _STAMP:
-                after = held                # the held prefix was routed in this bucket already
+        n = len(chain)
+        if 0 < held <= n:
+            deepest = held if held == n else held - held % self.stride
+            if deepest:
+                m = self._get(chain[deepest - 1])
+                slot = self._slot_of.get(key)
+                if m is not None and slot is not None and m & self._blocks_of[slot].bit \
+                        and m & _STAMP == stamp & _STAMP:
+                    after = deepest         # (marks(chain, after) are marks(chain, held): none lies between)
         changed = self._mark(key, self.marks(chain, after), stamp)
-        self._stored += len(chain)
-        k, n = self.stride, len(chain)
+        self._stored += n
+        k = self.stride
         if stamp > self._last:
             self._last = stamp
         if n % k:                           # it ends between two marks: flag the one before
