@@ -174,6 +174,9 @@ class DataPlane:
             # Access lines are INFO whatever --log-level says about the other loggers.
             logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
         self.observer = Observer(self.metrics, access_log_on=config.access_log, tracing=self.tracing)
+        # The serving loop, read once: asyncio.get_running_loop() is a getpid() system call
+        # per call on Python 3.11 (its fork check), and generate() needs the loop per request.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def build_app(self) -> App:
         checks = ([client_auth.middleware(self.api_keys, self.config.upstream.forward_client_auth,
@@ -203,6 +206,7 @@ class DataPlane:
 
     async def _startup(self) -> None:
         install_request_id_filter()
+        self._loop = asyncio.get_running_loop()
         if self.config.tokenizer:
             loop = asyncio.get_running_loop()
             try:
@@ -283,7 +287,7 @@ class DataPlane:
                 tracker.done = tracker.last_token or time.perf_counter()
             # The rest of the bookkeeping runs once the answer is on its way: the server writes
             # a returned response before the loop takes the next callback.
-            asyncio.get_running_loop().call_soon(
+            (self._loop or asyncio.get_running_loop()).call_soon(
                 self._complete, tracker, route, code,
                 "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")),
                 client_auth.key_id(http) if self.observer.access_log_on else None)
