@@ -1074,8 +1074,21 @@ class RedisStore:
             rows = await pipe.execute()
         return [r for r in map(self._record, rows) if r is not None]
 
-    @_unavailable
     async def loads(self, worker_ids: Iterable[str]) -> dict[str, Load]:
+        # Every placement's: from the load copy when it is fresh and holds every worker (no
+        # wrapper, no list, no second pass over the ids), else _loads_waiting, which may wait for Redis.
+        if self.loads_max_age_s and time.monotonic() - self._mirror_at <= self.loads_max_age_s:
+            if not isinstance(worker_ids, (list, tuple)):
+                worker_ids = list(worker_ids)
+            mirror = self._mirror
+            try:
+                return {w: mirror[w] for w in worker_ids}
+            except KeyError:
+                pass
+        return await self._loads_waiting(worker_ids)
+
+    @_unavailable
+    async def _loads_waiting(self, worker_ids: Iterable[str]) -> dict[str, Load]:
         ids = list(worker_ids)
         if not ids:
             return {}
