@@ -1153,3 +1153,5 @@ def test_a_records_fast_encoding_matches_the_generic_one():
         assert rounded(s._record(flat)) == rounded(rec)
         assert rounded(s._record(dict(zip(flat[::2], flat[1::2], strict=True)))) == rounded(rec)
     assert len(s._encode_record(zero)) == 0
+    from controlplane.state.redis import _FIELD_KINDS   # every field, in order (a new field: add it there)
+    assert s._encode_record(distinct)[::2] == [f for f, _ in _FIELD_KINDS]
