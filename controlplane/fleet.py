@@ -140,6 +140,7 @@ class Fleet:
         if old is not None:
             self._models[old.model] -= 1
         self._specs[spec.id] = spec
+        self._view_cache.pop(spec.id, None)
         self._models[spec.model] += 1
         self._invalidate()
         return old
@@ -193,6 +194,7 @@ class Fleet:
             return
         old = self._state.get(worker_id, UNCHECKED)
         self._state[worker_id] = state
+        self._view_cache.pop(worker_id, None)
         if old.loras != state.loras:
             self._loras.subtract(name for name, _ in old.loras)
             self._loras.update(name for name, _ in state.loras)
@@ -206,6 +208,7 @@ class Fleet:
     def set_engine(self, worker_id: str, metrics: EngineMetrics) -> None:
         if worker_id in self._specs:
             self._engine[worker_id] = metrics
+            self._view_cache.pop(worker_id, None)
 
     def last_heartbeat(self, worker_id: str) -> float:
         return self._heartbeat.get(worker_id, 0.0)
@@ -226,18 +229,19 @@ class Fleet:
         return WorkerView(spec, load, self._state.get(wid, UNCHECKED), self._engine.get(wid, NO_METRICS))
 
     def views(self, ids: Iterable[str], loads: dict[str, Load]) -> list[WorkerView]:
-        """Views of ``ids`` with ``loads``; a view whose parts are the same objects as last
-        time is reused (loads, specs, health and metrics are immutable, replaced on change)."""
-        specs, state, engine, cache = self._specs, self._state, self._engine, self._view_cache
+        """Views of ``ids`` with ``loads``; a view is reused while its load is the same object
+        (loads, specs, health and metrics are immutable, replaced on change: a worker's new
+        spec, health or metrics drop its view, so only the load is compared here)."""
+        cache = self._view_cache
         out = []
         for i in ids:
-            spec = specs.get(i)
-            if spec is None:
-                continue
-            load, st, en = loads[i], state.get(i, UNCHECKED), engine.get(i, NO_METRICS)
             v = cache.get(i)
-            if v is None or v.load is not load or v.spec is not spec or v.state is not st or v.engine is not en:
-                v = cache[i] = WorkerView(spec, load, st, en)
+            load = loads[i]
+            if v is None or v.load is not load:
+                spec = self._specs.get(i)
+                if spec is None:
+                    continue
+                v = cache[i] = WorkerView(spec, load, self._state.get(i, UNCHECKED), self._engine.get(i, NO_METRICS))
             out.append(v)
         return out
 

@@ -446,3 +446,27 @@ def test_group_masks_follow_new_slots_without_a_rebuild():
     kv.exact.drop_worker(wid(50))
     assert kv.deepest([1, 2], ids, 4, rng) == {wid(60): 1}
     _ = Load  # noqa: F841 (imported for readers: loads are what the ledger orders)
+
+
+def test_views_are_reused_only_while_spec_health_metrics_and_load_stay():
+    """Fleet.views reuses a worker's view while its load is the same object; a new spec,
+    health state or engine metrics drop the view, so the next one carries them."""
+    from controlplane.workers import EngineMetrics
+
+    fleet = Fleet()
+    spec = WorkerSpec(id="a", url="http://a", role=Role.BOTH, model="m")
+    fleet.put(spec)
+    fleet.set_state("a", HealthState(health=Health.HEALTHY))
+    load = Load(1, 10)
+    first = fleet.views(["a"], {"a": load})[0]
+    assert fleet.views(["a"], {"a": load})[0] is first
+    assert fleet.views(["a"], {"a": Load(2, 20)})[0].load.requests == 2
+    fleet.views(["a"], {"a": load})                   # (the view holds this very load again)
+    fleet.set_engine("a", EngineMetrics(running=7, updated_at=1.0))
+    assert fleet.views(["a"], {"a": load})[0].engine.running == 7
+    fleet.set_state("a", HealthState(health=Health.UNHEALTHY))
+    assert fleet.views(["a"], {"a": load})[0].state.health is Health.UNHEALTHY
+    fleet.put(WorkerSpec(id="a", url="http://a2", role=Role.BOTH, model="m", weight=3.0))
+    assert fleet.views(["a"], {"a": load})[0].spec.weight == 3.0
+    fleet.remove("a")
+    assert fleet.views(["a"], {"a": load}) == []
