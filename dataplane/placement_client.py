@@ -169,7 +169,7 @@ class PlacementClient:
         # the FIRST_TOKEN reports held with them, by request id.
         self._folds_place = False
         self._notices: dict[str, tuple[pb.DataPlaneMessage, float]] = {}
-        self._held_firsts: dict[str, pb.DataPlaneMessage] = {}
+        self._held_firsts: dict[str, pb.LifecycleEvent] = {}
         self._notice_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._holding: list | None = None    # reports held for company by _outgoing
@@ -332,8 +332,9 @@ class PlacementClient:
         """Queue a held notice as it stands, then the FIRST_TOKEN held with it."""
         assert self._queue is not None
         self._queue.put_nowait(notice)
-        first = self._held_firsts.pop(rid, None) if self._held_firsts else None
-        if first is not None:
+        event = self._held_firsts.pop(rid, None) if self._held_firsts else None
+        if event is not None:
+            first = pb.DataPlaneMessage(event=event)
             self._queue.put_nowait(first)
             self._first_unsent[rid] = first
 
@@ -385,7 +386,7 @@ class PlacementClient:
             first_held = rid in self._held_firsts
             if kind == pb.EVENT_FIRST_TOKEN:
                 self._notices[rid] = held          # (its place among the held ones is kept)
-                self._held_firsts[rid] = pb.DataPlaneMessage(event=event)
+                self._held_firsts[rid] = event    # (wrapped in a message only if it goes alone)
                 return
             if kind in _ENDINGS and (kind == pb.EVENT_FINISHED or not first_held):
                 self._live.discard(rid)
