@@ -240,8 +240,8 @@ class EngineResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one request at a time (no pipelining)."""
 
-    __slots__ = ("client", "host", "loop", "transport", "fd", "_parser", "_resp", "_head", "_reason", "_read_timer",
-                 "_total_timer", "_last_rx", "_head_bytes", "_interim", "got_bytes", "complete",
+    __slots__ = ("client", "host", "loop", "transport", "fd", "poller", "_parser", "_resp", "_head", "_reason",
+                 "_read_timer", "_total_timer", "_last_rx", "_head_bytes", "_interim", "got_bytes", "complete",
                  "keep_alive", "lost", "paused", "reused", "reset_unread", "idle_since")
 
     def __init__(self, client: EngineClient, host: _Host) -> None:
@@ -252,6 +252,7 @@ class _Connection(asyncio.Protocol):
         # set, since nothing else runs before it (``is None`` still tells a failed connect).
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.fd = -1
+        self.poller: select.poll | None = None   # its socket's readability, checked before each reuse
         self._parser = httptools.HttpResponseParser(self)
         self._resp: EngineResponse | None = None
         self._head: asyncio.Future | None = None
@@ -278,6 +279,8 @@ class _Connection(asyncio.Protocol):
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.fd = sock.fileno()
+            self.poller = select.poll()     # made once: a poll object per check was half its cost
+            self.poller.register(self.fd, select.POLLIN)
         self.client._conns.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -467,15 +470,12 @@ def _encode_headers(headers: Mapping[str, str] | list[tuple[str, str]] | tuple[t
     return text.encode("utf-8", "surrogateescape")
 
 
-def _readable(fd: int) -> bool:
+def _readable(poller: select.poll | None) -> bool:
     """An idle connection with something to read: the engine closed it (EOF) or broke the
     protocol; either way it cannot carry a request. The event loop would see it only at
-    its next poll, after we had written a request into it."""
-    if fd < 0:
-        return False
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
+    its next poll, after we had written a request into it. (``poller``: the connection's,
+    on its socket; None without one.)"""
+    return poller is not None and bool(poller.poll(0))
 
 
 class EngineClient:
@@ -585,7 +585,7 @@ class EngineClient:
         while host.idle:
             conn = host.idle.pop()
             if (not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < self.keepalive_s
-                    and not _readable(conn.fd)):
+                    and not _readable(conn.poller)):
                 conn.reused = True
                 return conn
             conn.drop()
