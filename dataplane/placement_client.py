@@ -582,6 +582,7 @@ class PlacementClient:
             msg = queue.get_nowait()
             if msg is not None and _report_like(msg):
                 self._keep(msg)
+        self._first_unsent.clear()   # (kept as they are: nothing folds into them on the next session)
 
     def _keep(self, msg: pb.DataPlaneMessage) -> None:
         self._unsent.append(msg)

@@ -317,7 +317,7 @@ async def test_held_notices_go_as_they_stand_when_the_session_ends():
                 for m in pc._unsent]
         assert kept == [("place", "r1", False), ("event", "r1", False), ("place", "r2", False), ("event", "r2", False)]
         assert pc._unsent[1].event.completion_tokens == 3 and pc._unsent[3].event.kind == pb.EVENT_FIRST_TOKEN
-        assert not pc._notices
+        assert not pc._notices and not pc._first_unsent    # nothing folds into what the next session sends
     finally:
         await pc.close()
 
