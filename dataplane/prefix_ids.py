@@ -61,7 +61,9 @@ threads); the trie's bookkeeping holds a lock, the encode does not.
 Pieces: the rest in one batch
 =============================
 What is not cached (all of a text no earlier prompt had) is encoded as its chunks, the same
-safe cuts, in ONE ``encode_batch_fast`` call, and the ids are joined; ``max_ids=0`` keeps no
+safe cuts, in ONE ``encode_batch`` call, and the ids are joined (the data plane's tokenizer
+passes :class:`dataplane.encode_pool.EncodePool`'s: slices of the pieces on its threads, the
+smallest call first, rayon off); ``max_ids=0`` keeps no
 cache but still encodes in pieces (``--tokenizer-prefix-cache 0``). Two gains, measured with
 ``bench/tokenize_cost.py --pieces`` (2 cores, lines of pseudo-English, prompts of 10k-70k tokens,
 three runs at host loads 5-13):
@@ -80,11 +82,12 @@ three runs at host loads 5-13):
   end and consolidated into glibc's bins; a 1k-character piece's few hundred are freed before
   the next piece starts, which then reuses the same hot blocks. With jemalloc preloaded the
   whole encode itself costs ~0.6x glibc's, and pieces then save only ~0.88x.
-* **Every core for one prompt**: the Rust tokenizer runs a batch's items on its rayon threads,
-  so one 70k-token prompt is encoded on both cores while the calling thread waits with the GIL
-  released (wall 0.40-0.76x a whole encode at load 5). The pieces must go in ONE call: with the
-  threads on, one ``encode_batch_fast`` call per piece hands each piece to the pool separately
-  and cost 0.82-1.11x a whole encode's CPU, no gain.
+* **Every core for one prompt**: a batch's items run in parallel, so one 70k-token prompt is
+  encoded on both cores while the calling thread waits with the GIL released (wall 0.40-0.76x
+  a whole encode at load 5, measured with the Rust tokenizer's rayon threads). With rayon on,
+  one ``encode_batch_fast`` call per piece handed each piece to the pool separately and cost
+  0.82-1.11x a whole encode's CPU, no gain; the encode pool's slices run with rayon off, each
+  on one thread, one slice after another.
 
 A text under ``async_threshold_chars`` (2,000) is encoded whole, inline: no cut, no books.
 """

@@ -19,7 +19,7 @@ Loading::
     file path), ``default_chat_template_kwargs`` (``--default-chat-template-kwargs``),
     ``exclude_tools_when_tool_choice_none`` and ``chat_template_content_format`` (same flags),
     ``async_threshold_chars`` (default 2000),
-    ``workers`` (threads that tokenize long prompts; default: one per CPU core, at most 4),
+    ``workers`` (threads that encode long prompts' slices; default: one per CPU core, at most 4),
     ``executor`` (for :meth:`encode_async` and friends, instead of those threads),
     ``prefix_cache_ids`` (ids of text prefixes kept for reuse, default 4,000,000; 0 = none:
     a text of ``async_threshold_chars`` or more encodes only what follows the longest prefix
@@ -56,8 +56,12 @@ Async (off the event loop above ``async_threshold_chars``)::
     (see ``bench/tokenize_cost.py``). Long inputs go to the tokenizer's own threads through
     ``encode_batch_fast``/``encode_batch``, which release the GIL while the Rust code runs
     (``Tokenizer.encode`` does not: from a thread it would still stall the loop), so a burst of
-    long prompts is tokenized in parallel, one per core, first come first served, while the loop
-    serves everything else. One thread per core, not the loop's default executor (6 threads on 2
+    long prompts is tokenized in parallel while the loop serves everything else. A long prompt's
+    Python bookkeeping runs on one of ``WAITING_THREADS`` threads, which waits while its pieces
+    are encoded in ~4k-character slices on ``workers`` threads, one per core, the smallest
+    prompt's slices first (:mod:`dataplane.encode_pool`; the Rust tokenizer's rayon threads are
+    off): a short prompt of a burst starts within a slice, not after every long one before it.
+    One encoding thread per core, not the loop's default executor (6 threads on 2
     cores, shared with hashing and start-up work): a burst of 18 prompts time-shared over more
     threads than cores finished every prompt late instead of the first ones early, and stalled
     the loop longer. A process pool was measured as the alternative (``bench/tokenize_cost.py
@@ -124,6 +128,7 @@ from dataplane.chat_template import (
     select_template,
     supports_developer_role,
 )
+from dataplane.encode_pool import EncodePool, rayon_off
 from dataplane.prefix_ids import DEFAULT_MAX_IDS, PrefixIds, cut_plan
 
 __all__ = ["ChatTemplateError", "TokenizeError", "Tokenizer", "UnsupportedContent", "DEFAULT_ASYNC_THRESHOLD_CHARS"]
@@ -132,8 +137,14 @@ DEFAULT_ASYNC_THRESHOLD_CHARS = 2000
 
 
 def default_workers() -> int:
-    """Tokenizing threads: one per core (the encode is CPU-bound Rust), at most 4."""
+    """Encoding threads: one per core (the encode is CPU-bound Rust), at most 4."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+# Threads that take long prompts off the loop: each does a prompt's Python bookkeeping and waits
+# (GIL released) for its slices (dataplane.encode_pool); so many that a prompt of a burst never
+# waits for one to start.
+WAITING_THREADS = 16
 
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -271,14 +282,16 @@ class Tokenizer:
         backend.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
         # encode_batch_fast (tokenizers >= 0.21) skips offsets; both release the GIL.
         self._encode_batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+        # Long texts' pieces on the tokenizer's own threads, smallest prompt first, rayon off.
+        rayon_off()
+        self._slices = EncodePool(lambda texts, **kw: self._encode_batch(texts, **kw), self.workers)
         # Ids of text prefixes tokenized before (dataplane.prefix_ids), and the rest encoded in
         # pieces in one batch, for texts of async_threshold_chars or more, when this tokenizer's
         # pipeline can be cut exactly (prefix_cache_ids=0: pieces, no cache).
         self.prefix_ids: PrefixIds | None = None
         plan = cut_plan(backend, self._encode_batch, name)
         if plan is not None:
-            self.prefix_ids = PrefixIds(plan, lambda texts, **kw: self._encode_batch(texts, **kw),
-                                        max_ids=prefix_cache_ids)
+            self.prefix_ids = PrefixIds(plan, self._slices.encode_batch, max_ids=prefix_cache_ids)
 
     # ------------------------------------------------------------------ construction
 
@@ -474,20 +487,24 @@ class Tokenizer:
         # cheaper on this machine, so it is used inline too. A long text reuses the ids of a
         # prefix tokenized before and encodes the rest in pieces, one batch (same ids:
         # dataplane.prefix_ids); a short one is encoded whole and keeps no books.
+        if len(text) < self.async_threshold_chars:
+            return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         reuse = self.prefix_ids
-        if reuse is not None and len(text) >= self.async_threshold_chars:
+        if reuse is not None:
             return reuse.encode(text, add_special_tokens)
-        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._slices.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _threads(self) -> Executor:
         if self.executor is not None:
             return self.executor
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="omni-tokenize")
+            self._pool = ThreadPoolExecutor(max_workers=WAITING_THREADS, thread_name_prefix="omni-tokenize")
         return self._pool
 
     def close(self) -> None:
-        """Stop the tokenizing threads (an ``executor`` passed in is the caller's to close)."""
+        """Stop the tokenizing threads (an ``executor`` passed in is the caller's to close); the
+        synchronous calls still work, on the calling thread."""
+        self._slices.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -10,11 +10,13 @@ is rendered once per request. Orderings and barriers, no timings.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import orjson
 import pytest
 
 from dataplane import tokenizer as tokenizer_module
+from dataplane.encode_pool import EncodePool
 from dataplane.prefix import PROCESS_MIN_BLOCKS, PrefixHasher
 from dataplane.prompt import PromptProcessor
 from dataplane.requests import CHAT, COMPLETIONS, ClientRequest, parse_request
@@ -79,7 +81,7 @@ async def test_the_loop_serves_a_short_request_while_a_long_one_is_tokenized(tok
     gate = threading.Event()
     events = gate_long_encodes(tok, lambda: gate.wait(GATE_S))
     prompts = PromptProcessor(tok)
-    text = long_text(1)
+    text = long_text(1, 2)      # one slice of the encoding threads (dataplane.encode_pool)
     long_req, short_req = completion(text), completion("A short prompt stays on the fast path.")
     long_task = asyncio.ensure_future(prompts.process(long_req))
     await wait_until(lambda: "long entered" in events, what="the long prompt inside the tokenizer")
@@ -92,6 +94,43 @@ async def test_the_loop_serves_a_short_request_while_a_long_one_is_tokenized(tok
     assert events == ["long entered", "short tokenized", "long tokenized"]
     assert short_req.token_ids == tok.encode_prompt("A short prompt stays on the fast path.")
     assert long_req.token_ids == tok.encode_prompt(text)
+
+
+async def test_a_short_prompt_is_encoded_before_a_long_ones_remaining_slices():
+    """One encoding thread, held in a long prompt's first slice: a shorter prompt queued after
+    the long one's other slices runs as soon as that slice ends (earliest expected end first);
+    one that comes later than the long prompt's own expected encode time waits for it."""
+    import asyncio
+
+    gate = threading.Event()
+    order: list[str] = []
+
+    def encode_batch(texts, add_special_tokens=True):  # type: ignore[no-untyped-def]
+        order.append(texts[0][0])
+        if len(order) == 1:
+            gate.wait(GATE_S)               # the first slice is held
+        return [SimpleNamespace(ids=[len(t)]) for t in texts]
+
+    now = [0.0]
+    pool = EncodePool(encode_batch, workers=1, slice_chars=100, s_per_char=0.001, clock=lambda: now[0])
+    loop = asyncio.get_running_loop()
+    try:   # the long prompt's key: 0 + 500 chars x 1 ms = 0.5 s
+        long_f = loop.run_in_executor(None, pool.encode_batch, ["L" * 100] * 5, False)
+        await wait_until(lambda: order == ["L"] and len(pool._heap) == 4, what="the long prompt's first slice held")
+        now[0] = 0.3      # 0.3 + 0.15 s: before the long one's end
+        short_f = loop.run_in_executor(None, pool.encode_batch, ["S" * 150], False)
+        await wait_until(lambda: len(pool._heap) == 5, what="the short prompt queued")
+        now[0] = 0.4      # 0.4 + 0.15 s: after it
+        late_f = loop.run_in_executor(None, pool.encode_batch, ["T" * 150], False)
+        await wait_until(lambda: len(pool._heap) == 6, what="the late prompt queued")
+        gate.set()
+        long_out, short_out, late_out = await asyncio.gather(long_f, short_f, late_f)
+    finally:
+        gate.set()
+        pool.close()
+    assert order == ["L", "S", "L", "L", "L", "L", "T"]
+    assert [e.ids for e in long_out] == [[100]] * 5 and [e.ids for e in short_out] == [[150]] == \
+        [e.ids for e in late_out]
 
 
 async def test_a_burst_of_long_prompts_is_tokenized_in_parallel(tok):
@@ -153,5 +192,8 @@ async def test_a_chat_template_is_rendered_once_per_request(tok, monkeypatch, si
     req = chat(long_text(5) if size == "long" else "Hello there.")
     await PromptProcessor(tok).process(req)
     loop_thread = threading.current_thread().name
-    assert req.token_ids and renders == [loop_thread] and len(encodes) == 1
-    assert (encodes[0] == loop_thread) is (size == "short")
+    assert req.token_ids and renders == [loop_thread] and encodes
+    if size == "short":
+        assert encodes == [loop_thread]
+    else:                   # in slices, on the encoding threads
+        assert loop_thread not in encodes

@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import threading
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from dataplane import prefix_ids as prefix_module
+from dataplane.encode_pool import DEFAULT_SLICE_CHARS, slices
 from dataplane.prefix_ids import CutPlan, PrefixIds, cut_plan, cuts
 from dataplane.tokenizer import Tokenizer
 
@@ -236,10 +238,11 @@ def _recording(tok: Tokenizer, calls: list[int]) -> None:
     tok._encode_batch = record
 
 
-def test_a_long_prompt_is_encoded_in_pieces_in_one_batch_and_a_short_one_whole(tmp_path):
+def test_a_long_prompt_is_encoded_in_pieces_in_slices_and_a_short_one_whole(tmp_path):
     """With the cache off (``prefix_cache_ids=0``) a long prompt still goes to the Rust tokenizer
-    as ~1k-character pieces in one call (its threads take them in parallel), and the ids equal
-    the whole encode's; a short prompt is one text, one call."""
+    as ~1k-character pieces, in slices of ~8k characters (dataplane.encode_pool: the encoding
+    threads take them in parallel), and the ids equal the whole encode's; a short prompt is one
+    text, one call."""
     tok = Tokenizer.from_dir(build("tiny_llama", tmp_path / "t"), prefix_cache_ids=0)
     ref = Tokenizer.from_dir(build("tiny_llama", tmp_path / "r"), prefix_cache_ids=0)
     try:
@@ -248,8 +251,10 @@ def test_a_long_prompt_is_encoded_in_pieces_in_one_batch_and_a_short_one_whole(t
         _recording(tok, calls)
         long = "".join(f"Line {i}: words about item {i}, then more words.\n" for i in range(1500))
         assert tok.encode_prompt(long) == whole(ref, long, True)
-        assert calls == [len(cuts(long, tok.prefix_ids.min_chunk_chars)) + 1]
-        assert calls[0] >= len(long) // 2048
+        bounds = [0, *cuts(long, tok.prefix_ids.min_chunk_chars), len(long)]
+        pieces = [long[a:b] for a, b in pairwise(bounds)]
+        assert calls == [len(s) for s in slices(pieces, DEFAULT_SLICE_CHARS)]
+        assert len(calls) > 5
         assert tok.prefix_ids.ids_held == 0 and tok.prefix_ids.stats.ids_reused == 0
         calls.clear()
         short = "hello\nworld " * 10
