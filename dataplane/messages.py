@@ -194,11 +194,23 @@ class StreamResponse:
             self._conn.start_stream(request, self)
 
     async def write(self, data: bytes) -> None:
+        if self.write_nowait(data):
+            await self.drain()
+
+    def write_nowait(self, data: bytes) -> bool:
+        """``write`` without its coroutine, for the per-chunk path (a coroutine per chunk was
+        ~0.35 us of each of a streamed answer's chunks): True when the client reads slower
+        than we write, and the caller must ``await drain()`` before the next chunk."""
         conn = self._conn
         if conn is None:
             raise RuntimeError("StreamResponse.write() before prepare()")
         conn.write_chunk(self, data)
-        if conn.write_paused:
+        return conn.write_paused
+
+    async def drain(self) -> None:
+        """Until the client has read enough of what was written (at once when it has)."""
+        conn = self._conn
+        if conn is not None and conn.write_paused:
             await conn.drain()
 
     async def write_eof(self) -> None:

@@ -83,7 +83,8 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
                 sent.add(chunk)
             else:
                 events += chunk.count(_EVENT_END)
-            await out.write(chunk)
+            if out.write_nowait(chunk):      # (no coroutine per chunk)
+                await out.drain()
             before_last, last = last, chunk
         if tail:   # the engine ended without a blank line after its last event
             await out.write(tail)
