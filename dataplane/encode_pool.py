@@ -9,7 +9,7 @@ slices of about ``slice_chars`` and queued by the call's expected end if it ran 
 came plus its size times ``s_per_char`` (about one core's encode time). Each slice runs on one
 of ``workers`` threads (one per core) with rayon off (``TOKENIZERS_PARALLELISM=false``: the
 encode runs in the calling thread, GIL released). A short prompt that comes while a long one
-is encoded thus starts as soon as a slice ends (~1-1.5 ms of CPU at 4k characters), and one
+is encoded thus starts as soon as a slice ends (~2-3 ms of CPU at 8k characters), and one
 long prompt alone still gets every core, slice by slice. Shortest first by size alone starved
 the long prompts while a loaded host kept shorter ones coming (``bench/burst.py`` at 2x, host
 load 10: tokenized p99 2.5-4.0 s against 0.8-1.0 s first come, first served); with the arrival
@@ -31,9 +31,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-# About 1,700 tokens of English-like text: a slice is ~1-1.5 ms of one core's CPU, the longest
-# a short prompt waits for a thread in a burst.
-DEFAULT_SLICE_CHARS = 4096
+# About 3,500 tokens of English-like text: a slice is ~2-3 ms of one core's CPU, the longest
+# a short prompt waits for a thread in a burst. Each slice costs a thread wake-up and a GIL
+# acquisition; 4,096 cost the data plane 0.3-1.2 ms more CPU per request at 2x (bench/burst.py,
+# docs/benchmarks/burst_text.md) with no clear gain in latency.
+DEFAULT_SLICE_CHARS = 8192
 # The key's weight of a character: ~0.5 µs, one core's encode of DeepSeek's tokenizer (about
 # 1 µs a token, 2.3 characters a token, pieces 0.7x).
 DEFAULT_S_PER_CHAR = 0.5e-6

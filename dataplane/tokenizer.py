@@ -58,7 +58,7 @@ Async (off the event loop above ``async_threshold_chars``)::
     (``Tokenizer.encode`` does not: from a thread it would still stall the loop), so a burst of
     long prompts is tokenized in parallel while the loop serves everything else. A long prompt's
     Python bookkeeping runs on one of ``WAITING_THREADS`` threads, which waits while its pieces
-    are encoded in ~4k-character slices on ``workers`` threads, one per core, the smallest
+    are encoded in ~8k-character slices on ``workers`` threads, one per core, the smallest
     prompt's slices first (:mod:`dataplane.encode_pool`; the Rust tokenizer's rayon threads are
     off): a short prompt of a burst starts within a slice, not after every long one before it.
     One encoding thread per core, not the loop's default executor (6 threads on 2
