@@ -148,37 +148,6 @@ def test_with_hold_frac_a_request_bound_at_once_counts_in_the_queues_own_estimat
     assert not q.should_hold(later, _view("a", 16000))   # ~0.9 s left: bound
 
 
-def test_with_hold_frac_sticky_an_engine_stays_behind_until_none_is_held_for_it():
-    """Released at the gate, the held requests would race new arrivals that bind at once below
-    it; sticky, once one is held for an engine, every request for it is held down to hold_s
-    (as without the gate) until none is held for it any more."""
-    predictor = _predictor("a")
-    q = HoldQueue(hold_s=0.15, hold_frac=0.5, hold_frac_sticky=True, bind_affine=False, bind_long_s=0.0)
-
-    def ctx(rid: str) -> PlacementContext:
-        c = _ctx(predictor, rid, 1000, 100.0)
-        c.ttft_slo_s = 1.0                                   # gate: 0.5 s of work ahead
-        return c
-
-    assert not q.should_hold(ctx("below"), _view("a", 3000))      # 0.3 s ahead: bound at once
-    q._busy_until.clear()                                         # (judge by the ledger alone here)
-    assert q.should_hold(ctx("behind"), _view("a", 8000))         # 0.8 s: held, a is behind
-    q._busy_until.clear()
-    assert q.should_hold(ctx("new"), _view("a", 3000))            # 0.3 s, but a is behind: held
-    q._busy_until.clear()
-    assert q.should_hold(ctx("behind"), _view("a", 2000))         # 0.2 s: still above hold_s
-    q._busy_until.clear()
-    assert not q.should_hold(ctx("behind"), _view("a", 1000))     # 0.1 s: released
-    q.forget("new")                                               # placed elsewhere, or gone
-    q._busy_until.clear()
-    assert not q.should_hold(ctx("next"), _view("a", 3000))       # none held for a: the gate again
-    # Not sticky: the held ones and new arrivals alike bind below the gate.
-    plain = HoldQueue(hold_s=0.15, hold_frac=0.5, bind_affine=False, bind_long_s=0.0)
-    assert plain.should_hold(ctx("behind"), _view("a", 8000))
-    plain._busy_until.clear()
-    assert not plain.should_hold(ctx("new"), _view("a", 3000))
-
-
 def test_hold_frac_must_not_be_negative():
     with pytest.raises(ValueError, match="hold_frac"):
         HoldQueue(hold_frac=-0.5)

@@ -160,12 +160,15 @@ POLICIES: dict[str, dict[str, Any]] = {
     # picker's preference among near-equal engines: no ``slo`` filter, see SLOFilter);
     # every request bound to an engine on arrival.
     "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
-    # The same with late binding in the control plane's queue (Omni's request holding). Opt-in:
-    # no set of the queue's rules measured yet is at or above the same policy without it on every
-    # workload shape (mixed traffic at 4x, PD 2:2 at 3x; docs/benchmarks/pd_queue.md, sixth
-    # session), and the default must never lose to the same policy without it.
+    # The same with late binding in the control plane's queue (Omni's request holding), only
+    # while the best engine has more than a quarter of the request's TTFT target of work ahead
+    # (``hold_frac``; bound at once below: PD 2:2 at 3x is level with it, 4-5 points below
+    # without). Opt-in: it gains 4-16 points at overload on most shapes but is still below the
+    # same policy without it on mixed chat and summaries at 4x (73.4 against 76.8 % over 11
+    # pairs; docs/benchmarks/pd_queue.md, seventh session), and the default must never lose to
+    # the same policy without it.
     "predicted_latency_queued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
-                                 "queue": {"name": "omni"}},
+                                 "queue": {"name": "omni", "hold_frac": 0.25}},
 }
 
 

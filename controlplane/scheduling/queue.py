@@ -3,8 +3,9 @@
 Committing a request to an engine the moment it arrives piles a burst into engine queues
 that are first come, first served, and the engine that frees up first is rarely the one
 that was chosen. With this stage a request whose best engine is predicted to be busy for
-longer than ``hold_s`` waits in the control plane instead, and is bound to an engine only
-when one can start it soon. Waiting requests are ordered by Omni's weight of shortness and
+longer than ``hold_s`` (with ``hold_frac``, and than that fraction of the request's own TTFT
+target) waits in the control plane instead, and is bound to an engine only when one can start
+it soon. Waiting requests are ordered by Omni's weight of shortness and
 waiting time (0.8 / 0.2), which is what gains when not all can make it; with
 ``on_time_first`` (off) those held for an engine that finishes all of them within
 ``starvation_s`` go first come, first served. A request that has waited ``starvation_s``
@@ -70,15 +71,10 @@ class HoldQueue:
     on_time_first: bool = False
     # Hold only while the best engine's work ahead exceeds this fraction of the request's own
     # TTFT budget (its X-SLO-TTFT-Ms, else the deployment's [slo] ttft_ms, else the scorer's
-    # default target), and never below hold_s (see _threshold). 0: hold_s alone.
+    # default target), and never below hold_s (see _threshold). 0: hold_s alone; the built-in
+    # predicted_latency_queued sets 0.25.
     hold_frac: float = 0.0
-    # With hold_frac: an engine a request is held for stays behind until none is held for it,
-    # and meanwhile requests for it are held down to hold_s (see _threshold).
-    hold_frac_sticky: bool = False
     name: str = "omni"
-    # per request held: the engine it is held for; per engine: how many are held for it
-    _held_for: dict[str, str] = field(default_factory=dict, repr=False)
-    _held_n: dict[str, int] = field(default_factory=dict, repr=False)
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
     # per request held: the prompt tokens its best engine would compute, and which (see take_work)
@@ -140,7 +136,7 @@ class HoldQueue:
         if len(self._rate) >= 65536 and wid not in self._rate:
             self._rate.clear()
         self._rate[wid] = s_per_token
-        threshold = self._threshold(ctx, wid)
+        threshold = self._threshold(ctx)
         if ahead > threshold and busy_until - now > threshold and not self._affine(ctx, wid, s_per_token) \
                 and not self._long(ctx, wid, s_per_token):
             return self._held(ctx, wid)
@@ -150,7 +146,7 @@ class HoldQueue:
         self._busy_until[wid] = (busy_until if busy_until > now else now) + s_per_token * ctx.uncached_tokens(wid)
         return False
 
-    def _threshold(self, ctx: PlacementContext, wid: str) -> float:
+    def _threshold(self, ctx: PlacementContext) -> float:
         """The work ahead beyond which the request is held: ``hold_s``, or with ``hold_frac``
         that fraction of the request's TTFT budget if more.
 
@@ -160,12 +156,15 @@ class HoldQueue:
         against 93.7 % not held). Reordering pays only when not every request can make it,
         i.e. when the engine is behind by a part of the request's own budget. The budget is
         the request's (``ttft_slo_s``: its X-SLO-TTFT-Ms, else the deployment's [slo]), else
-        the scorer's default target. With ``hold_frac_sticky`` an engine a request is held
-        for stays behind (``hold_s``) until none is held for it, so held requests are not
-        overtaken by arrivals that bind at once below the gate
-        (docs/benchmarks/pd_queue.md, seventh session).
+        the scorer's default target. A quarter (``predicted_latency_queued``) kept the gains at
+        overload and brought that cell level (92.5 % held against 93.0 over 8 runs each); half
+        or three quarters of it bound so much at once that the control plane had little left
+        to reorder (one shared system prompt at 16x: 43-53 % against 57-59 with a quarter).
+        Holding every request for an engine down to ``hold_s`` once one is held for it lost
+        22-26 points on mixed chat and summaries at 4x (docs/benchmarks/pd_queue.md, seventh
+        session).
         """
-        if not self.hold_frac or (self.hold_frac_sticky and self._held_n.get(wid)):
+        if not self.hold_frac:
             return self.hold_s
         budget = ctx.ttft_slo_s or TTFT_TARGET_S
         return max(self.hold_s, self.hold_frac * budget)
@@ -207,13 +206,6 @@ class HoldQueue:
         if len(self._work) >= 65536:
             self._work.clear()
         work = self._work[ctx.request_id] = HeldWork(ctx.uncached_tokens(wid), wid)
-        if self.hold_frac_sticky:
-            self._unheld(ctx.request_id)
-            if len(self._held_for) >= 65536:
-                self._held_for.clear()
-                self._held_n.clear()
-            self._held_for[ctx.request_id] = wid
-            self._held_n[wid] = self._held_n.get(wid, 0) + 1
         if self.show_held and ctx.predictor is not None:
             self._publish(ctx.predictor, ctx.request_id, work)
         return True
@@ -249,19 +241,8 @@ class HoldQueue:
         predictor.held[request_id] = (work.worker, work.tokens)
         predictor.model(work.worker).held_tokens += work.tokens
 
-    def _unheld(self, request_id: str) -> None:
-        wid = self._held_for.pop(request_id, None)
-        if wid is not None:
-            n = self._held_n.get(wid, 0) - 1
-            if n > 0:
-                self._held_n[wid] = n
-            else:
-                self._held_n.pop(wid, None)
-
     def forget(self, request_id: str) -> None:
         """The request is no longer held (placed, or gone): its work leaves the prediction."""
-        if self._held_for:
-            self._unheld(request_id)
         predictor = self._predictor
         if predictor is None:
             return
