@@ -5,13 +5,14 @@
     python bench/tokenize_cost.py --reuse 8 [--reps 5]
     python bench/tokenize_cost.py --pieces 1024,2048,4096 [--reps 5]
 
-``--pieces SIZES``: prompts of about 10k, 30k and 70k tokens (lines of pseudo-English, no
-prefix to reuse) encoded whole and cut at the prefix-id cache's safe cuts into pieces of at
-least each size, the pieces in one ``encode_batch_fast`` call ("batch": the Rust tokenizer's
-threads take them in parallel) and one call per piece ("one by one": the same pieces on one
-thread, which separates a piece's lower cost from the parallelism). Interleaved, the order
-rotated each round, ids checked equal; wall and process CPU (every thread) per prompt, median of
-``--reps`` rounds.
+``--pieces SIZES``: prompts of about 10k, 30k and 70k tokens (lines of pseudo-English, no prefix
+to reuse) encoded whole and cut at the prefix-id cache's safe cuts into pieces of at least each
+size, the pieces in one ``encode_batch_fast`` call ("batch": the Rust tokenizer's threads take
+them in parallel only with ``TOKENIZERS_PARALLELISM=true`` set: the data plane's tokenizer turns
+them off by default, ``dataplane/encode_pool.py``) and one call per piece ("one by one": the
+same pieces on one thread, which separates a piece's lower cost from the parallelism).
+Interleaved, the order rotated each round, ids checked equal; wall and process CPU (every
+thread) per prompt, median of ``--reps`` rounds.
 
 ``--reuse T``: a conversation of T turns (each resends the earlier ones, ~6k characters more a
 turn, lines of pseudo-English), every turn tokenized whole (``prefix_cache_ids=0``) and through
