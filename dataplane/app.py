@@ -388,9 +388,11 @@ class DataPlane:
         """The prompt's block-hash chain, when the control plane places by prefix cache; with
         the adapter's key when the request names a LoRA adapter a worker serves."""
         path = self.placements.fallback.lora_path(req.model)
+        done = req.token_ids_json    # the ids' JSON, if it is of these ids (a recompute grows them)
         req.block_hashes = await self.prefix.chain(self.placements.info.kv_hash, req.token_ids,
                                                    req.body.get("cache_salt"),
-                                                   (req.model, path) if path is not None else None)
+                                                   (req.model, path) if path is not None else None,
+                                                   ids_json=done[1] if done and done[0] is req.token_ids else None)
 
     async def _run_flow(self, ctx: FlowContext, placement: pb.Placement, flow) -> Response | StreamResponse:
         """Run the flow; when D hands the request back ("recomputed"), re-place and go on."""

@@ -47,7 +47,12 @@ class PromptProcessor:
             body["prompt"] = prompts[0] if len(prompts) == 1 else prompts
             body.pop("add_special_tokens", None)   # already applied
             req.body = body
-            req.raw = orjson.dumps(body)
+            if req.token_ids is None:
+                req.raw = orjson.dumps(body)
+            else:   # the ids serialized once, for the engine's body and the hashing process
+                ids_json = orjson.dumps(req.token_ids)
+                req.token_ids_json = (req.token_ids, ids_json)
+                req.raw = orjson.dumps({**body, "prompt": orjson.Fragment(ids_json)})
 
 
 def _has_text(prompt) -> bool:

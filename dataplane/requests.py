@@ -44,6 +44,9 @@ class ClientRequest:
     ttft_slo_ms: float = 0.0   # the client's latency targets (X-SLO-TTFT-Ms / X-SLO-TPOT-Ms), 0 = none
     tpot_slo_ms: float = 0.0
     token_ids: list[int] | None = None   # the prompt's token ids, when known (one prompt only)
+    # (those ids, their JSON) when the data plane serialized them into the body: the hashing
+    # process takes the same bytes instead of a second dumps on the loop (dataplane.prefix)
+    token_ids_json: tuple[list[int], bytes] | None = None
     block_hashes: list[int] = field(default_factory=list)   # vLLM hash chain, when placement wants it
 
     @property

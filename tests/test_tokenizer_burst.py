@@ -161,6 +161,9 @@ async def test_ids_and_hash_chain_equal_inline_tokenization(tok, blocks):
             assert req.token_ids == want and req.prompt_tokens == len(want)
             chain = await hasher.chain(CFG, req.token_ids, None)
             assert chain and chain == await hasher.chain(CFG, want, None)
+            if not req.is_chat:     # the body's JSON of the ids, as the data plane hands it to the hasher
+                assert req.token_ids_json is not None and req.token_ids_json[0] is req.token_ids
+                assert await hasher.chain(CFG, req.token_ids, None, ids_json=req.token_ids_json[1]) == chain
         if blocks == 40:
             assert len(inline_completion) // 16 >= PROCESS_MIN_BLOCKS
             assert hasher.process._pool is not None     # the long chain went to the hashing process
@@ -168,6 +171,7 @@ async def test_ids_and_hash_chain_equal_inline_tokenization(tok, blocks):
         req = completion(text)
         await prompts.process(req)
         assert orjson.loads(req.raw)["prompt"] == inline_completion
+        assert req.raw == orjson.dumps(req.body)     # the ids' JSON serialized once, the same bytes
     finally:
         hasher.close()
 
