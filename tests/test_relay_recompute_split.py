@@ -47,6 +47,14 @@ class _Out:
     async def write(self, data):
         self.data += data
 
+    def write_nowait(self, data) -> bool:
+        """The relay's per-chunk write (``StreamResponse.write_nowait``): never paused here."""
+        self.data += data
+        return False
+
+    async def drain(self):
+        pass
+
     async def write_eof(self):
         pass
 
