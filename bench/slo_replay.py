@@ -130,6 +130,7 @@ class Engine:
     kv_events: str
     kv_replay: str
     bootstrap_port: int
+    max_num_seqs: int = 0      # told to our control plane, as an operator would (0: not told)
 
 
 def engine_roles(mode: str, args) -> list[str]:
@@ -157,7 +158,8 @@ def start_engines(group: ProcessGroup, mode: str, args, cost: Cost) -> list[Engi
             "sim", "--host", "127.0.0.1", "--port", "0", "--role", role, "--engine-id", f"sim-{i}",
             *cost.sim_args(speeds[i]), "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rp],
             env={"PYTHONHASHSEED": "0"})
-        return Engine(f"sim-{i}", role, child.url, ev, rp, int(child.info.get("bootstrap_port") or child.port))
+        return Engine(f"sim-{i}", role, child.url, ev, rp, int(child.info.get("bootstrap_port") or child.port),
+                      cost.max_num_seqs)
 
     with concurrent.futures.ThreadPoolExecutor(len(roles)) as pool:
         return list(pool.map(one, range(len(roles)), roles))
@@ -172,6 +174,8 @@ def start_ours(group: ProcessGroup, policy: str, mode: str, engines: list[Engine
     specs: list[str] = []
     for e in engines:
         spec = f"{e.url},role={e.role},id={e.name},kv_events={e.kv_events},kv_replay={e.kv_replay}"
+        if e.max_num_seqs:
+            spec += f",max_num_seqs={e.max_num_seqs}"
         if e.role == "prefill":
             spec += f",bootstrap_port={e.bootstrap_port}"
         specs += ["--worker", spec]

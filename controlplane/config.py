@@ -80,7 +80,7 @@ PARALLEL_PROTOCOLS = ("sglang", "mooncake")
 LORA_KEY_FORMATS = ("tuple", "name")
 MAX_DP_SIZE = 1024
 WORKER_KEYS = ("url", "role", "model", "weight", "id", "bootstrap_port", "labels", "kv_events", "kv_replay",
-               "dp_size")
+               "dp_size", "max_num_seqs")
 SHARED_KEYS = ("branches", "lookahead", "max_entries")
 PROFILE_KEYS = ("filters", "scorers", "picker", "queue", "candidates", "shared", "dp_rank")
 
@@ -347,14 +347,18 @@ class WorkerSpec:
         kv_replay = v.kv_endpoint(data.get("kv_replay", ""), f"{where}.kv_replay", dp_size)
         if kv_replay and not kv_events:
             raise ValueError(f"{where}.kv_replay needs {where}.kv_events: replay only fills gaps in a live stream")
+        labels = _labels(data.get("labels"), f"{where}.labels")
+        if "max_num_seqs" in data:
+            # The engine's --max-num-seqs, for the TTFT prediction's seat wait (prediction.seats_of):
+            # kept as the label an engine's registration could carry as well.
+            labels["max_num_seqs"] = str(v.int_range(data["max_num_seqs"], f"{where}.max_num_seqs", 1, 1 << 20))
         return cls(url=v.url(data["url"], f"{where}.url"), role=parsed_role,
                    model=v.text(data.get("model", ""), f"{where}.model"),
                    weight=v.weight(data.get("weight", 1.0), f"{where}.weight"),
                    id=v.worker_id(data.get("id", ""), f"{where}.id", allow_empty=True),
                    bootstrap_port=v.int_range(data.get("bootstrap_port", 0), f"{where}.bootstrap_port",
                                               0, v.MAX_PORT),
-                   labels=_labels(data.get("labels"), f"{where}.labels"),
-                   kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size, where=where)
+                   labels=labels, kv_events=kv_events, kv_replay=kv_replay, dp_size=dp_size, where=where)
 
     @classmethod
     def parse_flag(cls, text: str, role: Role | None = None, flag: str = "--worker") -> WorkerSpec:
@@ -381,7 +385,7 @@ def _flag_value(key: str, value: str, where: str) -> Any:
     try:
         if key == "weight":
             return float(value)
-        if key in ("bootstrap_port", "dp_size"):
+        if key in ("bootstrap_port", "dp_size", "max_num_seqs"):
             return int(value)
     except ValueError:
         raise ValueError(f"{where}.{key} must be a number, got {v.show(value)}") from None

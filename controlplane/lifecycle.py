@@ -147,8 +147,9 @@ class Lifecycle:
             return
         for charge in record.charges:
             if charge.leg != "prefill":
-                tpot_s = (event.latency_ms - event.ttft_ms) / 1000 / (n - 1)
-                self.predictor.observe_tpot(charge.worker_id, record.decode_batch, tpot_s)
+                decode_s = (event.latency_ms - event.ttft_ms) / 1000
+                self.predictor.observe_tpot(charge.worker_id, record.decode_batch, decode_s / (n - 1))
+                self.predictor.observe_decode(charge.worker_id, decode_s)   # how long a seat is held
                 return
 
     def _note_failure(self, event: pb.LifecycleEvent) -> None:

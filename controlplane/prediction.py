@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -181,6 +181,31 @@ class PredictionDefaults:
     tpot_s_per_request: float = 5e-4
     kv_pull_s_per_token: float = 5e-6
     half_life: float = 64.0
+    # Sequences an engine runs at once when neither its worker spec (label ``max_num_seqs``)
+    # nor its engine facts (``engine.max_num_seqs``) say: vLLM V1's default on most GPUs
+    # (1024 on 70+ GiB GPUs, 128 on some others; SGLang sizes --max-running-requests from
+    # the KV pool). See ``seats_of``.
+    max_num_seqs: int = 256
+
+
+SEATS_LABELS = ("max_num_seqs", "engine.max_num_seqs")   # the operator's first, then the engine's
+
+
+def seats_of(labels: Mapping[str, str], default: int) -> int:
+    """The sequences an engine runs at once, from its worker spec's labels: the operator's
+    ``max_num_seqs`` (``[[workers]]`` or a registration label), else the engine plugin's
+    fact, else ``default``. A value that is not a positive integer is ignored (config
+    checks it at start-up)."""
+    for key in SEATS_LABELS:
+        text = labels.get(key)
+        if text:
+            try:
+                n = int(text)
+            except ValueError:
+                continue
+            if n > 0:
+                return n
+    return default
 
 
 @dataclass(slots=True)
@@ -198,6 +223,38 @@ class EngineModel:
     # Prompt tokens the control plane's queue holds for this engine, not in the ledger
     # (HoldQueue: the scorer counts them as work ahead, see latency.predict).
     held_tokens: int = 0
+    # The engine's seats (max_num_seqs; 0 until latency.predict reads its spec) and the spec
+    # labels they were read from (re-read when a registration replaces them).
+    seats: int = 0
+    seats_from: object = None
+    # A request's decode time on this engine (first token to last, seconds), EWMA; 0 until
+    # observed: how long a seat stays taken (``seat_wait_s``).
+    decode_s: float = 0.0
+
+    def seat_wait_s(self, requests: int, fallback_decode_s: float) -> float:
+        """Seconds a new request waits for a seat when the engine already holds ``requests``
+        (running and waiting): an engine at its ``max_num_seqs`` admits nothing until a
+        running sequence ends. The excess ``requests + 1 - seats`` must each see a sequence
+        end first; with ``seats`` sequences at random points of a ``decode_s``-long life, one
+        ends every ``decode_s / seats`` seconds. ``fallback_decode_s`` before any observation.
+
+        Without it the TTFT prediction saw the prefill ahead of a request but not a full
+        engine: on ``mixed`` at 4x with a TPOT line that follows the data, one chat engine
+        took most chats, and of the 47 requests that arrived while 120 or more were in flight
+        there (128 seats), 45 missed the TTFT target; none of the 121 below
+        (docs/benchmarks/workloads_notes.md)."""
+        excess = requests + 1 - self.seats
+        if excess <= 0 or self.seats <= 0:
+            return 0.0
+        life = self.decode_s if self.decode_s > 0 else fallback_decode_s
+        return excess * life / self.seats
+
+    def observe_decode(self, seconds: float, alpha: float = 0.05) -> None:
+        """A finished request's decode time (first token to last) on this engine."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        d = self.decode_s
+        self.decode_s = seconds if d <= 0 else d + alpha * (seconds - d)
 
     def pending_s(self, prefill_tokens: int, now: float) -> float:
         """Seconds of prefill still ahead of a new prompt: the uncached tokens placed and not
@@ -301,6 +358,10 @@ class Predictor:
         m = self.model(worker_id)
         m.observe_tpot(batch, tpot_s)
         self._pool(m.served).stale.add("tpot")
+
+    def observe_decode(self, worker_id: str, seconds: float) -> None:
+        """A finished request's decode time on ``worker_id`` (``EngineModel.seat_wait_s``)."""
+        self.model(worker_id).observe_decode(seconds)
 
     def fleet_tpot(self, batch: float, served: str = "") -> float:
         """The median TPOT line at ``batch`` of the observed engines serving ``served`` (the

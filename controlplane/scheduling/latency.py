@@ -6,6 +6,9 @@ For each candidate the prediction is (``controlplane.prediction``):
   computed, less what it has computed of them since its last first token:
   ``EngineModel.pending_s`` + the tokens of this prompt it does not hold in its prefix
   cache). So a warm cache and a short queue both count, in the same unit: seconds.
+  Plus, on an engine already running its ``max_num_seqs`` (its seats: the worker's label or
+  engine facts, ``prediction.seats_of``), the wait for a running sequence to end
+  (``EngineModel.seat_wait_s``).
 * TPOT: the engine's learned step time at its decode batch with this request added.
 
 PD pairs are judged together (sequential flow: D is still placed after P answers):
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from controlplane.prediction import seats_of
 from controlplane.scheduling.base import PlacementContext
 from controlplane.workers import Role, WorkerView
 
@@ -70,8 +74,15 @@ def predict(ctx: PlacementContext, w: WorkerView) -> tuple[float, float]:
         ttft = line.a + line.b * uncached
     else:
         ttft = 0.0
+    requests = w.load.requests
+    if model.seats_from is not spec.labels:      # (read once per spec, not per placement)
+        model.seats, model.seats_from = seats_of(spec.labels, ctx.predictor.defaults.max_num_seqs), spec.labels
+    if requests >= model.seats and role is not Role.PREFILL:
+        # A full engine admits nothing until a sequence ends (EngineModel.seat_wait_s); before
+        # any decode was observed there, a sequence lives this request's output at the line's TPOT.
+        ttft += model.seat_wait_s(requests, (ctx.max_tokens or 256) * model.tpot(model.seats))
     if role is not Role.PREFILL:
-        tpot = model.tpot(w.load.requests + 1)     # (its slope bounded beyond the batches seen)
+        tpot = model.tpot(requests + 1)     # (its slope bounded beyond the batches seen)
     else:
         tpot = 0.0
     got = ctx.predicted[wid] = (ttft, tpot)
