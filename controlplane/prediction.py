@@ -181,30 +181,26 @@ class PredictionDefaults:
     tpot_s_per_request: float = 5e-4
     kv_pull_s_per_token: float = 5e-6
     half_life: float = 64.0
-    # Sequences an engine runs at once when neither its worker spec (label ``max_num_seqs``)
-    # nor its engine facts (``engine.max_num_seqs``) say: vLLM V1's default on most GPUs
-    # (1024 on 70+ GiB GPUs, 128 on some others; SGLang sizes --max-running-requests from
-    # the KV pool). See ``seats_of``.
+    # Sequences an engine runs at once when its worker spec does not say (label
+    # ``max_num_seqs``: the [[workers]] key, or the vLLM plugin's registration from the
+    # engine's --max-num-seqs): vLLM V1's default on most GPUs (1024 on 70+ GiB GPUs with the
+    # OpenAI server in recent versions, less on some others; SGLang sizes
+    # --max-running-requests from its KV pool). See ``seats_of``.
     max_num_seqs: int = 256
 
 
-SEATS_LABELS = ("max_num_seqs", "engine.max_num_seqs")   # the operator's first, then the engine's
-
-
 def seats_of(labels: Mapping[str, str], default: int) -> int:
-    """The sequences an engine runs at once, from its worker spec's labels: the operator's
-    ``max_num_seqs`` (``[[workers]]`` or a registration label), else the engine plugin's
-    fact, else ``default``. A value that is not a positive integer is ignored (config
-    checks it at start-up)."""
-    for key in SEATS_LABELS:
-        text = labels.get(key)
-        if text:
-            try:
-                n = int(text)
-            except ValueError:
-                continue
-            if n > 0:
-                return n
+    """The sequences an engine runs at once: its worker spec's label ``max_num_seqs`` (the
+    ``[[workers]]`` key, checked at start-up, or a registration's label), else ``default``.
+    A label that is not a positive integer is ignored."""
+    text = labels.get("max_num_seqs")
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            return default
+        if n > 0:
+            return n
     return default
 
 

@@ -358,7 +358,7 @@ def _vllm_config(**cache):
               kv_events_config=ns(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
                                   replay_endpoint="tcp://*:5558"),
               kv_transfer_config=ns(kv_connector="NixlConnector", kv_role="kv_consumer"),
-              parallel_config=ns(data_parallel_size=2), scheduler_config=ns(max_num_batched_tokens=4096),
+              parallel_config=ns(data_parallel_size=2), scheduler_config=ns(max_num_batched_tokens=4096, max_num_seqs=128),
               model_config=ns(served_model_name="m", model="/models/m"))
 
 
@@ -380,6 +380,12 @@ def test_facts_from_vllm_config(monkeypatch):
     assert (facts.kv_connector, facts.kv_role) == ("NixlConnector", "kv_consumer")
     req = build_request(Settings(controlplanes=["cp:1"], advertise_url="http://10.0.0.2:8000"), facts)
     assert req.role == pb.ROLE_DECODE and req.kv_events == "tcp://10.0.0.2:5557" and req.engine.hash_seed == "7"
+    # the engine's --max-num-seqs travels as the worker's label max_num_seqs (its seats in the
+    # TTFT prediction); an operator's label wins
+    assert facts.max_num_seqs == 128 and req.labels["max_num_seqs"] == "128"
+    req = build_request(Settings(controlplanes=["cp:1"], advertise_url="http://10.0.0.2:8000",
+                                 labels={"max_num_seqs": "64"}), facts)
+    assert req.labels["max_num_seqs"] == "64"
     empty = facts_from_vllm(None, types.SimpleNamespace(port=8000, served_model_name=["a", "b"]))
     assert empty.models == ["a", "b"] and empty.block_size == 0 and empty.kv_events == ""
 

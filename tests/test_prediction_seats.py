@@ -76,11 +76,11 @@ def test_before_any_decode_is_observed_a_seat_lives_the_requests_output_at_the_t
     assert wait == pytest.approx(3 * 200 * m.tpot(128) / 128)
 
 
-def test_the_seats_come_from_the_operator_then_the_engine_then_the_default():
-    assert seats_of({"max_num_seqs": "64", "engine.max_num_seqs": "512"}, 256) == 64
-    assert seats_of({"engine.max_num_seqs": "512"}, 256) == 512
+def test_the_seats_come_from_the_workers_label_else_the_default():
+    assert seats_of({"max_num_seqs": "64"}, 256) == 64
     assert seats_of({}, 256) == 256
-    assert seats_of({"max_num_seqs": "lots", "engine.max_num_seqs": "0"}, 256) == 256
+    assert seats_of({"max_num_seqs": "lots"}, 256) == 256
+    assert seats_of({"max_num_seqs": "0"}, 256) == 256
     p = Predictor()
     c = ctx(p)
     assert predict(c, view("a", requests=200, seats=256))[0] == pytest.approx(base(p, "a"))

@@ -72,6 +72,7 @@ class EngineFacts:
     kv_role: str = ""                  # kv_producer | kv_consumer | kv_both | ""
     kv_capacity_tokens: int = 0
     max_batched_tokens: int = 0
+    max_num_seqs: int = 0              # --max-num-seqs (0: unknown)
     engine_version: str = ""
     tls: bool = False                  # the engine serves https
 
@@ -193,6 +194,10 @@ def build_request(settings: Settings, facts: EngineFacts) -> pb.RegisterRequest:
     labels = dict(settings.labels)
     if len(facts.models) > 1:
         labels.setdefault("served_models", ",".join(facts.models))
+    if facts.max_num_seqs > 0:
+        # The control plane's TTFT prediction counts the engine's seats (prediction.seats_of);
+        # an operator's --label max_num_seqs wins.
+        labels.setdefault("max_num_seqs", str(facts.max_num_seqs))
     engine = pb.EngineFacts(
         block_size=facts.block_size, prefix_caching=facts.prefix_caching, hash_algo=facts.hash_algo,
         hash_seed=facts.hash_seed or "", hash_seed_set=facts.hash_seed is not None,

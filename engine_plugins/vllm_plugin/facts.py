@@ -69,6 +69,7 @@ def facts_from_vllm(vllm_config, args, sock=None) -> EngineFacts:
         kv_role=_as_str(_get(transfer, "kv_role", default="")),
         kv_capacity_tokens=gpu_blocks * block_size,
         max_batched_tokens=int(_get(vllm_config, "scheduler_config", "max_num_batched_tokens", default=0) or 0),
+        max_num_seqs=int(_get(vllm_config, "scheduler_config", "max_num_seqs", default=0) or 0),
         engine_version=version,
         tls=bool(_get(args, "ssl_certfile", default=None)),
     )
