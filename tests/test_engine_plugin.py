@@ -358,7 +358,8 @@ def _vllm_config(**cache):
               kv_events_config=ns(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
                                   replay_endpoint="tcp://*:5558"),
               kv_transfer_config=ns(kv_connector="NixlConnector", kv_role="kv_consumer"),
-              parallel_config=ns(data_parallel_size=2), scheduler_config=ns(max_num_batched_tokens=4096, max_num_seqs=128),
+              parallel_config=ns(data_parallel_size=2),
+              scheduler_config=ns(max_num_batched_tokens=4096, max_num_seqs=128),
               model_config=ns(served_model_name="m", model="/models/m"))
 
 
