@@ -148,6 +148,15 @@ def test_with_hold_frac_a_request_bound_at_once_counts_in_the_queues_own_estimat
     assert not q.should_hold(later, _view("a", 16000))   # ~0.9 s left: bound
 
 
+def test_without_starved_first_a_starved_request_keeps_its_place_by_the_weights():
+    """A request that has waited starvation_s has, at the suite's SLO, already missed its TTFT;
+    put first it takes its engine for its whole prefill while those behind it starve in turn
+    (mixed chat and summaries at 4x). ``starved_first = False`` leaves it to the weights."""
+    short, starved = _Waiting(100, 9.5), _Waiting(9000, 8.0)      # waited 0.5 s and 2 s
+    assert HoldQueue(starvation_s=1.0).order([short, starved], now=10.0) == [starved, short]
+    assert HoldQueue(starvation_s=1.0, starved_first=False).order([short, starved], now=10.0) == [short, starved]
+
+
 def test_hold_frac_must_not_be_negative():
     with pytest.raises(ValueError, match="hold_frac"):
         HoldQueue(hold_frac=-0.5)

@@ -74,6 +74,9 @@ class HoldQueue:
     # default target), and never below hold_s (see _threshold). 0: hold_s alone; the built-in
     # predicted_latency_queued sets 0.25.
     hold_frac: float = 0.0
+    # A request that has waited starvation_s goes ahead of every other one (see order); False:
+    # the weights alone (its waiting time still counts), max_wait_s bounds its wait.
+    starved_first: bool = True
     name: str = "omni"
     # per worker: when the prefills this queue let through are predicted done (see should_hold)
     _busy_until: dict[str, float] = field(default_factory=dict, repr=False)
@@ -289,7 +292,7 @@ class HoldQueue:
 
         def key(w):
             waited = now - w.enqueued_at
-            if waited >= starve:
+            if waited >= starve and self.starved_first:
                 return (0, w.enqueued_at, 0.0)       # starved: first come, first served
             if id(w) in on_time:
                 return (1, w.enqueued_at, 0.0)       # all of these leave in time: arrival order
