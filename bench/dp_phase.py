@@ -17,15 +17,15 @@ answers, the decodes a long prefill holds). Targets, interleaved per rate and re
 * ``free`` (optional): ``balance`` on an engine without the barrier (independent ranks),
   which shows what the barrier itself costs.
 
-All use the ``predicted_latency`` policy's worker choice (one engine: it only decides the
-rank), as the built-in policy without the ``slo`` filter (it left that policy: see
-``controlplane/scheduling/latency.py``, ``SLOFilter``). Per run: SLO attainment (TTFT <=
---slo-ttft-ms and TPOT <= --slo-tpot-ms; a failed request misses), output tokens per
-second over the run (first send to last answer), TTFT / chat TPOT percentiles, and the
-engine's barrier counters (``/sim/state``'s ``dp_barrier``): the share of steps that were
-mixed (a rank prefilling while another only decodes) and the rank-seconds ranks with work
-waited at the barrier. Model time is real time here (no scaling), so keep rates within
-what the machine's cores can stream.
+All use the ``predicted_latency`` scorer's worker choice without the default's queue stage
+(``predicted_latency_unqueued``: one engine, so the choice only decides the rank, and the
+``omni`` queue would hold prompts for reasons of its own) and, as that policy, no ``slo``
+filter. Per run: SLO attainment (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms; a
+failed request misses), output tokens per second over the run (first send to last
+answer), TTFT / chat TPOT percentiles, and the engine's barrier counters (``/sim/state``'s
+``dp_barrier``): the share of steps that were mixed (a rank prefilling while another only
+decodes) and the rank-seconds ranks with work waited at the barrier. Model time is real
+time here (no scaling), so keep rates within what the machine's cores can stream.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def run_once(target: str, reqs: list[Request], args) -> dict:
         cfg.write_text(PROFILES % {"window_s": args.window_s, "min_tokens": args.min_tokens})
         cp = group.start("controlplane", [
             "controlplane", "--config", str(cfg), "--listen", "127.0.0.1:0", "--http-host", "127.0.0.1",
-            "--http-port", "0", "--policy", target if target in ("rank", "window") else "predicted_latency",
+            "--http-port", "0", "--policy", target if target in ("rank", "window") else "predicted_latency_unqueued",
             "--log-level", "WARNING", "--worker", f"{sim.url},role=both,id=sim,dp_size={args.dp_size}"])
         dp = group.start("dataplane", ["dataplane", "--host", "127.0.0.1", "--port", "0", "--controlplane",
                                        cp.address, "--log-level", "WARNING", "--read-timeout", "600"])

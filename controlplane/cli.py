@@ -15,8 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", help="host for /metrics, /health and the metaserver")
     p.add_argument("--http-port", type=flags.port,
                    help="port for /metrics and /health (default 9090; 0 = any free port)")
-    p.add_argument("--policy", help="predicted_latency (default) | cache_aware | apc_first | least_load | "
-                   "power_of_two | round_robin | random | a custom profile")
+    p.add_argument("--policy", help="predicted_latency (default: with the queue stage) | predicted_latency_unqueued | "
+                   "cache_aware | apc_first | least_load | power_of_two | round_robin | random | a custom profile")
     p.add_argument("--pd-flow", choices=["sequential", "parallel", "layerwise"], help="how P/D pairs run")
     p.add_argument("--parallel-protocol", choices=["sglang", "mooncake"],
                    help="parallel flow: SGLang bootstrap fields or vLLM MooncakeConnector bootstrap")

@@ -2,7 +2,8 @@
 
 Example (TOML)::
 
-    policy = "predicted_latency"   # the default; or cache_aware | apc_first | least_load | power_of_two
+    policy = "predicted_latency"   # the default (with the queue stage); or predicted_latency_unqueued
+                                   #   | cache_aware | apc_first | least_load | power_of_two
                                    #   | round_robin | random | <custom>
     pd_flow = "sequential"         # sequential | parallel | layerwise
     parallel_protocol = "sglang"   # parallel flow: "sglang" or "mooncake" (vLLM bootstrap)

@@ -157,16 +157,20 @@ POLICIES: dict[str, dict[str, Any]] = {
                   "picker": "max_score"},
     # Omni scheduling: predicted TTFT (queue + uncached prefill, learned per engine) and
     # TPOT, against the request's SLO headers if it names them (the scorer's targets, and the
-    # picker's preference among near-equal engines: no ``slo`` filter, see SLOFilter);
-    # every request bound to an engine on arrival.
-    "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
-    # The same with late binding in the control plane's queue (Omni's request holding), only
-    # while the best engine has more than a quarter of the request's TTFT target of work ahead
-    # (``hold_frac``; bound at once below: PD 2:2 at 3x is level with it, 4-5 points below
-    # without). Opt-in: it gains 4-16 points at overload on most shapes but is still below the
-    # same policy without it on mixed chat and summaries at 4x (73.4 against 76.8 % over 11
-    # pairs; docs/benchmarks/pd_queue.md, seventh session), and the default must never lose to
-    # the same policy without it.
+    # picker's preference among near-equal engines: no ``slo`` filter, see SLOFilter); with
+    # late binding in the control plane's queue (Omni's request holding, HoldQueue), gated on
+    # the request's own budget: held only while its best engine has more than a quarter of the
+    # request's TTFT target of work ahead (``hold_frac``), bound at once below. Below
+    # overload, binding at once is what wins; holding at 0.15 s alone lost 4-5 points with 2
+    # prefill + 2 decode engines at 3x. On the workload suite's nine cases at their rates it is
+    # 4-16 points ahead at overload on most shapes (docs/benchmarks/pd_queue.md, seventh
+    # session), level within noise elsewhere; its one loss is mixed chat and summaries at 4x
+    # (3.4 points below over 11 pairs, standard error 3.6).
+    "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
+                          "queue": {"name": "omni", "hold_frac": 0.25}},
+    # The same, every request bound to an engine on arrival (the default before the queue stage).
+    "predicted_latency_unqueued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
+    # The name the queued policy had while it was opt-in (old configs keep working): the default.
     "predicted_latency_queued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
                                  "queue": {"name": "omni", "hold_frac": 0.25}},
 }
