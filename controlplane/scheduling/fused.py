@@ -14,13 +14,12 @@ clears it unless it explains the decision, which lists them; then the plugins ru
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from controlplane.scheduling.base import PlacementContext
 from controlplane.scheduling.pickers import CacheAwarePicker, MaxScorePicker
-from controlplane.scheduling.scorers import LeastLoadScorer, PrefixCacheScorer, effective_requests
+from controlplane.scheduling.scorers import LeastLoadScorer, PrefixCacheScorer, counts_and_work, effective_requests
 from controlplane.workers import WorkerView
 
 
@@ -48,21 +47,7 @@ def decide(ctx: PlacementContext, workers: list[WorkerView], depths: list[int] |
             common = max(ctx.common_blocks, min(depths))
             pre = [(d - common) / chain_blocks if d > common else 0.0 for d in depths]
     # LeastLoadScorer.score; the requests each worker runs (effective_requests) kept for the picker
-    per_request = least.tokens_per_request
-    work: list[float] = []
-    running: list[int] = []
-    now = 0.0
-    for w in workers:
-        load, eng = w.load, w.engine
-        count = load.requests
-        if eng.running >= 0:
-            if not now:
-                now = ctx.now or time.monotonic()
-            if eng.fresh(ctx.metrics_max_age_s, now):
-                count = max(count, eng.running + max(eng.waiting, 0))
-        running.append(count)
-        weight = w.spec.weight
-        work.append((load.tokens + per_request * count) / (weight if weight > 1e-9 else 1e-9))
+    running, work = counts_and_work(ctx, workers, least.tokens_per_request)
     top_work = max(work, default=0.0)
     # Each candidate's combined score, summed as Profile.place sums it: 0.0, += each weighted part.
     scores: list[float] = []

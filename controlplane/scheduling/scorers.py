@@ -29,6 +29,28 @@ def effective_requests(worker: WorkerView, ctx: PlacementContext) -> int:
     return count
 
 
+def counts_and_work(ctx: PlacementContext, workers: list[WorkerView],
+                    per_request: int) -> tuple[list[int], list[float]]:
+    """Each worker's ``effective_requests`` and its ``LeastLoadScorer.load``, both inlined:
+    this runs once per candidate per placement (the scorer, and ``fused.decide`` that also
+    keeps the counts for its picker)."""
+    counts: list[int] = []
+    work: list[float] = []
+    now = 0.0
+    for w in workers:
+        load, eng = w.load, w.engine
+        count = load.requests
+        if eng.running >= 0:
+            if not now:
+                now = ctx.now or time.monotonic()
+            if eng.fresh(ctx.metrics_max_age_s, now):
+                count = max(count, eng.running + max(eng.waiting, 0))
+        counts.append(count)
+        weight = w.spec.weight
+        work.append((load.tokens + per_request * count) / (weight if weight > 1e-9 else 1e-9))
+    return counts, work
+
+
 @dataclass
 class LeastLoadScorer:
     """Prefers the worker with the least in-flight work per unit of weight.
@@ -45,20 +67,7 @@ class LeastLoadScorer:
         return work / max(worker.weight, 1e-9)
 
     def score(self, ctx: PlacementContext, workers: list[WorkerView]) -> list[float]:
-        # self.load() inlined: this runs once per candidate per placement.
-        per_request = self.tokens_per_request
-        loads = []
-        now = 0.0
-        for w in workers:
-            load, eng = w.load, w.engine
-            count = load.requests
-            if eng.running >= 0:
-                if not now:
-                    now = ctx.now or time.monotonic()
-                if eng.fresh(ctx.metrics_max_age_s, now):
-                    count = max(count, eng.running + max(eng.waiting, 0))
-            weight = w.spec.weight
-            loads.append((load.tokens + per_request * count) / (weight if weight > 1e-9 else 1e-9))
+        _, loads = counts_and_work(ctx, workers, self.tokens_per_request)
         top = max(loads, default=0.0)
         if top <= 0:
             return [1.0] * len(workers)
