@@ -56,6 +56,7 @@ import argparse
 import asyncio
 from typing import Any
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -203,7 +204,9 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
     dp_args = ("--log-level", "INFO", *(("--tokenizer", str(args.tokenizer)) if args.tokenizer else ()),
                *shlex.split(args.dp_flags))
     with _group(args, f"{variant}-x{speedup:g}-r{repeat}") as group, code_tree(tree):
-        engines = start_engines(group, "agg", args, cost)
+        # The engines' seats (256, the control plane's default too) are not told to our control
+        # plane: a --baseline-tree from before its max_num_seqs worker key would refuse it.
+        engines = [dataclasses.replace(e, max_num_seqs=0) for e in start_engines(group, "agg", args, cost)]
         dp_url = start_ours(group, args.policy, "agg", engines, dp_args=dp_args)
         kids = {c.name: c for c in group.children}
         dp, cp = kids["dataplane"], kids["controlplane"]
