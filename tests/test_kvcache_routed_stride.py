@@ -232,15 +232,20 @@ def test_marks_loaded_without_flags_are_searched_after_until_they_expire():
     assert idx.size() == 0 and idx._blind == -1
 
 
+def _random_chains(rng: random.Random) -> list[list[int]]:
+    """18 chains over 3 shared trunks: prefixes of a trunk, each with its own tail."""
+    trunks = [[rng.getrandbits(64) for _ in range(100)] for _ in range(3)]
+    return [t[:rng.randrange(1, 100)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))]
+            for t in trunks for _ in range(6)]
+
+
 @pytest.mark.parametrize("seed", [4, 5])
 def test_ends_flags_never_hide_an_end_the_marks_hold(seed):
     """Routings, in-order expiry, removals (BlockRemoved on pending marks), dropped workers and
     snapshot-style loads at random: every walk finds what it finds searching after every mark
     (removals leave holes a walk may gallop over, so the linear reading is no reference here)."""
     rng = random.Random(seed)
-    trunks = [[rng.getrandbits(64) for _ in range(100)] for _ in range(3)]
-    chains = [t[:rng.randrange(1, 100)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))]
-              for t in trunks for _ in range(6)]
+    chains = _random_chains(rng)
     idx = RoutedIndex(stride=K)
     queued: dict[int, list[int]] = {}
     bucket = oldest = 1
@@ -282,9 +287,7 @@ def test_routing_with_the_depth_held_skips_only_marks_it_would_leave_as_they_are
     changed are those of routing with nothing held. ``held`` is the merged depth placement
     passes: the routed walk's, or deeper (the event-fed index's), rarely on a mark."""
     rng = random.Random(seed)
-    trunks = [[rng.getrandbits(64) for _ in range(100)] for _ in range(3)]
-    chains = [t[:rng.randrange(1, 100)] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 40))]
-              for t in trunks for _ in range(6)]
+    chains = _random_chains(rng)
     hinted, plain = RoutedIndex(stride=K), RoutedIndex(stride=K)
     probed = {id(hinted): 0, id(plain): 0}          # marks each was asked to mark
     for idx in (hinted, plain):
