@@ -1,4 +1,4 @@
-"""The tokenizer's encoding threads: a long prompt's pieces in slices, shortest prompt first.
+"""The tokenizer's encoding threads: a long prompt's pieces in slices, the earliest expected end first.
 
 A burst of long prompts (issue 19) used to go to the Rust tokenizer's rayon pool one
 ``encode_batch_fast`` call per prompt. Rayon's workers finish the work they have split before
