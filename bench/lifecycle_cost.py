@@ -46,6 +46,10 @@ class _Client:
     def report(self, event) -> None:
         pass
 
+    def finished(self, rid, prompt_tokens, completion_tokens, ttft_ms, latency_ms) -> None:
+        self.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED, prompt_tokens=prompt_tokens,
+                                      completion_tokens=completion_tokens, ttft_ms=ttft_ms, latency_ms=latency_ms))
+
 
 def _setup_logging(access_log: bool) -> None:
     root = logging.getLogger()

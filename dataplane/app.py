@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
@@ -24,7 +25,8 @@ from dataplane.hygiene import sanitize_client_id
 from dataplane.loopwatch import LoopWatch
 from dataplane.messages import Request, Response, StreamResponse, json_response
 from dataplane.metrics import DataPlaneMetrics
-from dataplane.observe import ACCESS_LOGGER, Observer, current_request_id, install_request_id_filter, trace_headers
+from dataplane.observe import (ACCESS_LOGGER, Ended, Observer, current_request_id, install_request_id_filter,
+                               trace_headers)
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane.placing import place
 from dataplane.prefix import PrefixHasher
@@ -177,6 +179,9 @@ class DataPlane:
         # The serving loop, read once: asyncio.get_running_loop() is a getpid() system call
         # per call on Python 3.11 (its fork check), and generate() needs the loop per request.
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ended: list[Ended] = []          # requests ended in this loop turn (generate)
+        # The context their bookkeeping runs in: no request's id (each line carries its own).
+        self._quiet = contextvars.copy_context()
 
     def build_app(self) -> App:
         checks = ([client_auth.middleware(self.api_keys, self.config.upstream.forward_client_auth,
@@ -285,18 +290,20 @@ class DataPlane:
             self.metrics.inflight_requests -= 1
             if not tracker.done:
                 tracker.done = tracker.last_token or time.perf_counter()
-            # The rest of the bookkeeping runs once the answer is on its way: the server writes
-            # a returned response before the loop takes the next callback.
-            (self._loop or asyncio.get_running_loop()).call_soon(
-                self._complete, tracker, route, code,
-                "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")),
-                client_auth.key_id(http) if self.observer.access_log_on else None)
+            # The rest of the bookkeeping runs once the answer is on its way (the server writes
+            # a returned response before the loop takes the next callback), for every request
+            # that ended in this loop turn at once: one callback, one access-log write.
+            ended = self._ended
+            ended.append((tracker, route, code,
+                          "" if tracker.req is not None else sanitize_client_id(http.headers.get("X-Request-Id")),
+                          client_auth.key_id(http) if self.observer.access_log_on else None,
+                          current_request_id.get()))
+            if len(ended) == 1:
+                (self._loop or asyncio.get_running_loop()).call_soon(self._complete, context=self._quiet)
 
-    def _complete(self, tracker: RequestTracker, route: str, code: int, client_id: str, key: str | None) -> None:
-        try:
-            self.observer.complete(tracker, route, code, client_id, key)
-        except Exception:   # bookkeeping never changes how a request ends
-            log.exception("recording a request's metrics and access log failed")
+    def _complete(self) -> None:
+        ended, self._ended = self._ended, []
+        self.observer.complete_all(ended)
 
     async def _generate(self, http: Request, tracker: RequestTracker) -> Response | StreamResponse:
         # Each await below is skipped when it would return at once: a coroutine per step

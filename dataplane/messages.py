@@ -157,6 +157,16 @@ class Response:
             self.headers["Content-Type"] = content_type
         self.closes = False
 
+    @classmethod
+    def owning(cls, status: int, body: bytes, headers: dict[str, str]) -> Response:
+        """A response that takes ``headers`` as its own (no copy: the caller made them for it)."""
+        resp = cls.__new__(cls)
+        resp.status = status
+        resp.body = body
+        resp.headers = headers
+        resp.closes = False
+        return resp
+
     def force_close(self) -> None:
         """Close the connection after this answer (no keep-alive)."""
         self.closes = True

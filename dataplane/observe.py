@@ -29,6 +29,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.tracking import RequestTracker
 
 _now = time.perf_counter
+log = logging.getLogger(__name__)
 
 ACCESS_LOGGER = "omni_proxy.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -158,9 +159,13 @@ class BatchedStreamHandler(logging.StreamHandler):
 
     def write_info(self, line: str) -> None:
         """Write one INFO line as ``emit`` would (lock, terminator, flushed within FLUSH_S)."""
+        self.write_text(line + self.terminator)
+
+    def write_text(self, text: str) -> None:
+        """Write INFO lines already terminated, in one go (one lock, flushed within FLUSH_S)."""
         self.acquire()
         try:
-            self.stream.write(line + self.terminator)
+            self.stream.write(text)
         finally:
             self.release()
         self._flush_soon()
@@ -221,14 +226,23 @@ def direct_access_handler() -> BatchedStreamHandler | None:
 
 def write_access_line(handler: BatchedStreamHandler, line: str) -> None:
     """``line`` as the access logger would have written it through ``handler``."""
+    write_access_lines(handler, [(line, current_request_id.get())])
+
+
+def write_access_lines(handler: BatchedStreamHandler, lines: list[tuple[str, str]]) -> None:
+    """(line, request id) pairs as the access logger would have written each through
+    ``handler``, stamped with one time (they end in the same loop turn), in one write."""
     # The formatters read only these fields of a record (the test compares their bytes).
-    record = cast(logging.LogRecord, _AccessRecord(line, time.time(), current_request_id.get()))
+    now = time.time()
     formatter = cast(logging.Formatter, handler.formatter)
+    end = handler.terminator
     if type(formatter) is CachedTimeFormatter and formatter._fmt == LOG_FORMAT:
-        text = f"{formatter.formatTime(record)} INFO {ACCESS_LOGGER}: {line}"
-    else:
-        text = formatter.format(record)   # JsonFormatter
-    handler.write_info(text)
+        head = f"{formatter.formatTime(cast(logging.LogRecord, _AccessRecord('', now, '')))} INFO {ACCESS_LOGGER}: "
+        text = "".join([head + line + end for line, _ in lines])
+    else:                                 # JsonFormatter: the request id is a field of each line
+        text = "".join([formatter.format(cast(logging.LogRecord, _AccessRecord(line, now, rid))) + end
+                        for line, rid in lines])
+    handler.write_text(text)
 
 
 def _direct_formatters() -> tuple[type, ...]:
@@ -261,6 +275,10 @@ def install_request_id_filter() -> None:
             handler.addFilter(_FILTER)
 
 
+# A request whose handler is done: (tracker, route, status, client's id, client key id, request id).
+Ended = tuple[RequestTracker, str, int, str, "str | None", str]
+
+
 class Observer:
     """The end-of-request bookkeeping: metrics, access log, and the request's span."""
 
@@ -272,23 +290,43 @@ class Observer:
     def complete(self, t: RequestTracker, route: str, code: int, client_id: str = "",
                  key: str | None = None) -> None:
         """The handler is done with request ``t`` (answered ``code``): record it everywhere."""
-        if not t.done:
-            t.done = t.last_token or _now()
-        self.metrics.count_request(route, code)
-        if t.placed:
-            self._observe(t)
-        if self.access_log_on and access_log.isEnabledFor(logging.INFO):
-            line = self.access_line(t, route, code, client_id, key)
-            handler = direct_access_handler()
-            if handler is not None:
-                write_access_line(handler, line)
-            else:
-                # makeRecord + handle: Logger.info would also walk the stack for the caller.
-                record = access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, line, (), None)
-                record.json_message = True     # a JSON log embeds it whole (omni_runtime.logs)
+        self.complete_all([(t, route, code, client_id, key, current_request_id.get())])
+
+    def complete_all(self, ended: list[Ended]) -> None:
+        """Requests whose handlers are done, in the order they ended: each recorded as
+        ``complete`` does. The data plane collects those of one loop turn
+        (``DataPlane.generate``): their access lines leave in one write, under one lock and
+        one check of the logging setup, instead of one callback, check and write each."""
+        lines: list[tuple[str, str]] | None = (
+            [] if self.access_log_on and access_log.isEnabledFor(logging.INFO) else None)
+        for t, route, code, client_id, key, rid in ended:
+            try:
+                if not t.done:
+                    t.done = t.last_token or _now()
+                self.metrics.count_request(route, code)
+                if t.placed:
+                    self._observe(t)
+                if lines is not None:
+                    lines.append((self.access_line(t, route, code, client_id, key), rid))
+                if t.span is not None:
+                    self.tracing.end_request(t, code)
+            except Exception:   # bookkeeping never changes how a request ends, nor another's
+                log.exception("recording a request's metrics and access log failed")
+        if not lines:
+            return
+        handler = direct_access_handler()
+        if handler is not None:
+            write_access_lines(handler, lines)
+            return
+        for line, rid in lines:
+            # makeRecord + handle: Logger.info would also walk the stack for the caller.
+            record = access_log.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, line, (), None)
+            record.json_message = True     # a JSON log embeds it whole (omni_runtime.logs)
+            token = current_request_id.set(rid)
+            try:
                 access_log.handle(record)
-        if t.span is not None:
-            self.tracing.end_request(t, code)
+            finally:
+                current_request_id.reset(token)
 
     def _observe(self, t: RequestTracker) -> None:
         req = t.req

@@ -71,6 +71,22 @@ class ControlPlaneUnavailable(Exception):
     pass
 
 
+class _Outbox(asyncio.Queue):
+    """The session's outgoing messages: an unbounded ``asyncio.Queue`` whose ``put_nowait``
+    is one call (the base class's is four Python calls, and it counts unfinished tasks for a
+    ``join()`` nobody makes); a request puts one or two messages on it."""
+
+    def put_nowait(self, item) -> None:
+        # (asyncio.Queue's deque of items and of waiting getters)
+        self._queue.append(item)      # type: ignore[attr-defined]
+        getters = self._getters       # type: ignore[attr-defined]
+        while getters:
+            getter = getters.popleft()
+            if not getter.done():
+                getter.set_result(None)
+                return
+
+
 def _drain(queue: asyncio.Queue, batch: list) -> bool:
     """Move what is queued into ``batch`` (up to MAX_BATCH); True when the end mark came."""
     while len(batch) < MAX_BATCH and not queue.empty():
@@ -416,6 +432,31 @@ class PlacementClient:
         else:
             self._unsent.append(msg)
 
+    def finished(self, rid: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float,
+                 latency_ms: float) -> None:
+        """``report`` of a FINISHED end. Its request's notice is usually still held for it
+        (local placement): the end is then written straight into the notice, the same fields
+        ``report`` would copy there from a ``LifecycleEvent`` built for the purpose."""
+        held = self._notices.pop(rid, None) if self._notices else None
+        if held is None:
+            self.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED, prompt_tokens=prompt_tokens,
+                                          completion_tokens=completion_tokens, ttft_ms=ttft_ms,
+                                          latency_ms=latency_ms))
+            return
+        self._live.discard(rid)
+        notice = held[0]
+        ended = notice.place.ended
+        ended.request_id = rid
+        ended.kind = pb.EVENT_FINISHED
+        ended.prompt_tokens = prompt_tokens
+        ended.completion_tokens = completion_tokens
+        ended.ttft_ms = ttft_ms
+        ended.latency_ms = latency_ms
+        if self._held_firsts and self._held_firsts.pop(rid, None) is not None:
+            ended.first_token = ended.streamed = True
+        assert self._queue is not None     # (held only while a session is up)
+        self._queue.put_nowait(notice)
+
     async def list_models(self) -> pb.ListModelsResponse:
         """The served models: from the control plane, or from the fallback list without one."""
         if self._connected.is_set():
@@ -480,7 +521,7 @@ class PlacementClient:
         self.target = target
         self._stub = pb_grpc.SchedulerStub(channel)
         sock = await self._open_socket(target)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = _Outbox()
         opening = pb.SessionOpen(node_id=self.node_id, live_requests=self._live, batches=True,
                                  token=self._token if sock is not None else "")   # gRPC: in metadata
         if sock is not None and opening.ByteSize() > MAX_OPENING_FRAME_BYTES - 16:

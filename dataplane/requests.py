@@ -14,6 +14,8 @@ import orjson
 from dataplane.errors import APIError
 from protos.options import MAX_SLO_MS
 from dataplane.hygiene import (
+    PD_FIELD_PREFIX,
+    PD_FIELDS,
     engine_request_id,
     new_id,
     sanitize_client_id,
@@ -95,18 +97,24 @@ _VALID_TYPES: dict[str, set[type]] = {
     "temperature": {int, float}, "stream_options": {dict}, "kv_transfer_params": {dict}}
 
 
-def _check_types(body: dict) -> None:
-    """400 for a typed field of the wrong type, or a count out of range. One pass over the
-    body's own keys (a few) for the common valid request; on any doubt the fields are
-    checked in their fixed order, so a body with several errors reports the same one."""
+def _plain(body: dict) -> bool:
+    """The common valid request, in one pass over the body's own keys (a few): no typed field
+    of the wrong type, no count out of range, no PD-internal field (``hygiene.is_pd_field``).
+    False: ``parse_request`` strips what it must and ``_check_types`` says what is wrong."""
     valid = _VALID_TYPES
     for key, value in body.items():
+        if key in PD_FIELDS or key.startswith(PD_FIELD_PREFIX):
+            return False
         allowed = valid.get(key)
         if allowed is not None and value is not None and (
                 type(value) not in allowed or (key in _COUNTS and not 1 <= value <= MAX_COUNT)):
-            break
-    else:
-        return
+            return False
+    return True
+
+
+def _check_types(body: dict) -> None:
+    """400 for the first typed field of the wrong type, in their fixed order (so a body with
+    several errors reports the same one), then for a count out of range."""
     for key, types, label in _TYPED_FIELDS:
         _check_type(body, key, types, label)
     for key in _COUNTS:
@@ -181,9 +189,10 @@ def slo_header(headers, name: str) -> float:
 def parse_request(path: str, raw: bytes, client_request_id: str | None, *,
                   allowed_fields: frozenset[str] = frozenset()) -> ClientRequest:
     """Validate once; PD-internal fields the client set are dropped (unless ``allowed_fields``)."""
-    body, raw = strip_pd_fields(json_object(raw), raw, allowed_fields)
-
-    _check_types(body)
+    body = json_object(raw)
+    if not _plain(body):     # (rare) PD fields dropped first, then the checks
+        body, raw = strip_pd_fields(body, raw, allowed_fields)
+        _check_types(body)
 
     if path == CHAT:
         prompt_tokens = _chat_prompt_tokens(body.get("messages"))

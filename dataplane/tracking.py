@@ -166,9 +166,10 @@ class RequestTracker:
             self.done = _now()
             self.outcome = FINISHED
             self.completion_tokens = completion_tokens
-            self._event(pb.EVENT_FINISHED, prompt_tokens=self._placed_req().prompt_tokens,
-                        completion_tokens=completion_tokens, ttft_ms=self.ttft_s * 1000 if self.stream else 0.0,
-                        latency_ms=(self.done - self.started) * 1000)
+            if self.placed:
+                req = self._placed_req()
+                self.client.finished(req.placement_id, req.prompt_tokens, completion_tokens,
+                                     self.ttft_s * 1000 if self.stream else 0.0, (self.done - self.started) * 1000)
 
     def failed(self, worker_id: str, message: str, upstream_status: int) -> None:
         if not self.ended:

@@ -112,6 +112,19 @@ class Upstream:
         """Seconds for a whole prefill leg, answer read included."""
         return self.config.prefill_timeout_s
 
+    def _headers(self, request_id: str, trace: dict[str, str] | None, dp_rank: int) -> list[tuple[str, str]]:
+        headers = [("X-Request-Id", request_id)]
+        if self.config.forward_client_auth:
+            auth = client_authorization.get() or (
+                f"Bearer {self.config.engine_api_key}" if self.config.engine_api_key else "")
+            if auth:
+                headers.append(("Authorization", auth))
+        if trace:
+            headers.extend(trace.items())
+        if dp_rank >= 0:
+            headers.append(("X-data-parallel-rank", str(dp_rank)))
+        return headers
+
     async def open(self, worker_id: str, url: str, body: bytes, request_id: str,
                    total_timeout_s: float | None = None,
                    trace: dict[str, str] | None = None, dp_rank: int = -1) -> EngineResponse:
@@ -124,16 +137,12 @@ class Upstream:
         ``dp_rank`` >= 0: the engine's data-parallel rank, as vLLM's ``X-data-parallel-rank``.
         """
         assert self._client is not None
-        headers = [("X-Request-Id", request_id)]
-        if self.config.forward_client_auth:
-            auth = client_authorization.get() or (
-                f"Bearer {self.config.engine_api_key}" if self.config.engine_api_key else "")
-            if auth:
-                headers.append(("Authorization", auth))
-        if trace:
-            headers.extend(trace.items())
-        if dp_rank >= 0:
-            headers.append(("X-data-parallel-rank", str(dp_rank)))
+        headers: list[tuple[str, str]] | bytes
+        if not trace and dp_rank < 0 and not self.config.forward_client_auth and request_id.isprintable():
+            # The common leg: its one header line encoded here (an id has no CR or LF: printable).
+            headers = b"X-Request-Id: %b\r\n" % request_id.encode("utf-8", "surrogateescape")
+        else:
+            headers = self._headers(request_id, trace, dp_rank)
         try:
             resp = await self._client.post(url, body, headers, total_timeout_s=total_timeout_s)
         except TimeoutError:

@@ -151,6 +151,11 @@ class EngineResponse:
             return self._take()
         return b"".join([chunk async for chunk in self])
 
+    def body_at_hand(self) -> bytes | None:
+        """The whole body when all of it has arrived (a small answer comes with its head),
+        without a coroutine, its connection back in the pool; None: ``read()`` it."""
+        return self._take() if self._eof else None
+
     def __aiter__(self) -> EngineResponse:
         return self
 
@@ -383,6 +388,18 @@ class _Connection(asyncio.Protocol):
 
     async def request(self, resp: EngineResponse, data: bytes, total_timeout_s: float | None) -> None:
         """Send ``data`` and return once the answer's head arrived."""
+        head = self.send(resp, data, total_timeout_s)
+        try:
+            await head
+        except BaseException:
+            self.drop()
+            raise
+        finally:
+            self._head = None
+
+    def send(self, resp: EngineResponse, data: bytes, total_timeout_s: float | None) -> asyncio.Future:
+        """Send ``data``; the future of the answer's head (``request`` without its coroutine:
+        on failure the caller drops the connection, and clears ``_head`` in any case)."""
         self._resp = resp
         resp._conn = self
         self.got_bytes = self.complete = self._interim = False
@@ -394,13 +411,7 @@ class _Connection(asyncio.Protocol):
         if total_timeout_s is not None:
             self._total_timer = self.loop.call_later(max(total_timeout_s, 0.0), self._on_total_timer)
         self.transport.write(data)
-        try:
-            await head
-        except BaseException:
-            self.drop()
-            raise
-        finally:
-            self._head = None
+        return head
 
     def pause(self) -> None:
         if not self.paused and not self.lost:
@@ -459,9 +470,13 @@ class _Connection(asyncio.Protocol):
             self._total_timer = None
 
 
-def _encode_headers(headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> bytes:
+def _encode_headers(headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...] | bytes) -> bytes:
+    """Header lines; ``bytes`` are lines the caller encoded (and checked) itself."""
     if not headers:
         return b""
+    if type(headers) is bytes:
+        return headers
+    assert not isinstance(headers, bytes)
     items = headers.items() if isinstance(headers, Mapping) else headers
     text = "".join([f"{name}: {value}\r\n" for name, value in items])
     lines = text.count("\n")
@@ -501,7 +516,7 @@ class EngineClient:
         self._closed = False
 
     async def post(self, url: str, body: bytes,
-                   headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...] = (), *,
+                   headers: Mapping[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...] | bytes = (), *,
                    total_timeout_s: float | None = None) -> EngineResponse:
         """POST ``body``; returns once the answer's status line and headers arrived."""
         if self._closed:
@@ -511,10 +526,19 @@ class EngineClient:
         target = self._targets.get(url) or self._target(url)
         data = b"".join((target.head, _encode_headers(headers), b"Content-Length: %d\r\n\r\n" % len(body), body))
         deadline = None if total_timeout_s is None else self._loop.time() + total_timeout_s
-        conn = await self._acquire(target.host, deadline, fresh=False)
+        # A pooled connection is at hand (the common case): neither _acquire's coroutine nor
+        # request()'s, whose lines are these.
+        conn = self._idle(target.host) or await self._acquire(target.host, deadline, fresh=False)
         resp = EngineResponse(target.url)
         try:
-            await conn.request(resp, data, None if deadline is None else deadline - self._loop.time())
+            head = conn.send(resp, data, None if deadline is None else deadline - self._loop.time())
+            try:
+                await head
+            except BaseException:
+                conn.drop()
+                raise
+            finally:
+                conn._head = None
             return resp
         except EngineDisconnected:
             if not (conn.reused and conn.reset_unread):

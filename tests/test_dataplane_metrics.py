@@ -33,6 +33,11 @@ class Reports:
     def report(self, event: pb.LifecycleEvent) -> None:
         self.events.append(event)
 
+    def finished(self, rid: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float,
+                 latency_ms: float) -> None:
+        self.report(pb.LifecycleEvent(request_id=rid, kind=pb.EVENT_FINISHED, prompt_tokens=prompt_tokens,
+                                      completion_tokens=completion_tokens, ttft_ms=ttft_ms, latency_ms=latency_ms))
+
 
 def _req(stream: bool = True, client_id: str | None = "cli-1"):
     body = {"model": "m", "prompt": "hello world " * 10, "max_tokens": 10, "stream": stream}

@@ -12,7 +12,7 @@ from functools import partial
 from dataplane.errors import APIError
 from dataplane.flows.context import FlowContext
 from dataplane.flows.legs import open_leg
-from dataplane.flows.relay import relay
+from dataplane.flows.relay import relay_json, relay_stream
 from dataplane.messages import Response, StreamResponse
 from dataplane.placing import place
 from dataplane.upstream import UpstreamError
@@ -22,7 +22,9 @@ from protos import omni_proxy_pb2 as pb
 
 async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamResponse:
     resp, worker = await open_leg(ctx, placement.decode, ctx.req.raw, LEG_WHOLE, partial(_another, ctx))
-    return await relay(ctx, resp, worker.worker_id)
+    if ctx.req.stream:
+        return await relay_stream(ctx, resp, worker.worker_id)
+    return await relay_json(ctx, resp, worker.worker_id)   # (relay() without its coroutine)
 
 
 async def _another(ctx: FlowContext, tried: list[str], exc: UpstreamError) -> pb.Endpoint:

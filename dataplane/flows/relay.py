@@ -142,13 +142,16 @@ def _stream_usage(tracker, last: bytes, before_last: bytes, counted: int) -> int
 
 async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> Response:
     """Pass a non-streamed answer through unchanged."""
-    try:
-        data = await read_body(worker_id, resp)
-    except UpstreamError as exc:
-        if ctx.abort_reason:  # the flow closed this leg on purpose; say why
-            raise UpstreamError(worker_id, ctx.abort_reason, exc.upstream_status) from None
-        raise
-    ctx.tracker.first_token(streamed=False)
+    data = resp.body_at_hand()    # (the common case: it came with the head)
+    if data is None:
+        try:
+            data = await read_body(worker_id, resp)
+        except UpstreamError as exc:
+            if ctx.abort_reason:  # the flow closed this leg on purpose; say why
+                raise UpstreamError(worker_id, ctx.abort_reason, exc.upstream_status) from None
+            raise
+    tracker = ctx.tracker
+    tracker.first_token(streamed=False)
     if ctx.watch_recompute and RECOMPUTED in data:
         obj = orjson.loads(data)
         if is_recomputed((obj.get("choices") or [{}])[0]):
@@ -156,13 +159,14 @@ async def relay_json(ctx: FlowContext, resp: EngineResponse, worker_id: str) -> 
     if ctx.prior_text or ctx.prior_tokens:
         data = merge_prior(data, ctx.prior_text, ctx.prior_tokens)
     at = data.rfind(_USAGE)
-    m = _COMPLETION_TOKENS.search(data, at) if at >= 0 else None
+    m = None
     if at >= 0:
+        m = _COMPLETION_TOKENS.search(data, at)
         c = _CACHED_TOKENS.search(data, at)
         if c is not None:
-            ctx.tracker.cached_tokens = int(c.group(1))
-    ctx.tracker.finished(int(m.group(1)) if m else 0)
-    return Response(status=200, body=data, headers=_headers(resp, ctx, "application/json"))
+            tracker.cached_tokens = int(c.group(1))
+    tracker.finished(int(m.group(1)) if m else 0)
+    return Response.owning(200, data, _headers(resp, ctx, "application/json"))
 
 
 async def relay(ctx: FlowContext, resp: EngineResponse, worker_id: str, *,
