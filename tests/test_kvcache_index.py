@@ -7,6 +7,7 @@ import random
 import pytest
 
 from controlplane.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from controlplane.kvcache import index as index_module
 from controlplane.kvcache.index import PrefixIndex, PrefixIndexConfig, SlotBlocks, best_per_worker
 
 A, B, C = ("a", 0), ("b", 0), ("c", 0)
@@ -133,6 +134,38 @@ def test_eviction_bounds_size_and_takes_leaves_first():
     consistent(idx)
 
 
+def test_a_touched_block_gets_a_second_chance_when_eviction_reaches_it():
+    """The clock's contract (was an LRU refresh at touch time): a touch moves nothing; eviction
+    that reaches a block touched since it was last reached moves it to the newest end, clears
+    its bit and takes the next oldest; reached again untouched, it goes."""
+    idx = PrefixIndex(PrefixIndexConfig(max_blocks=4))           # one shard, batches of one
+    idx.apply("a", 0, [stored([1, 2])])                          # order: 2, 1 (deepest least recent)
+    idx.match_depths([1, 2], touch=True)
+    order = list(idx._shards[0])
+    idx.apply("b", 0, [stored([10, 11])])
+    assert order == [2, 1] and list(idx._shards[0]) == [2, 1, 11, 10]    # the touch moved nothing
+    idx.apply("c", 0, [stored([20])])                            # over the cap: 2 then 1 are reached, spared
+    assert idx.match_depths([1, 2]) == {A: 2}                    # a's touched prefix survives
+    assert idx.match_depths([10, 11]) == {B: 1}                  # b's leaf went in its place
+    assert 1 not in idx._ref and 2 not in idx._ref               # both spared once: bits cleared
+    assert list(idx._shards[0]) == [10, 20, 2, 1]
+    idx.apply("c", 0, [stored([21], parent=20)])                 # 10 is the oldest
+    idx.apply("c", 0, [stored([22], parent=21)])                 # and now a's 2: untouched since, no bit left
+    assert idx.match_depths([1, 2]) == {A: 1} and idx.match_depths([10]) == {}
+    assert idx.stats().evicted == 3
+    consistent(idx)
+
+
+def test_referenced_bits_start_over_with_the_touched_table_past_their_bound(monkeypatch):
+    monkeypatch.setattr(index_module, "_REF_MAX", 8)
+    idx = PrefixIndex()
+    idx.apply("a", 0, [stored(list(range(1, 21)))])
+    idx.touch(list(range(1, 21)))
+    assert len(idx._ref) == 20 and idx._touched
+    idx.touch(list(range(1, 21)))                                # over the bound: both start over,
+    assert idx._ref == set(range(1, 21))                         # and the prefix is touched afresh
+
+
 def test_touching_part_of_a_recently_touched_prefix_skips_most_of_it():
     idx = PrefixIndex()
     chain = list(range(1, 1301))
@@ -148,9 +181,7 @@ def test_touching_part_of_a_recently_touched_prefix_skips_most_of_it():
     assert idx._clock - clock == 0
     idx.touch(chain[:1005])                            # remembered at 992 (the first's last 16th block)
     assert idx._clock - clock == 13
-    for shard in idx._shards:                          # the touched tail, deepest least recent, in its shard
-        tail = [h for h in shard if 993 <= h <= 1005]
-        assert list(shard)[len(shard) - len(tail):] == tail == sorted(tail, reverse=True)
+    assert set(range(993, 1006)) <= idx._ref           # the touched tail's referenced bits are set
     idx._clock += idx.config.max_blocks                # long ago: touched in full again
     clock = idx._clock
     idx.touch(chain[:1000])

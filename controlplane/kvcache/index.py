@@ -44,7 +44,11 @@ as possible (an orphaned child could never be matched anyway). Large caps evict 
 1/256 of a shard's cap, so the scan for the oldest entries is paid once per batch. Lookups are
 read-only by default so they stay cheap;
 pass ``touch=True`` (or call :meth:`touch`) to refresh a matched prefix, since vLLM does not
-re-announce blocks it reuses from its prefix cache.
+re-announce blocks it reuses from its prefix cache. A touch sets a referenced bit (a clock, or
+second chance), read only when eviction reaches the block: a referenced block is then moved to
+the newest end with its bit cleared instead of evicted. Moving every touched block to the newest
+end at once (an LRU refresh) cost a shard pick, a delete and an insert per block on every
+placement; the bits cost one set update in C, and eviction, which is rare, pays the moves.
 
 Masks at fleet scale: at 1,000 slots a mask is a 1,000-bit integer, and each operation on one
 (OR, AND, negation, hashing it to intern it) costs 0.1-0.4 us on this project's machine, as much
@@ -81,6 +85,7 @@ _SHARD_BITS_MAX = 8        # at most 256 shards: a shard is picked by a hash's l
 _SHARD_TARGET = 12         # auto: about 4,096-8,192 blocks a shard at max_blocks
 _HEAD = 128                # blocks of a chain whose shards a walk picks before it knows it goes further
 _KNOWN_MAX = 1 << 20       # shard picks a walk remembers (8 bytes each, 8 MiB); beyond, it starts over
+_REF_MAX = 1 << 17         # referenced bits (touch) kept; beyond, they start over with the touched ends
 _LOW = 0 if sys.byteorder == "little" else 7    # where a uint64's low byte sits in its bytes
 
 
@@ -271,6 +276,9 @@ class PrefixIndex:
         # clock at its last touch (see touch()).
         self._clock = 0
         self._touched: dict[int, int] = {}
+        # Referenced bits: blocks touched since eviction last reached them (see _evict). One set
+        # for every shard: a touch adds a prefix in one C call, with no shard picks.
+        self._ref: set[int] = set()
         # Equal holder masks share one int object: less memory per entry, and a chain walk
         # skips the AND for a block whose holders are the very object of the block before.
         self._intern: dict[int, int] = {}
@@ -572,11 +580,33 @@ class PrefixIndex:
         paid once per batch: 1/16 of a shard's cap (~490 blocks at the default), 1/256 of the cap
         unsharded. One step touches one shard, never the whole index. The blocks are popped
         in C and their holders counted by distinct value (runs of blocks share one). Returns the
-        mask of the slots that lost blocks (see _compact_one)."""
+        mask of the slots that lost blocks (see _compact_one).
+
+        A referenced block (touched since eviction last reached it) gets a second chance: it
+        is moved to the newest end with its bit cleared, and the next oldest is taken instead."""
         cap = self._cap
         n = min(len(shard), len(shard) - cap + (cap >> 4 if self._mask else cap >> 8))
         victims = list(islice(shard, n))
-        held = Counter(map(shard.pop, victims))
+        ref = self._ref
+        if ref and not ref.isdisjoint(victims):
+            held: Counter[int] = Counter()
+            gone: list[int] = []
+            while True:         # each pass evicts or spares at least one block: it ends
+                spared = ref.intersection(victims)
+                if spared:
+                    ref.difference_update(spared)
+                    for h in victims:
+                        if h in spared:
+                            shard[h] = shard.pop(h)
+                    victims = [h for h in victims if h not in spared]
+                held.update(map(shard.pop, victims))
+                gone += victims
+                if len(gone) >= n or not shard:
+                    break
+                victims = list(islice(shard, n - len(gone)))
+            victims = gone
+        else:
+            held = Counter(map(shard.pop, victims))
         if self._parent is not None:
             parents = self._parent[victims[0] & self._mask] if victims else {}
             for h in victims:
@@ -850,18 +880,25 @@ class PrefixIndex:
         return self.top(self.levels(chain, alive), k, rng)
 
     def touch(self, chain: Sequence[int]) -> None:
-        """Mark a matched prefix recently used (deepest least recent, root most recent).
+        """Mark a matched prefix recently used: its blocks' referenced bits are set, so eviction
+        reaching one moves it to the newest end instead (a second chance, see :meth:`_evict`).
 
         A prefix touched since fewer than max_blocks / 4 blocks were stored or touched is still
         far from eviction, so touching it again is skipped; prefixes are remembered at their
         end, at their last multiple of 16 blocks and at every 64th block on the way, so a hot
         prefix costs one probe, one sharing its first multiple of 16 blocks at most 16 block
         touches, and a new prompt sharing part of a touched one at most 64 more plus a probe
-        per 64 blocks of the small table of remembered prefixes, not O(depth).
+        per 64 blocks of the small table of remembered prefixes, not O(depth). Past
+        ``_REF_MAX`` bits (stale ones included: a removed block's bit stays until then) the
+        bits start over, and so does the table of touched prefixes, so the next touches set
+        them again.
         """
         n = len(chain)
         if not n:
             return
+        if len(self._ref) > _REF_MAX:
+            self._ref.clear()
+            self._touched.clear()
         touched, horizon = self._touched, self._clock - (self.config.max_blocks >> 2)
         seen = touched.get(chain[n - 1])
         if seen is not None and seen > horizon:
@@ -878,11 +915,7 @@ class PrefixIndex:
                     if seen is not None and seen > horizon:
                         fresh = p
                         break
-        part = chain[fresh:] if fresh else chain
-        for d, h in zip(reversed(self._shards_of(part)), reversed(part), strict=True):
-            m = d.pop(h, None)
-            if m is not None:
-                d[h] = m
+        self._ref.update(chain[fresh:] if fresh else chain)
         self._clock += n - fresh
         if len(touched) >= 16384:
             touched.clear()
