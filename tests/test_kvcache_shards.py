@@ -43,7 +43,9 @@ ops = st.lists(st.tuples(st.sampled_from(["store", "remove", "clear", "drop", "t
 @settings(max_examples=120, deadline=None)
 @given(ops=ops, queries=st.lists(chains(), min_size=1, max_size=6), shards=st.sampled_from([1, 4, 256]))
 def test_sharded_walk_equals_a_plain_model(ops, queries, shards):
-    idx = PrefixIndex(PrefixIndexConfig(max_blocks=1_000_000, shards=shards))
+    # The linear walk: these chains do not commit to their prefixes as block hashes do, which
+    # the gallop relies on (tests/test_kvcache_gallop.py tests it on hash chains).
+    idx = PrefixIndex(PrefixIndexConfig(max_blocks=1_000_000, shards=shards, gallop=False))
     held: dict = {}
     for op, key, chain in ops:
         if op == "store":
@@ -73,7 +75,8 @@ def test_sharded_walk_equals_a_plain_model(ops, queries, shards):
                      max_size=60),
        cap=st.integers(16, 400), shards=st.sampled_from([1, 2, 8, 16]))
 def test_eviction_keeps_the_cap_and_the_walk_agrees_with_what_is_kept(runs, cap, shards):
-    idx = PrefixIndex(PrefixIndexConfig(max_blocks=cap, shards=shards))
+    # (the linear walk: these runs are no hash chains; tests/test_kvcache_gallop.py evicts from those)
+    idx = PrefixIndex(PrefixIndexConfig(max_blocks=cap, shards=shards, gallop=False))
     held: dict = {}
     for key, hashes in runs:
         idx.apply(key[0], key[1], [stored(hashes)])
@@ -131,7 +134,7 @@ def test_a_large_index_grows_in_shards_of_even_size():
 def test_a_walk_probes_each_blocks_own_shard():
     """Chains that share their ends but differ inside (hashes that do not commit to their prefix)
     are each walked over their own blocks' shards."""
-    idx = PrefixIndex(PrefixIndexConfig(shards=256))
+    idx = PrefixIndex(PrefixIndexConfig(shards=256, gallop=False))     # (the gallop needs hash chains)
     a = list(range(1000, 1200))
     b = a[:100] + [1] + a[101:]                 # 1 lies in another shard than 1100
     idx.apply("w", 0, [stored(a)])
@@ -142,15 +145,16 @@ def test_a_walk_probes_each_blocks_own_shard():
     assert idx.match_depths(a) == {("w", 0): 200}
 
 
+@pytest.mark.parametrize("gallop", [False, True])
 @pytest.mark.parametrize("shards", [1, 16, 256])
-def test_long_walks_end_where_the_plain_model_does_on_either_side_of_the_first_pieces_end(shards):
+def test_long_walks_end_where_the_plain_model_does_on_either_side_of_the_first_pieces_end(shards, gallop):
     """A long chain's shards are picked in two pieces (the first ``_HEAD`` blocks, then the rest,
     only if the walk gets there), the rest through the per-hash path where a hash does not fit 64
     unsigned bits: matches ending at, just before and just after the pieces' border, and hashes
     outside 64 bits on either side, answer as the plain model."""
     rng = random.Random(5)
     head = index_module._HEAD
-    idx = PrefixIndex(PrefixIndexConfig(max_blocks=1_000_000, shards=shards))
+    idx = PrefixIndex(PrefixIndexConfig(max_blocks=1_000_000, shards=shards, gallop=gallop))
     chain = [rng.getrandbits(64) for _ in range(head + 60)]
     chain[head + 7] = 2**64 + 11                # outside 64 bits, in the second piece
     held: dict = {}

@@ -94,6 +94,7 @@ class PrefixIndexConfig:
     max_blocks: int = 2_000_000   # distinct block hashes kept; beyond that LRU eviction
     keep_parents: bool = True     # parent links for walking a chain back (about 50 bytes a block)
     shards: int = 0               # dicts the blocks are spread over (a power of two up to 256); 0: by max_blocks
+    gallop: bool = True           # walk by galloping over workers without holes (see PrefixIndex._gallop)
 
     def shard_bits(self) -> int:
         """log2 of the shard count: ``shards`` if set, else enough shards that each holds at most
@@ -270,6 +271,11 @@ class PrefixIndex:
         self._one: list[int] = []                            # slot -> 1 << slot (see depths_among)
         self._free: list[int] = []
         self._all = 0                                        # mask of registered slots
+        # Slots that may hold a block without its parent (a hole: see _gallop). A slot starts
+        # without; a removal or an eviction of one of its blocks, or a stored run whose parent
+        # it does not hold, gives it one until it is cleared.
+        self._holey = 0
+        self._gallops = self.config.gallop and not self._shift
         self._refs = 0
         self._stored = self._removed = self._cleared = self._evicted = 0
         # LRU clock: blocks stored or touched so far; per deepest block of a touched prefix, the
@@ -365,6 +371,13 @@ class PrefixIndex:
     def workers(self) -> list[WorkerKey]:
         return list(self._slot_of)
 
+    def may_have_holes(self, key: WorkerKey) -> None:
+        """What ``key`` holds was stored without its chains' order (a snapshot's blocks): walk
+        it block by block until it is cleared (see _gallop)."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._holey |= 1 << slot
+
     def worker_ids(self) -> KeysView[str]:
         """The worker ids that hold a slot here (a live view: O(1) ``in``, nothing copied)."""
         return self._by_worker.keys()
@@ -404,6 +417,7 @@ class PrefixIndex:
             self._clear_slot(slot)
             self._key_of[slot] = None
             self._all &= ~(1 << slot)
+            self._holey &= ~(1 << slot)
             self._free.append(slot)
             slots = self._by_worker[worker_id]
             slots.remove(slot)
@@ -483,6 +497,8 @@ class PrefixIndex:
             m = d.pop(parent, None)
             if m is not None:
                 d[parent] = m
+            if new and (m is None or not m & bit):
+                self._holey |= 1 << slot        # a run continuing a block this slot lacks
         self._size += added
         if new:
             mine.extend(new)
@@ -497,6 +513,7 @@ class PrefixIndex:
             for d in full:
                 if len(d) > cap:
                     lost |= self._evict(d)
+            self._holey |= lost
             self._compact_one(lost & ~(1 << slot))      # ``mine`` had its step above
         if len(self._intern) > _INTERN_MAX:
             self._intern.clear()
@@ -526,6 +543,8 @@ class PrefixIndex:
                         parents[h & mask].pop(h, None)
         if flagged:
             self._ends_lost()
+        if n:
+            self._holey |= 1 << slot
         mine.live -= n
         self._refs -= n
         self._removed += n
@@ -557,6 +576,7 @@ class PrefixIndex:
             if m is not None and m & bit:
                 self._unhold(h, m, bit)
         self._blocks_of[slot] = SlotBlocks(self, 1 << slot)
+        self._holey &= ~(1 << slot)
         self._cleared += 1
 
     def _drop_block(self, h: int) -> int:
@@ -567,6 +587,7 @@ class PrefixIndex:
             self._parent[h & self._mask].pop(h, None)
         blocks_of = self._blocks_of
         held = m
+        self._holey |= m
         while m:
             low = m & -m
             blocks_of[low.bit_length() - 1].live -= 1
@@ -654,6 +675,8 @@ class PrefixIndex:
         v = shards[h & mask].get(h)
         if v is None or not v & alive:  # the first probe decides: a prompt nobody alive holds costs one
             return levels
+        if self._gallops and not alive & self._holey:
+            return self._gallop(chain, alive & v)
         # Each block's shard: picking it costs about as much as the probe, so the walk goes in
         # pieces of _HEAD blocks (at depths 0, _HEAD, 2 _HEAD ...) and remembers each piece's
         # picks under its first hash, reused as a guess by the next walk through it (a shared
@@ -722,6 +745,62 @@ class PrefixIndex:
         if alive:
             levels.append((depth, alive))
         return levels
+
+    def _gallop(self, chain: Sequence[int], alive: int) -> list[tuple[int, int]]:
+        """:meth:`_walk` for slots without holes, ``alive`` those holding ``chain[0]``: in
+        O(levels x log(chain)) probes instead of one per matched block.
+
+        A block's hash commits to its whole prefix, so the block at depth d of a chain has the
+        block at d - 1 as its parent. A slot without holes holds every parent of every block
+        it holds (``_holey``: none was removed or evicted, no run was stored after a parent it
+        lacked, since it was last cleared). So it holds ``chain[:d + 1]`` whenever it holds
+        ``chain[d]``, the alive set can only shrink along the chain, and where it changes is
+        found by galloping (depths +1, +2, +4 ...) and bisection, as in the routed walk. The
+        levels are the linear walk's. The index is large and its probes miss the CPU caches
+        (about 140 ns each here): a prompt matched 128 blocks deep on a few workers costs some
+        15 probes a level instead of 128."""
+        shards, mask = self._shards, self._mask
+        levels: list[tuple[int, int]] = []
+        n = len(chain)
+        lo = 0                              # every alive slot holds chain[:lo + 1]
+        while True:
+            step, hi, vh = 1, n, None       # hi: the first depth not held by every alive slot
+            while True:
+                j = lo + step
+                if j >= n:
+                    j = n - 1
+                    if j <= lo:
+                        break
+                    h = chain[j]
+                    v = shards[h & mask].get(h)
+                    if v is not None and v & alive == alive:
+                        lo = j
+                    else:
+                        hi, vh = j, v
+                    break
+                h = chain[j]
+                v = shards[h & mask].get(h)
+                if v is not None and v & alive == alive:
+                    lo, step = j, step * 2
+                else:
+                    hi, vh = j, v
+                    break
+            while hi - lo > 1 and hi < n:   # bisect (lo, hi]
+                mid = (lo + hi) >> 1
+                h = chain[mid]
+                v = shards[h & mask].get(h)
+                if v is not None and v & alive == alive:
+                    lo = mid
+                else:
+                    hi, vh = mid, v
+            if hi >= n:
+                levels.append((n, alive))
+                return levels
+            m = vh & alive if vh is not None else 0
+            levels.append((hi, alive ^ m))
+            if not m:
+                return levels
+            alive, lo = m, hi
 
     def _picks(self, hs: Sequence[int]) -> tuple[Sequence[dict[int, int]], bool]:
         """The shards of the chain piece ``hs`` and whether they are a guess: the picks

@@ -267,6 +267,7 @@ def load(kv: KVCache, header: dict[str, Any], runs, specs: Iterable, *, now: flo
             if not spec.kv_events:
                 continue
             kv.exact.store((wid, rank), arr[::-1].tolist(), None)   # store() walks it backwards
+            kv.exact.may_have_holes((wid, rank))    # (a slot's blocks, not one chain)
             loaded["exact"] += len(arr)
         elif routed_ok:
             by_bucket.setdefault(bucket, []).append((wid, rank, arr))
