@@ -19,7 +19,7 @@ from dataplane.admission import Admission, AdmissionConfig, AdmissionMetrics
 from dataplane.errors import APIError, error_response
 from dataplane.flows import aggregated, layerwise, parallel, sequential
 from dataplane.flows.context import FlowContext
-from dataplane.intake import body_at_hand, read_client_body
+from dataplane.intake import read_client_body
 from dataplane.flows.recompute import run_recomputing
 from dataplane.hygiene import sanitize_client_id
 from dataplane.loopwatch import LoopWatch
@@ -28,7 +28,7 @@ from dataplane.metrics import DataPlaneMetrics
 from dataplane.observe import (ACCESS_LOGGER, Ended, Observer, current_request_id, install_request_id_filter,
                                trace_headers)
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
-from dataplane.placing import place
+from dataplane import placing
 from dataplane.prefix import PrefixHasher
 from dataplane.prefix_ids import DEFAULT_MAX_IDS as DEFAULT_PREFIX_IDS
 from dataplane.prompt import PrefixReuseMetrics, PromptProcessor
@@ -308,7 +308,7 @@ class DataPlane:
     async def _generate(self, http: Request, tracker: RequestTracker) -> Response | StreamResponse:
         # Each await below is skipped when it would return at once: a coroutine per step
         # was a tenth of a non-streamed request's cost in the data plane.
-        raw = body_at_hand(http)
+        raw = http.body_at_hand() if "Content-Encoding" not in http.headers else None   # (intake.body_at_hand)
         if raw is None:
             raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
                                          timeout_s=self.config.client.body_timeout_s)
@@ -323,8 +323,10 @@ class DataPlane:
         if priority is not None:
             await self.admission.acquire(priority)
         http["omni_admitted"] = True
-        req.ttft_slo_ms = slo_header(http.headers, "X-SLO-TTFT-Ms")
-        req.tpot_slo_ms = slo_header(http.headers, "X-SLO-TPOT-Ms")
+        headers = http.headers
+        if "X-SLO-TTFT-Ms" in headers or "X-SLO-TPOT-Ms" in headers:
+            req.ttft_slo_ms = slo_header(headers, "X-SLO-TTFT-Ms")
+            req.tpot_slo_ms = slo_header(headers, "X-SLO-TPOT-Ms")
         if not req.model:
             await self._resolve_model(req)
         if not passthrough and self.prompts.tokenizer is not None:
@@ -333,7 +335,10 @@ class DataPlane:
         if req.token_ids and self.placements.info.kv_hash.enabled:   # else there is no chain to hash
             await self._hash_prompt(req)
         tracker.matched = time.perf_counter()
-        placement = await place(self.placements, req, pb.LEG_ENTRY, trace=tracker.trace)
+        out = placing.message(self.placements, req, pb.LEG_ENTRY, trace=tracker.trace)
+        placement = self.placements.place_here(out)   # (round_robin: placed here, no round trip)
+        if placement is None:
+            placement = await placing.ask(self.placements, out)
         flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
         tracker.attach(req, placement, flow_name)
         if passthrough and placement.flow != pb.FLOW_AGGREGATED:

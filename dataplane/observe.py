@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from bisect import bisect_left
 import io
 import logging
 import re
@@ -332,15 +333,23 @@ class Observer:
         req = t.req
         assert req is not None   # placed: attach set it
         s = self.metrics.series(req.model, t.flow)
-        s.flows.inc()
-        s.e2e.observe(t.done - t.received)
-        s.placement.observe(t.placed_at - t.matched if t.matched else t.placed_at - t.received)
-        s.queue.observe(t.queued_ms / 1000)
-        s.prompt_tokens.inc(req.prompt_tokens)
+        # What Hist.observe and Count.inc do, inline for the series every placed request
+        # updates (seven calls a request otherwise).
+        s.flows.value += 1
+        h, v = s.e2e, t.done - t.received
+        h.counts[bisect_left(h.bounds, v)] += 1
+        h.sum += v
+        h, v = s.placement, t.placed_at - t.matched if t.matched else t.placed_at - t.received
+        h.counts[bisect_left(h.bounds, v)] += 1
+        h.sum += v
+        h, v = s.queue, t.queued_ms / 1000
+        h.counts[bisect_left(h.bounds, v)] += 1
+        h.sum += v
+        s.prompt_tokens.value += req.prompt_tokens
         if t.cached_tokens > 0:
-            s.cached_tokens.inc(t.cached_tokens)
+            s.cached_tokens.value += t.cached_tokens
         if t.completion_tokens:
-            s.generated_tokens.inc(t.completion_tokens)
+            s.generated_tokens.value += t.completion_tokens
         first = t.first_token_at
         prefill_end = t.prefill_answered or (first if t.stream else 0.0)
         if t.dispatched and prefill_end:

@@ -12,6 +12,18 @@ _STATUS = {pb.UNKNOWN_MODEL: 404, pb.NO_HEALTHY_WORKER: 503, pb.INVALID_REQUEST:
 
 async def place(placements: PlacementClient, req: ClientRequest, leg: pb.Leg,
                 exclude: list[str] | None = None, trace: dict[str, str] | None = None) -> pb.Placement:
+    out = message(placements, req, leg, exclude, trace)
+    placement = placements.place_here(out)   # (round_robin: placed here, no round trip)
+    if placement is not None:
+        return placement
+    return await ask(placements, out)
+
+
+def message(placements: PlacementClient, req: ClientRequest, leg: pb.Leg,
+            exclude: list[str] | None = None, trace: dict[str, str] | None = None) -> pb.DataPlaneMessage:
+    """The session message asking for ``req``'s ``leg``: ``place`` in steps, for the entry
+    leg's caller, which awaits ``ask`` only when ``PlacementClient.place_here`` cannot place
+    it (no coroutine per request for a local placement)."""
     # Built in place inside the session message that carries it (no copy), and fields left
     # at their defaults are not set at all: the same bytes on the wire, at less cost.
     out = pb.DataPlaneMessage()
@@ -38,9 +50,11 @@ async def place(placements: PlacementClient, req: ClientRequest, leg: pb.Leg,
         # it expects D to report. The request follows over HTTP (flows/layerwise.py), not here.
         msg.path = req.path
         msg.engine_request_id, msg.num_prompts = req.request_id, req.num_prompts
-    placement = placements.place_here(out)   # (round_robin: placed here, no round trip)
-    if placement is not None:
-        return placement
+    return out
+
+
+async def ask(placements: PlacementClient, out: pb.DataPlaneMessage) -> pb.Placement:
+    """The control plane's placement for ``out`` (``message``); its refusal as the HTTP error."""
     try:
         placement = await placements.place(out)
     except ControlPlaneUnavailable as exc:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import functools
 import logging
 import resource
 import select
@@ -216,14 +215,15 @@ def _status_line(status: int) -> str:
     return line
 
 
-@functools.lru_cache(maxsize=1)
-def _date_line(second: int) -> str:
-    return f"Date: {email.utils.formatdate(second, usegmt=True)}\r\n"
+_DATE: list = [-1, ""]     # (second, its Date line)
 
 
 def _date() -> str:
     """``Date:``, formatted once a second."""
-    return _date_line(int(time.time()))
+    second = int(time.time())
+    if second != _DATE[0]:
+        _DATE[:] = second, f"Date: {email.utils.formatdate(second, usegmt=True)}\r\n"
+    return _DATE[1]
 
 
 def _head(status: int, headers: dict[str, str], framing: str) -> bytes:
@@ -526,12 +526,17 @@ class HttpConnection(asyncio.Protocol):
 
     def _write_response(self, req: Request, resp: Response, close: bool) -> None:
         body = resp.body
-        framing = f"Content-Length: {len(body)}\r\n"
-        if close:
-            framing += "Connection: close\r\n"
-        elif req.version == "1.0":
-            framing += "Connection: keep-alive\r\n"
-        head = _head(resp.status, resp.headers, framing)
+        headers = resp.headers
+        # _head's lines, inline (once per answer)
+        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+            raise ValueError("a response header contains a line break")
+        second = int(time.time())
+        date = _DATE[1] if second == _DATE[0] else _date()
+        connection = "Connection: close\r\n" if close else (
+            "Connection: keep-alive\r\n" if req.version == "1.0" else "")
+        head = (f"{_STATUS_LINES.get(resp.status) or _status_line(resp.status)}{lines}{date}"
+                f"Content-Length: {len(body)}\r\n{connection}\r\n").encode()
         if req.method == "HEAD" or not body:
             self.transport.write(head)
         elif len(body) <= _BIG_BODY:
