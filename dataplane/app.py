@@ -285,7 +285,7 @@ class DataPlane:
             code = 499
             raise
         finally:
-            if http.get("omni_admitted"):
+            if tracker.admitted:
                 self.admission.release()
             self.metrics.inflight_requests -= 1
             if not tracker.done:
@@ -322,7 +322,7 @@ class DataPlane:
         priority = self.admission.try_admit(http, req, self.api_keys)
         if priority is not None:
             await self.admission.acquire(priority)
-        http["omni_admitted"] = True
+        tracker.admitted = True
         headers = http.headers
         if "X-SLO-TTFT-Ms" in headers or "X-SLO-TPOT-Ms" in headers:
             req.ttft_slo_ms = slo_header(headers, "X-SLO-TTFT-Ms")

@@ -58,7 +58,7 @@ class Request:
         if length is not None and length.isdigit() and int(length) > max_size:
             self._error = BodyTooLarge()
 
-    # ---- per-request state, for middlewares (e.g. ``http["omni_admitted"]``)
+    # ---- per-request state, for middlewares (e.g. ``http["request_id"]``)
 
     def get(self, key: str, default: Any = None) -> Any:
         state = self._state

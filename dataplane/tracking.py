@@ -42,7 +42,8 @@ class RequestTracker:
                  "received", "tokenized", "matched", "placed_at", "queued_ms", "dispatched",
                  "prefill_answered", "decode_dispatched", "last_token", "done",
                  "outcome", "completion_tokens", "cached_tokens", "flow", "prefill_worker", "decode_worker",
-                 "error", "upstream_status", "retries", "recomputes", "stream", "trace", "tracing", "span", "legs")
+                 "error", "upstream_status", "retries", "recomputes", "stream", "trace", "tracing", "span", "legs",
+                 "admitted")
 
     def __init__(self, client, req: ClientRequest | None = None, *, received: float = 0.0) -> None:
         self.client = client
@@ -70,6 +71,7 @@ class RequestTracker:
         self.tracing: Tracing | None = None        # dataplane.otel.Tracing when spans are on
         self.span: Span | None = None              # the request's span (tracing on)
         self.legs: dict[str, Span] | None = None   # open leg spans (tracing on)
+        self.admitted = False          # holds an admission slot (the data plane releases it at the end)
 
     # ------------------------------------------------------------------ stages
 
@@ -167,7 +169,8 @@ class RequestTracker:
             self.outcome = FINISHED
             self.completion_tokens = completion_tokens
             if self.placed:
-                req = self._placed_req()
+                req = self.req
+                assert req is not None, "no request attached"   # (_placed_req, inline)
                 self.client.finished(req.placement_id, req.prompt_tokens, completion_tokens,
                                      self.ttft_s * 1000 if self.stream else 0.0, (self.done - self.started) * 1000)
 

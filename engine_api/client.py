@@ -145,6 +145,20 @@ class EngineResponse:
                 return v.decode("latin-1")
         return default
 
+    def content_headers(self) -> tuple[str | None, str | None]:
+        """(Content-Type, Content-Encoding): the two a relay passes on, in one scan (first
+        values, any case; None when absent)."""
+        if self._headers is not None:
+            return self._headers.get("Content-Type"), self._headers.get("Content-Encoding")
+        content = encoding = None
+        for k, v in self._raw_headers:
+            if len(k) == 12:
+                if content is None and k.lower() == b"content-type":
+                    content = v.decode("latin-1")
+            elif len(k) == 16 and encoding is None and k.lower() == b"content-encoding":
+                encoding = v.decode("latin-1")
+        return content, encoding
+
     async def read(self) -> bytes:
         """The whole body; raises if the answer breaks off (the connection is then dropped)."""
         if self._eof:   # the common case: the body came with the head
@@ -219,11 +233,13 @@ class EngineResponse:
         conn = self._conn
         if self._buffered > BUFFER_HIGH and conn is not None:   # (set while the answer arrives)
             conn.pause()
-        self._wake()
+        if self._waiter is not None:   # (_wake, inline: once per body chunk)
+            self._wake()
 
     def _end(self) -> None:
         self._eof = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         if not self._eof and self._exc is None:
@@ -643,7 +659,8 @@ class EngineClient:
             return
         conn.idle_since = self._loop.time()
         conn.host.idle.append(conn)
-        self._wake(conn.host)
+        if conn.host.waiters:
+            self._wake(conn.host)
         if self._sweeper is None:
             self._sweeper = self._loop.call_later(max(self.keepalive_s / 2, 0.5), self._sweep)
 

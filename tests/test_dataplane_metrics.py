@@ -252,6 +252,61 @@ def test_access_log_goes_to_its_logger_at_info(caplog):
     assert not [r for r in caplog.records if r.name == ACCESS_LOGGER]
 
 
+def test_requests_ended_in_one_turn_are_each_recorded_and_a_failure_stays_their_own(caplog):
+    """``complete_all`` records a loop turn's ended requests together: each is counted and
+    logged as ``complete`` would, and one whose bookkeeping fails costs only its own."""
+    metrics = DataPlaneMetrics()
+    obs = Observer(metrics)
+    good = RequestTracker(Reports())
+    good.req = _req()
+    _run(good)
+    bad = RequestTracker(Reports())
+    bad.placed = True                 # placed without a request: its histograms cannot be found
+    with caplog.at_level(logging.INFO):
+        obs.complete_all([(bad, "/v1/completions", 200, "", None, "rid-bad"),
+                          (good, "/v1/completions", 200, "", None, good.req.request_id)])
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert [line["request_id"] for line in lines] == [good.req.request_id]
+    assert any("recording a request's metrics" in r.getMessage() for r in caplog.records)
+    assert metrics._classes["/v1/completions"][2].value == 2          # both counted
+    assert metrics.series("m", "aggregated").e2e.counts != [0] * (len(metrics.e2e.buckets) + 1)
+
+
+def test_access_lines_of_one_turn_go_in_one_write_each_with_its_own_request_id():
+    """Several lines written together (one time stamp, one write) carry their own request ids,
+    byte for byte what logging writes for each with that id current."""
+    code = """
+import asyncio, logging
+from dataplane import observe
+from dataplane.observe import ACCESS_LOGGER, configure_logging, current_request_id
+configure_logging("WARNING", "json")
+logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
+handler = observe.direct_access_handler()
+assert handler is not None
+import time
+time.time = lambda: 1_700_000_000.5
+writes = []
+write_text = handler.write_text
+handler.write_text = lambda text: (writes.append(text), write_text(text))
+async def main():
+    observe.write_access_lines(handler, [('{"n":1}', "rid-1"), ('{"n":2}', "rid-2")])
+    assert len(writes) == 1
+    for line, rid in (('{"n":1}', "rid-1"), ('{"n":2}', "rid-2")):
+        current_request_id.set(rid)
+        record = logging.getLogger(ACCESS_LOGGER).makeRecord(ACCESS_LOGGER, logging.INFO, "f", 0, line, None, None)
+        record.json_message = True
+        logging.getLogger(ACCESS_LOGGER).handle(record)
+    handler.flush_now()
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[:2] == lines[2:] and len(lines) == 4
+    assert [orjson.loads(x)["request_id"] for x in lines[:2]] == ["rid-1", "rid-2"]
+
+
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_access_lines_written_directly_match_what_logging_writes(fmt, tmp_path):
     """In the data plane's own logging setup an access line skips logging's machinery: the

@@ -174,6 +174,32 @@ def test_sized_answer_headers_and_request_bytes(run):
     run(case)
 
 
+def test_content_headers_are_read_in_one_scan_like_header():
+    """The relay's two headers in one scan: first values, any case, None when absent; the
+    same answers as ``header`` before and after the multidict exists."""
+    resp = EngineResponse("http://e/")
+    resp._raw_headers = [(b"X-Thing", b"a"), (b"content-TYPE", b"text/plain"), (b"Content-Encoding", b"gzip"),
+                         (b"Content-Type", b"application/json"), (b"Content-Encodings", b"no")]
+    assert resp.content_headers() == ("text/plain", "gzip")
+    assert resp.content_headers() == (resp.header("Content-Type"), resp.header("Content-Encoding"))
+    assert resp.headers["content-type"] == "text/plain"         # (built now)
+    assert resp.content_headers() == ("text/plain", "gzip")
+    bare = EngineResponse("http://e/")
+    bare._raw_headers = [(b"Content-Length", b"2")]
+    assert bare.content_headers() == (None, None)
+
+
+def test_header_lines_encoded_by_the_caller_go_as_they_are(run):
+    async def case(make):
+        server, url, client = await make(sized)
+        resp = await client.post(url + "/v1/completions", b"{}", b"X-Request-Id: r-2\r\n")
+        assert await resp.read() == b'{"echo": 2}'
+        req = server.requests[0]
+        assert req.headers["x-request-id"] == "r-2" and req.headers["content-length"] == "2"
+
+    run(case)
+
+
 def test_chunked_answer_is_decoded_chunk_by_chunk(run):
     async def case(make):
         parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]

@@ -29,8 +29,8 @@ def _headers(resp: EngineResponse, ctx: FlowContext, content_type: str,
              extra: dict[str, str] | None = None) -> dict[str, str]:
     """Our response's headers. Engines are asked for identity encoding; one that encodes
     anyway has its Content-Encoding passed on, so the bytes are never mislabelled."""
-    headers = {"Content-Type": resp.header("Content-Type", content_type), "X-Request-Id": ctx.req.echo_id}
-    encoding = resp.header("Content-Encoding")
+    content, encoding = resp.content_headers()
+    headers = {"Content-Type": content if content is not None else content_type, "X-Request-Id": ctx.req.echo_id}
     if encoding:
         headers["Content-Encoding"] = encoding
     if extra:
