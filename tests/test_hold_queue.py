@@ -148,6 +148,32 @@ def test_with_hold_frac_a_request_bound_at_once_counts_in_the_queues_own_estimat
     assert not q.should_hold(later, _view("a", 16000))   # ~0.9 s left: bound
 
 
+def test_with_bind_on_target_a_request_predicted_to_make_its_ttft_is_bound_although_its_engine_is_behind():
+    """Reordering pays only when not every request can make it. Held behind the gate, chats
+    whose engine was predicted to answer them within their 1 s budget waited 0.5 s and more
+    in the control plane and missed (mixed chat and summaries at 4x). With ``bind_on_target``
+    a request predicted, bound now, to have its first token within that fraction of its
+    budget is bound; one predicted beyond it is still held."""
+    predictor = _predictor("a")
+
+    def held(ahead_tokens: int, prompt: int, **options) -> bool:
+        q = HoldQueue(**{"hold_s": 0.15, "hold_frac": 0.25, "bind_affine": False, "bind_long_s": 0.0, **options})
+        ctx = _ctx(predictor, "r", prompt, 100.0)
+        ctx.ttft_slo_s = 1.0                     # gate: 0.25 s of work ahead
+        return q.should_hold(ctx, _view("a", ahead_tokens))
+
+    # 0.4 s ahead and a 300-token chat (0.04 s): predicted ~0.45 s, beyond the gate.
+    assert held(4000, 300)                                     # off (the default): held
+    assert not held(4000, 300, bind_on_target=1.0)             # within the budget: bound
+    assert held(4000, 300, bind_on_target=0.4)                 # beyond 0.4 of it: held
+    # 0.8 s ahead and a 3000-token prompt (0.3 s): predicted ~1.1 s, past the budget: held.
+    assert held(8000, 3000, bind_on_target=1.0)
+    # Below the gate nothing changes: bound either way.
+    assert not held(2000, 300, bind_on_target=1.0) and not held(2000, 300)
+    with pytest.raises(ValueError, match="bind_on_target"):
+        HoldQueue(bind_on_target=-1.0)
+
+
 def test_without_starved_first_a_starved_request_keeps_its_place_by_the_weights():
     """A request that has waited starvation_s has, at the suite's SLO, already missed its TTFT;
     put first it takes its engine for its whole prefill while those behind it starve in turn
