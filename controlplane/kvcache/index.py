@@ -587,7 +587,8 @@ class PrefixIndex:
             self._parent[h & self._mask].pop(h, None)
         blocks_of = self._blocks_of
         held = m
-        self._holey |= m
+        if self._gallops:               # (the routed indexes expire this way: they never gallop)
+            self._holey |= m
         while m:
             low = m & -m
             blocks_of[low.bit_length() - 1].live -= 1
