@@ -576,6 +576,8 @@ def summarize(engines, outcomes, base, after, watcher, wall, args) -> dict:
         "min_token_share": fair_share(per_engine, engine_speeds(args, len(engines)), "tokens"),
         "ttft_ms_all": [r(x, 1) for x in sorted(ttft)],
         "assignment": {str(k): v for k, v in sorted(assignment.items())},
+        # Per request (by index), for comparing targets request by request: only with --keep-logs.
+        **({"ttft_ms_by_request": {str(o.idx): r(o.ttft / T * 1000, 1) for o in ok}} if args.keep_logs else {}),
     }
 
 

@@ -37,6 +37,7 @@ class Waiter:
     work_tokens: int
     held: bool = False      # a placement has held it at least once (its work_tokens is known)
     engine: str = ""        # the engine it was last held for (the queue's order weighs its work there)
+    budget_s: float = 0.0   # its TTFT budget, known once held (0: not yet; the order's late_last)
 
 
 class PlacementQueue:
@@ -86,6 +87,7 @@ class PlacementQueue:
         work = self.stage.take_work(waiter.req.request_id)
         if work is not None:
             waiter.work_tokens, waiter.engine, waiter.held = work.tokens, work.worker, True
+            waiter.budget_s = work.budget_s
 
     def refusal(self, req: pb.PlaceRequest, why: str) -> pb.Placement:
         return pb.Placement(seq=req.seq, request_id=req.request_id, error=pb.OVERLOADED, error_message=why,

@@ -51,7 +51,7 @@ def test_a_request_its_engines_cache_ties_to_is_bound_at_once_others_wait():
     assert q.take_work("turn2") is None
     # A match every candidate has (a shared system prompt) ties it to no one: held.
     assert q.should_hold(_ctx(predictor, "first", 9600, 100.0, {"a": 32, "b": 32}, floor=32), busy)
-    assert q.take_work("first") == (9600 - 32 * 16, "a")
+    assert q.take_work("first") == (9600 - 32 * 16, "a", 2.0)   # (no target: the default 2 s budget)
     # A few blocks more than the others (3 ms of compute, under hold_s) tie it to no one either.
     assert q.should_hold(_ctx(predictor, "near", 9600, 100.0, {"a": 2, "b": 0}), busy)
     # The rule can be turned off: then it is held like any other.
@@ -93,7 +93,7 @@ def test_the_work_a_held_request_waits_with_is_what_its_engine_would_compute():
     predictor = _predictor("a")
     q = HoldQueue(hold_s=0.15, bind_affine=False)
     assert q.should_hold(_ctx(predictor, "doc", 8000, 50.0, {"a": 490}), _view("a", 3000))
-    assert q.take_work("doc") == (8000 - 490 * 16, "a")
+    assert q.take_work("doc") == (8000 - 490 * 16, "a", 2.0)
     assert q.take_work("doc") is None             # taken once
     assert not q.should_hold(_ctx(predictor, "idle", 8000, 50.0), _view("b", 0))
     assert q.take_work("idle") is None            # not held: nothing noted
@@ -189,8 +189,36 @@ def test_hold_frac_must_not_be_negative():
 
 
 class _Waiting:
-    def __init__(self, work_tokens: int, enqueued_at: float, engine: str = "a") -> None:
-        self.work_tokens, self.enqueued_at, self.engine = work_tokens, enqueued_at, engine
+    def __init__(self, work_tokens: int, enqueued_at: float, engine: str = "a", budget_s: float = 1.0) -> None:
+        self.work_tokens, self.enqueued_at, self.engine, self.budget_s = work_tokens, enqueued_at, engine, budget_s
+
+
+def test_with_late_last_requests_that_can_no_longer_make_their_budget_go_last():
+    """Past an engine's capacity, a request that has waited so long that, bound now, its prefill
+    would end beyond its TTFT budget misses whatever is done; served before one that can still
+    make it, both miss. ``late_last`` puts such requests after every other, first come first served
+    among them (the starved too, who at the suite's SLO have waited their whole budget); one
+    PD prefill engine at 1.5x: 88-89 % against 74-75 (docs/benchmarks/workloads_notes.md)."""
+    predictor = _predictor("a")
+    q = HoldQueue(hold_s=0.15, starvation_s=1.0, bind_affine=False, bind_long_s=0.0, late_last=True)
+    assert q.should_hold(_ctx(predictor, "x", 1000, 100.0), _view("a", 9000))   # learns a's speed
+    on_time_long = _Waiting(5000, 99.5)          # waited 0.5 s + 0.5 s of prefill: just in time
+    on_time_short = _Waiting(500, 99.8)
+    late = _Waiting(3000, 99.2)                  # waited 0.8 s + 0.3 s > 1 s
+    starved = _Waiting(500, 98.9)                # waited 1.1 s: starved, and late
+    patient = _Waiting(500, 98.9, budget_s=4.0)  # starved, but its 4 s budget still holds
+    unknown = _Waiting(9000, 98.0, engine="")    # never held: its engine and speed unknown
+    got = q.order([late, on_time_long, starved, on_time_short, patient, unknown], now=100.0)
+    assert got == [unknown, patient, on_time_short, on_time_long, starved, late]
+    # The engine's work ahead counts: bound now, behind 0.2 s of prefill let through, the long
+    # one would end 0.2 s past its budget, so it is late too.
+    assert not q.should_hold(_ctx(predictor, "bound", 2000, 100.0), _view("a", 0))
+    got = q.order([late, on_time_long, starved, on_time_short], now=100.0)
+    assert got == [on_time_short, starved, late, on_time_long]
+    # Off (the default): the starved first, then the weights, the late one among them.
+    q.late_last = False
+    assert q.order([late, on_time_long, starved, on_time_short, patient], now=100.0)[:2] == [starved, patient]
+    assert q.order([late, on_time_long, on_time_short], now=100.0) == [on_time_short, late, on_time_long]
 
 
 def test_held_requests_that_all_make_it_in_time_go_first_come_first_served():
@@ -312,6 +340,25 @@ async def test_held_requests_go_in_order_of_their_work_not_their_prompts_length(
         assert placer.placed == ["question", "new"]
         assert all(f.done() for f in futures)    # type: ignore[union-attr]
         assert placer.predictor.model("a").held_tokens == 0 and not placer.predictor.held   # and leaves
+    finally:
+        await queue.stop()
+
+
+async def test_with_late_last_the_runner_places_one_that_can_still_make_it_first():
+    """The budget a held request is judged by is its own (its target, else the scorer's 2 s),
+    noted when it was held and carried by the runner's waiter."""
+    stage = HoldQueue(hold_s=0.15, starvation_s=60.0, bind_affine=False, late_last=True)
+    placer = _OneBusyEngine(stage, cached={})
+    queue = PlacementQueue(stage, placer)
+    try:
+        queue.enqueue(_entry("late", 1000), "s")
+        queue.enqueue(_entry("fresh", 1000), "s")
+        assert await queue.dispatch() == 0       # both held (their work and budget known now)
+        assert [w.budget_s for w in queue._waiting.values()] == [2.0, 2.0]
+        queue._waiting["late"].enqueued_at -= 1.95   # waited 1.95 s: with 0.1 s of prefill, late
+        placer.free = True
+        assert await queue.dispatch() == 2
+        assert placer.placed == ["fresh", "late"]
     finally:
         await queue.stop()
 

@@ -9,7 +9,8 @@ it soon. Waiting requests are ordered by Omni's weight of shortness and
 waiting time (0.8 / 0.2), which is what gains when not all can make it; with
 ``on_time_first`` (off) those held for an engine that finishes all of them within
 ``starvation_s`` go first come, first served. A request that has waited ``starvation_s``
-goes ahead of every other one. With ``show_held`` (off) the work held for each engine counts in the prediction,
+goes ahead of every other one; with ``late_last`` (off) one that can no longer meet its TTFT
+budget goes after every other instead. With ``show_held`` (off) the work held for each engine counts in the prediction,
 so the policy does not keep choosing an engine whose turns already wait here. The queue is
 bounded in size (beyond: refused, HTTP 429) and in wait (beyond: placed on the best engine
 anyway, or refused: ``on_timeout``).
@@ -41,10 +42,12 @@ from controlplane.workers import Role, WorkerView
 
 
 class HeldWork(NamedTuple):
-    """What a held request would compute on the engine it was last held for, and that engine."""
+    """What a held request would compute on the engine it was last held for, that engine, and
+    the request's TTFT budget in seconds (its target, else the scorer's default)."""
 
     tokens: int
     worker: str
+    budget_s: float = TTFT_TARGET_S
 
 
 @dataclass
@@ -93,6 +96,10 @@ class HoldQueue:
     # gain on 2 prefill + 2 decode engines at 3x did not show through this session's noise
     # (docs/benchmarks/pd_queue.md, sixth session).
     show_held: bool = False
+    # Order last (first come, first served among them) the held requests that can no longer
+    # meet their TTFT budget: waited + their engine's work ahead + their own prefill there
+    # beyond it (see _late). Off: the starved go first, then the weights.
+    late_last: bool = False
     _predictor: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -231,7 +238,7 @@ class HoldQueue:
         """Note the held request's work on the engine it waits for (``take_work``)."""
         if len(self._work) >= 65536:
             self._work.clear()
-        work = self._work[ctx.request_id] = HeldWork(ctx.uncached_tokens(wid), wid)
+        work = self._work[ctx.request_id] = HeldWork(ctx.uncached_tokens(wid), wid, ctx.ttft_slo_s or TTFT_TARGET_S)
         if self.show_held and ctx.predictor is not None:
             self._publish(ctx.predictor, ctx.request_id, work)
         return True
@@ -292,11 +299,13 @@ class HoldQueue:
     def order(self, waiting: list, now: float) -> list:
         """Waiting requests (objects with ``work_tokens``, the prompt tokens they would have
         computed where they were last held, ``enqueued_at`` and, read only with
-        ``on_time_first``, ``engine``, the engine they were held for, "" if none yet), best
-        first: the starved, first come first served; then (``on_time_first``) those held for
-        an engine whose queue so ordered finishes every one's prefill before it starves
-        (``_on_time``), first come first served; then the rest by Omni's weights of shortness
-        and waiting time.
+        ``on_time_first`` or ``late_last``, ``engine``, the engine they were held for, "" if
+        none yet, and ``budget_s``, their TTFT budget), best first: the starved, first come
+        first served; then (``on_time_first``) those held for an engine whose queue so ordered
+        finishes every one's prefill before it starves (``_on_time``), first come first
+        served; then the rest by Omni's weights of shortness and waiting time; with
+        ``late_last``, those that can no longer meet their budget (``_late``) after all of
+        these, first come first served, the starved among them too.
 
         Shortest first is what gains when not every request can make it (on one shared system
         prompt at 16x, held requests met the SLO 55-57 % against 46-47 % not held), but below
@@ -312,9 +321,12 @@ class HoldQueue:
         oldest = max(now - w.enqueued_at for w in waiting) or 1e-9
         sw, ww, starve = self.shortness_weight, self.wait_weight, self.starvation_s
         on_time = self._on_time(waiting, now) if self.on_time_first else set()
+        late = self._late(waiting, now) if self.late_last else set()
 
         def key(w):
             waited = now - w.enqueued_at
+            if id(w) in late:
+                return (3, w.enqueued_at, 0.0)       # can no longer make it: last, in arrival order
             if waited >= starve and self.starved_first:
                 return (0, w.enqueued_at, 0.0)       # starved: first come, first served
             if id(w) in on_time:
@@ -322,6 +334,33 @@ class HoldQueue:
             return (2, 0.0, -(sw * (1.0 - w.work_tokens / longest) + ww * waited / oldest))
 
         return sorted(waiting, key=key)
+
+    def _late(self, waiting: list, now: float) -> set[int]:
+        """The waiting requests (their ``id()``) that can no longer meet their TTFT budget
+        (``budget_s``) if bound now: what they have waited, plus the work ahead on the engine
+        they were held for (this queue's estimate of when the prefills it let through are done,
+        ``_busy_until``), plus their own prefill there (their ``work_tokens`` at its learned
+        speed), is beyond it. Requests not held yet (no engine known) are not counted.
+
+        Past an engine's capacity, serving such a request before one that can still make it
+        costs the other its TTFT and saves nothing. With the suite's shared system prompt and
+        the fleet's prefill pooled in one server (bench/slo_bound.py's model), 1 engine at
+        1.5x: shortest first with the late ones last met 91.7 % against 70.0 first come, first
+        served, 86.0 shortest first and 65.0 shortest first with the starved (waited the whole
+        budget) ahead. Through the control plane (one PD prefill engine at 1.5x) 88-89 %
+        against 74-75 with the starved first; the engine's work ahead counted gained 2 points
+        over the request's own prefill alone there and on 2 prefill engines at 3x
+        (docs/benchmarks/workloads_notes.md, "PD at the 80 % rate")."""
+        late: set[int] = set()
+        rate, busy = self._rate, self._busy_until
+        for w in waiting:
+            engine = getattr(w, "engine", "")
+            budget = getattr(w, "budget_s", 0.0)
+            if engine and budget > 0 and engine in rate:
+                ahead = busy.get(engine, now) - now
+                if now - w.enqueued_at + w.work_tokens * rate[engine] + (ahead if ahead > 0 else 0.0) > budget:
+                    late.add(id(w))
+        return late
 
     def _on_time(self, waiting: list, now: float) -> set[int]:
         """The waiting requests (their ``id()``) held for an engine that, taking those held for
