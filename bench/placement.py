@@ -325,15 +325,17 @@ evicted by the cap, or a run is stored after a parent it does not hold; clearing
 Where every alive slot is without holes, a slot that holds `chain[d]` holds `chain[:d + 1]`,
 so where the alive set changes is found by galloping (+1, +2, +4 ...) and bisection: about 15
 probes a level instead of one per matched block, and no shard picks. The levels are the linear
-walk's; any holey slot among the alive sends the walk block by block, as before.
+walk's. Slots that may have holes are walked block by block, as before, and where the alive
+set holds both kinds the two walks' levels are merged (`_merge_levels`).
 `PrefixIndexConfig.gallop` (on) is off in the linear walk's own tests, whose chains are plain
 integers and not hash chains. Tests: `tests/test_kvcache_gallop.py` (the levels equal the
 linear walk's on hash chains under stores, removals, clears, touches and the cap's evictions;
 holes set and cleared; snapshots).
 
 What it does not cover yet: a real engine under memory pressure removes blocks all the time,
-so its slot becomes holey at its first removal and stays on the linear walk until it is
-cleared. vLLM frees a request's blocks last first and evicts the least recently freed, so its
+so its slot becomes holey at its first removal and is walked block by block until it is
+cleared; the gallop serves the engines that have not evicted yet (a new or restarted one, a
+fleet whose caches are not full). vLLM frees a request's blocks last first and evicts the least recently freed, so its
 removals are almost always leaves and leave no hole; telling a leaf from an inner block needs
 the block's children per slot (or parent links, ~50 bytes a block), which the index does not
 keep. The bench's engines never remove, so its `exact` rows gallop every walk.
