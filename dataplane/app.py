@@ -275,7 +275,78 @@ class DataPlane:
         self.metrics.inflight_requests += 1
         code = 500
         try:
-            response = await self._generate(http, tracker)
+            # (what was _generate: one coroutine less per request)
+            # Each await below is skipped when it would return at once: a coroutine per step
+            # was a tenth of a non-streamed request's cost in the data plane.
+            raw = http.body_at_hand() if "Content-Encoding" not in http.headers else None   # (intake.body_at_hand)
+            if raw is None:
+                raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
+                                             timeout_s=self.config.client.body_timeout_s)
+            passthrough = http.path in PASSTHROUGH
+            req = (parse_passthrough if passthrough else parse_request)(
+                http.path, raw, http.headers.get("X-Request-Id"), allowed_fields=self.config.allowed_client_fields)
+            tracker.req = req
+            http["request_id"] = req.echo_id
+            current_request_id.set(req.request_id)   # on every log line about this request
+            # 429 when over a limit; released in generate()
+            priority = self.admission.try_admit(http, req, self.api_keys)
+            if priority is not None:
+                await self.admission.acquire(priority)
+            tracker.admitted = True
+            headers = http.headers
+            if "X-SLO-TTFT-Ms" in headers or "X-SLO-TPOT-Ms" in headers:
+                req.ttft_slo_ms = slo_header(headers, "X-SLO-TTFT-Ms")
+                req.tpot_slo_ms = slo_header(headers, "X-SLO-TPOT-Ms")
+            if not req.model:
+                await self._resolve_model(req)
+            if not passthrough and self.prompts.tokenizer is not None:
+                await self.prompts.process(req)
+            tracker.tokenized = time.perf_counter()
+            if req.token_ids and self.placements.info.kv_hash.enabled:   # else there is no chain to hash
+                await self._hash_prompt(req)
+            tracker.matched = time.perf_counter()
+            out = placing.message(self.placements, req, pb.LEG_ENTRY, trace=tracker.trace)
+            placement = self.placements.place_here(out)   # (round_robin: placed here, no round trip)
+            if placement is None:
+                placement = await placing.ask(self.placements, out)
+            flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
+            tracker.attach(req, placement, flow_name)
+            if passthrough and placement.flow != pb.FLOW_AGGREGATED:
+                # A prefill/decode pair generates; it does not embed, rerank or keep a response's state.
+                tracker.failed("", f"{http.path} on a prefill/decode deployment", 400)
+                raise APIError(400, f"model {req.model!r} is served by prefill/decode pairs "
+                                    f"({pb.Flow.Name(placement.flow).removeprefix('FLOW_').lower()} flow), which "
+                                    f"cannot serve {http.path}; it needs an aggregated worker (role both)",
+                               param="model")
+            if flow is None:
+                tracker.failed("", "flow not supported", 0)
+                raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
+            ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
+                              tracker=tracker, metrics=self.metrics, retry=self._retry,
+                              prefill_retry=self._prefill_retry,
+                              watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
+            try:
+                # Only a PD flow's decode can hand the request back (watch_recompute): the others
+                # run without the recompute loop's two extra coroutine levels.
+                response = await (self._run_flow(ctx, placement, flow) if ctx.watch_recompute else flow(ctx, placement))
+            except UpstreamError as exc:
+                log.warning("request failed on worker %s (upstream status %s): %s", exc.worker_id,
+                            exc.upstream_status, exc.message, extra={"worker": exc.worker_id})
+                tracker.failed(exc.worker_id, exc.message, exc.upstream_status or 0)
+                self.metrics.upstream_errors.labels(exc.worker_id, str(exc.upstream_status)).inc()
+                raise
+            except APIError as exc:
+                tracker.failed("", exc.message, exc.status)
+                raise
+            except asyncio.CancelledError:
+                # The client went away: closing our upstream responses (done by the flows'
+                # finally blocks) makes the engines abort; the report frees the load.
+                tracker.cancelled()
+                self.metrics.cancelled.inc()
+                raise
+            except BaseException as exc:
+                tracker.failed("", f"{type(exc).__name__}: {exc}", 0)
+                raise
             code = response.status
             return response
         except APIError as exc:
@@ -304,80 +375,6 @@ class DataPlane:
     def _complete(self) -> None:
         ended, self._ended = self._ended, []
         self.observer.complete_all(ended)
-
-    async def _generate(self, http: Request, tracker: RequestTracker) -> Response | StreamResponse:
-        # Each await below is skipped when it would return at once: a coroutine per step
-        # was a tenth of a non-streamed request's cost in the data plane.
-        raw = http.body_at_hand() if "Content-Encoding" not in http.headers else None   # (intake.body_at_hand)
-        if raw is None:
-            raw = await read_client_body(http, max_bytes=self.config.max_body_bytes,
-                                         timeout_s=self.config.client.body_timeout_s)
-        passthrough = http.path in PASSTHROUGH
-        req = (parse_passthrough if passthrough else parse_request)(
-            http.path, raw, http.headers.get("X-Request-Id"), allowed_fields=self.config.allowed_client_fields)
-        tracker.req = req
-        http["request_id"] = req.echo_id
-        current_request_id.set(req.request_id)   # on every log line about this request
-        # 429 when over a limit; released in generate()
-        priority = self.admission.try_admit(http, req, self.api_keys)
-        if priority is not None:
-            await self.admission.acquire(priority)
-        tracker.admitted = True
-        headers = http.headers
-        if "X-SLO-TTFT-Ms" in headers or "X-SLO-TPOT-Ms" in headers:
-            req.ttft_slo_ms = slo_header(headers, "X-SLO-TTFT-Ms")
-            req.tpot_slo_ms = slo_header(headers, "X-SLO-TPOT-Ms")
-        if not req.model:
-            await self._resolve_model(req)
-        if not passthrough and self.prompts.tokenizer is not None:
-            await self.prompts.process(req)
-        tracker.tokenized = time.perf_counter()
-        if req.token_ids and self.placements.info.kv_hash.enabled:   # else there is no chain to hash
-            await self._hash_prompt(req)
-        tracker.matched = time.perf_counter()
-        out = placing.message(self.placements, req, pb.LEG_ENTRY, trace=tracker.trace)
-        placement = self.placements.place_here(out)   # (round_robin: placed here, no round trip)
-        if placement is None:
-            placement = await placing.ask(self.placements, out)
-        flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
-        tracker.attach(req, placement, flow_name)
-        if passthrough and placement.flow != pb.FLOW_AGGREGATED:
-            # A prefill/decode pair generates; it does not embed, rerank or keep a response's state.
-            tracker.failed("", f"{http.path} on a prefill/decode deployment", 400)
-            raise APIError(400, f"model {req.model!r} is served by prefill/decode pairs "
-                                f"({pb.Flow.Name(placement.flow).removeprefix('FLOW_').lower()} flow), which "
-                                f"cannot serve {http.path}; it needs an aggregated worker (role both)",
-                           param="model")
-        if flow is None:
-            tracker.failed("", "flow not supported", 0)
-            raise APIError(501, f"flow {pb.Flow.Name(placement.flow)} is not supported by this data plane")
-        ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
-                          tracker=tracker, metrics=self.metrics, retry=self._retry,
-                          prefill_retry=self._prefill_retry,
-                          watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
-        try:
-            # Only a PD flow's decode can hand the request back (watch_recompute): the others
-            # run without the recompute loop's two extra coroutine levels.
-            response = await (self._run_flow(ctx, placement, flow) if ctx.watch_recompute else flow(ctx, placement))
-        except UpstreamError as exc:
-            log.warning("request failed on worker %s (upstream status %s): %s", exc.worker_id,
-                        exc.upstream_status, exc.message, extra={"worker": exc.worker_id})
-            tracker.failed(exc.worker_id, exc.message, exc.upstream_status or 0)
-            self.metrics.upstream_errors.labels(exc.worker_id, str(exc.upstream_status)).inc()
-            raise
-        except APIError as exc:
-            tracker.failed("", exc.message, exc.status)
-            raise
-        except asyncio.CancelledError:
-            # The client went away: closing our upstream responses (done by the flows'
-            # finally blocks) makes the engines abort; the report frees the load.
-            tracker.cancelled()
-            self.metrics.cancelled.inc()
-            raise
-        except BaseException as exc:
-            tracker.failed("", f"{type(exc).__name__}: {exc}", 0)
-            raise
-        return response
 
     async def _resolve_model(self, req: ClientRequest) -> None:
         """A request without a model ("model" missing, null or "") runs only where that is

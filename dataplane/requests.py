@@ -30,7 +30,7 @@ CHAT = "/v1/chat/completions"
 MAX_COUNT = 2**31 - 1
 
 
-@dataclass
+@dataclass(slots=True)   # (made per request: slots build and read faster)
 class ClientRequest:
     path: str
     raw: bytes

@@ -13,7 +13,7 @@ from dataplane.upstream import Upstream
 from omni_runtime.retry import Retry
 
 
-@dataclass
+@dataclass(slots=True)   # (made per request: slots build and read faster)
 class FlowContext:
     http: Request
     req: ClientRequest
