@@ -202,7 +202,7 @@ def run_cell(speedup: float, repeat: int, bodies: list[dict], offsets: list[floa
              args, cost: Cost, variant: str = "after", tree: Path | None = None) -> dict:
     offsets = [t / speedup for t in offsets]
     dp_args = ("--log-level", "INFO", *(("--tokenizer", str(args.tokenizer)) if args.tokenizer else ()),
-               *shlex.split(args.dp_flags))
+               *shlex.split(args.dp_flags), *shlex.split(args.before_dp_flags if variant == "before" else ""))
     with _group(args, f"{variant}-x{speedup:g}-r{repeat}") as group, code_tree(tree):
         # The engines' seats (256, the control plane's default too) are not told to our control
         # plane: a --baseline-tree from before its max_num_seqs worker key would refuse it.
@@ -410,7 +410,9 @@ def write_text_markdown(path: Path, report: dict) -> None:
              f"{cfg['warmup']} warm-up requests first).", "",
              f"Setup: {cfg['agg_engines']} simulated engines (`{' '.join(cfg['sim_args'])}`), our control plane "
              f"(`--policy {cfg['policy']}`) and one data plane (`--tokenizer"
-             f"{' ' + cfg['dp_flags'] if cfg.get('dp_flags') else ''}`, access log on), on loopback; "
+             f"{' ' + cfg['dp_flags'] if cfg.get('dp_flags') else ''}`"
+             f"{'; before adds `' + cfg['before_dp_flags'] + '`' if cfg.get('before_dp_flags') else ''}, "
+             "access log on), on loopback; "
              "the processes run under the bench's own niceness. Host load (1-minute average, 2 cores) at the "
              "cells' start and end: " + _load_range(report["cells"]) + ".", "",
              "Stages (ms, from the data plane's access log `stages_ms`, every request of the repeats pooled): "
@@ -703,6 +705,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=None, help="clamp prompts down to this length (text: 70000)")
     p.add_argument("--dp-flags", default="",
                    help="extra data-plane flags for every variant, e.g. '--tokenizer-prefix-cache 0'")
+    p.add_argument("--before-dp-flags", default="",
+                   help="extra data-plane flags for the before variant only (after --dp-flags), e.g. "
+                        "'--bulk-nice 0' with --baseline-tree a checkout of the same code: one setting A/B")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="also run every cell from this checkout (e.g. `git worktree add DIR c20e4d4`): "
                         "before/after, interleaved")
@@ -866,7 +871,7 @@ def _main(args, trace: Path, argv: list[str], code: dict) -> int:
                    "speedups": args.speedup_list, "repeats": args.repeats, "warmup": len(warm),
                    "policy": args.policy, "agg_engines": args.agg_engines, "max_output": args.max_output,
                    "sim_args": cost.sim_args(), "prompts": args.prompts, "min_tokens": min_tokens,
-                   "max_tokens": max_tokens, "dp_flags": args.dp_flags,
+                   "max_tokens": max_tokens, "dp_flags": args.dp_flags, "before_dp_flags": args.before_dp_flags,
                    "tokenizer_name": (tok.name.rsplit("/", 1)[-1] if tok is not None else None),
                    "variants": {"before": f"{_tree_commit(args.baseline_tree)} ({args.baseline_tree.name})"
                                 if args.baseline_tree else None,

@@ -29,6 +29,7 @@ from dataplane.observe import (ACCESS_LOGGER, Ended, Observer, current_request_i
                                trace_headers)
 from dataplane.placement_client import ControlPlaneUnavailable, PlacementClient
 from dataplane import placing
+from dataplane.bulk_priority import DEFAULT_BULK_NICE, BulkPriority
 from dataplane.prefix import PrefixHasher
 from dataplane.prefix_ids import DEFAULT_MAX_IDS as DEFAULT_PREFIX_IDS
 from dataplane.prompt import PrefixReuseMetrics, PromptProcessor
@@ -112,6 +113,8 @@ class DataPlaneConfig:
     chat_template: str = ""        # like vLLM's --chat-template
     reuse_tokens: bool = True      # send completions prompts to the engines as token ids
     tokenizer_prefix_cache: int = DEFAULT_PREFIX_IDS   # ids of text prefixes kept to reuse (0 = off)
+    # encode threads and the hashing process below the loop's CPU priority (dataplane.bulk_priority)
+    bulk_nice: BulkPriority = DEFAULT_BULK_NICE
     # PD-internal body fields a client may set anyway (default: none, they are dropped).
     allowed_client_fields: frozenset[str] = frozenset()
     client: ClientLimits = field(default_factory=ClientLimits)
@@ -155,7 +158,7 @@ class DataPlane:
         self._prefill_retry = prefill_retry(config.prefill_retries, counted(self.metrics, prefill=True))
         self.upstream = Upstream(config.upstream)
         self.api_keys = client_auth.ApiKeys(config.api_keys) if config.api_keys else None
-        self.prefix = PrefixHasher()
+        self.prefix = PrefixHasher(config.bulk_nice)
         self.prompts = PromptProcessor(None, reuse_tokens=config.reuse_tokens)
         self.placements = PlacementClient(config.controlplane, config.node_id,
                                           timeout_s=config.placement_timeout_s,
@@ -217,7 +220,7 @@ class DataPlane:
             try:
                 self.prompts.tokenizer = await loop.run_in_executor(None, lambda: Tokenizer.from_dir(
                     self.config.tokenizer, chat_template=self.config.chat_template or None,
-                    prefix_cache_ids=self.config.tokenizer_prefix_cache))
+                    prefix_cache_ids=self.config.tokenizer_prefix_cache, bulk_priority=self.config.bulk_nice))
             except Exception as exc:  # noqa: BLE001 - one line naming the tokenizer, not a port error
                 from omni_runtime import StartupError
 

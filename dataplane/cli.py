@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dataplane import bulk_priority
 from dataplane.prefix_ids import DEFAULT_MAX_IDS as DEFAULT_PREFIX_IDS
 from omni_runtime import flags
 
@@ -41,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "encodes only what follows the longest one tokenized before, with the same ids "
                         f"(default {DEFAULT_PREFIX_IDS:,}, about 8 bytes an id; 0 = no cache, a long prompt "
                         "still encoded in pieces)")
+    p.add_argument("--bulk-nice", type=bulk_priority.parse, default=bulk_priority.DEFAULT_BULK_NICE,
+                   metavar="N|idle",
+                   help="CPU priority of the bulk work (long prompts' encode threads, the block-hashing process): "
+                        f"a nice increment over the data plane's, 0-19 (default {bulk_priority.DEFAULT_BULK_NICE}; "
+                        "0 = the event loop's priority), or 'idle' (SCHED_IDLE): the event loop and the "
+                        "control plane take a core first")
     p.add_argument("--connect-timeout", type=flags.seconds, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=flags.seconds, default=600.0,
                    help="longest silence from an engine before the leg fails")
@@ -131,7 +138,7 @@ def config_from_args(args: argparse.Namespace):
                           prefill_retries=args.prefill_retries, retries=args.retries,
                           fallback_after_s=args.fallback_after, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, reuse_tokens=not args.no_reuse_tokens,
-                          tokenizer_prefix_cache=args.tokenizer_prefix_cache,
+                          tokenizer_prefix_cache=args.tokenizer_prefix_cache, bulk_nice=args.bulk_nice,
                           allowed_client_fields=parse_field_list(args.allow_client_fields),
                           client=ClientLimits(header_timeout_s=args.client_header_timeout,
                                               body_timeout_s=args.client_body_timeout,

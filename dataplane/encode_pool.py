@@ -16,6 +16,9 @@ load 10: tokenized p99 2.5-4.0 s against 0.8-1.0 s first come, first served); wi
 time in the key a prompt is passed only by prompts that came less than its own expected encode
 time after it.
 
+The threads run at ``priority`` (:mod:`dataplane.bulk_priority`, nice +10 by default): below the
+event loop, which then takes a core as soon as it wakes instead of waiting behind the slices.
+
 The caller waits (not holding the GIL) and gets the encodings in order, as one batch call would
 give them; it reads their ids itself. Pieces stay whole, so the ids are exactly the batch's.
 """
@@ -30,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+from dataplane.bulk_priority import BulkPriority, lower_this_thread
 
 # About 3,500 tokens of English-like text: a slice is ~2-3 ms of one core's CPU, the longest
 # a short prompt waits for a thread in a burst. Each slice costs a thread wake-up and a GIL
@@ -68,12 +73,14 @@ def slices(texts: Sequence[str], slice_chars: int) -> list[list[str]]:
 
 class EncodePool:
     """``workers`` threads (started on first use) that encode slices, the call with the
-    earliest expected end (arrival + size x ``s_per_char``) first."""
+    earliest expected end (arrival + size x ``s_per_char``) first; the threads run at
+    ``priority`` (a nice increment or ``"idle"``, :mod:`dataplane.bulk_priority`)."""
 
     def __init__(self, encode_batch: EncodeBatch, workers: int, *,
                  slice_chars: int = DEFAULT_SLICE_CHARS, s_per_char: float = DEFAULT_S_PER_CHAR,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, priority: BulkPriority = 0) -> None:
         self._encode_batch = encode_batch
+        self.priority = priority
         self.workers = workers
         self.slice_chars = slice_chars
         self.s_per_char = s_per_char
@@ -119,6 +126,7 @@ class EncodePool:
             self._threads.append(t)
 
     def _run(self) -> None:
+        lower_this_thread(self.priority)
         while True:
             with self._cv:
                 while not self._heap and not self._closed:

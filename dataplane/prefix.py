@@ -13,7 +13,9 @@ them stretched placements by tens of ms (bench/burst.py). The process gets the t
 as JSON (orjson writes 85k ids in ~0.7 ms on the event loop; packing them with ``array("q")``
 took ~2.3 ms) and answers the chain as packed 64-bit integers. When the ids went into the
 engine's body (completions), that body's JSON of them is passed on as it is, with the count
-to hash: no second dumps and no slice of the list on the loop (~0.9 ms for 70k ids).
+to hash: no second dumps and no slice of the list on the loop (~0.9 ms for 70k ids). The
+process runs at the bulk priority (:mod:`dataplane.bulk_priority`, nice +10 by default), below
+the event loop and the control plane.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import cast
 
 import orjson
 
+from dataplane.bulk_priority import BulkPriority, lower_this_thread
 from kvhash.hashing import BlockHashConfig, BlockHasher, LoraKeyFormat, UnreproducibleHashError
 from protos import omni_proxy_pb2 as pb
 
@@ -67,14 +70,18 @@ def _event_hashes(hasher: BlockHasher, ids: list[int], salt: str | None, lora: L
 
 class HashProcess:
     """One process (started on first use, by spawn: the data plane has threads and a loop)
-    that hashes long chains; closed with the data plane, and gone with it if it dies."""
+    that hashes long chains, at ``priority``; closed with the data plane, and gone with it if it
+    dies."""
 
-    def __init__(self) -> None:
+    def __init__(self, priority: BulkPriority = 0) -> None:
         self._pool: ProcessPoolExecutor | None = None
+        self.priority = priority
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            # its one thread hashes: lowering it lowers the process
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=lower_this_thread, initargs=(self.priority,))
         return self._pool
 
     async def event_hashes(self, config: BlockHashConfig, ids: list[int], salt: str | None,
@@ -107,10 +114,10 @@ class HashProcess:
 
 
 class PrefixHasher:
-    def __init__(self) -> None:
+    def __init__(self, priority: BulkPriority = 0) -> None:
         self._key: tuple | None = None
         self._hasher: BlockHasher | None = None
-        self.process = HashProcess()
+        self.process = HashProcess(priority)
 
     def close(self) -> None:
         self.process.close()

@@ -128,6 +128,7 @@ from dataplane.chat_template import (
     select_template,
     supports_developer_role,
 )
+from dataplane.bulk_priority import BulkPriority
 from dataplane.encode_pool import EncodePool, rayon_off
 from dataplane.prefix_ids import DEFAULT_MAX_IDS, PrefixIds, cut_plan
 
@@ -222,7 +223,7 @@ class Tokenizer:
                  chat_template_content_format: str = "auto",
                  async_threshold_chars: int = DEFAULT_ASYNC_THRESHOLD_CHARS,
                  executor: Executor | None = None, workers: int = 0, name: str = "",
-                 prefix_cache_ids: int = DEFAULT_MAX_IDS) -> None:
+                 prefix_cache_ids: int = DEFAULT_MAX_IDS, bulk_priority: BulkPriority = 0) -> None:
         self._tok = backend
         # "hf" unless from_dir found a model vLLM renders with other code (deepseek_v4, mistral, ...):
         # then chat ids here may differ from the engine's, and callers should not use them.
@@ -284,7 +285,8 @@ class Tokenizer:
         self._encode_batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
         # Long texts' pieces on the tokenizer's own threads, smallest prompt first, rayon off.
         rayon_off()
-        self._slices = EncodePool(lambda texts, **kw: self._encode_batch(texts, **kw), self.workers)
+        self._slices = EncodePool(lambda texts, **kw: self._encode_batch(texts, **kw), self.workers,
+                                  priority=bulk_priority)
         # Ids of text prefixes tokenized before (dataplane.prefix_ids), and the rest encoded in
         # pieces in one batch, for texts of async_threshold_chars or more, when this tokenizer's
         # pipeline can be cut exactly (prefix_cache_ids=0: pieces, no cache).
