@@ -21,6 +21,7 @@ Loading::
     ``async_threshold_chars`` (default 2000),
     ``workers`` (threads that encode long prompts' slices; default: one per CPU core, at most 4),
     ``executor`` (for :meth:`encode_async` and friends, instead of those threads),
+    ``bulk_priority`` (those threads' nice increment, or ``"idle"``; default 0, unchanged),
     ``prefix_cache_ids`` (ids of text prefixes kept for reuse, default 4,000,000; 0 = none:
     a text of ``async_threshold_chars`` or more encodes only what follows the longest prefix
     tokenized before, with the same ids as a whole encode, and that rest in ~1k-character
@@ -67,11 +68,12 @@ Async (off the event loop above ``async_threshold_chars``)::
     the loop longer. A process pool was measured as the alternative (``bench/tokenize_cost.py
     --burst``): no faster on this 2-core machine, and it would copy the prompt and the ids
     between processes and keep a tokenizer (and its chat templates) in each; threads it is.
-    Threads at a lower CPU priority than the loop (nice +5) were tried too: alone with the loop
-    they shortened its stalls, but on a host shared with other processes they lost the CPU to
-    them, and the loop then waited for a GIL such a thread held (``bench/burst.py --prompts
-    chat``: tokenized p50 1.2x, p99 1.3x); they run at the loop's priority. ``close()`` stops
-    the threads.
+    The encoding threads run below the loop's CPU priority (``bulk_priority``, the data plane's
+    ``--bulk-nice``, +10 there; :mod:`dataplane.bulk_priority`), so the loop takes a core as soon
+    as it wakes. Only they are lowered: they hold the GIL for microseconds per slice. The waiting
+    threads run Python (the ids' lists, the cache) and stay at the loop's priority: an earlier
+    try that lowered every tokenizing thread (nice +5) made the loop wait for a GIL that a
+    preempted low-priority thread held. ``close()`` stops the threads.
 
 ``tok.engine_renderer``: ``"hf"``, or the vLLM tokenizer mode that ``from_dir`` expects vLLM to pick
 instead (``deepseek_v32``/``deepseek_v4``/``deepseek_v41``/``kimi_k3``/``kimi_audio``/``inkling`` from

@@ -178,6 +178,8 @@ OTHER_FLAG_CASES = {
     "dp_workers": ("dataplane", ["--workers", "0"], ["--workers", "1 to 256"]),
     "dp_retries": ("dataplane", ["--retries", "-1"], ["--retries"]),
     "dp_tokenizer_prefix_cache": ("dataplane", ["--tokenizer-prefix-cache", "-5"], ["--tokenizer-prefix-cache"]),
+    "dp_bulk_nice": ("dataplane", ["--bulk-nice", "20"], ["--bulk-nice", "0 to 19", "idle"]),
+    "dp_bulk_nice_text": ("dataplane", ["--bulk-nice", "low"], ["--bulk-nice", "0 to 19"]),
     "cp_http_port": ("controlplane", ["--listen", "127.0.0.1:0", "--http-port", "70000"], ["--http-port"]),
     "cp_log_level": ("controlplane", ["--listen", "127.0.0.1:0", "--log-level", "LOUD"], ["--log-level"]),
     "sim_port": ("sim", ["--port", "70000"], ["--port"]),
