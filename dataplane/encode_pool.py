@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError
 from typing import Any
 
 from dataplane.bulk_priority import BulkPriority, lower_this_thread
@@ -71,6 +71,21 @@ def slices(texts: Sequence[str], slice_chars: int) -> list[list[str]]:
     return out
 
 
+class _Call:
+    """One ``encode_batch`` call's slices: their encodings by index, and one event set when the
+    last is done (or one failed, or the pool closed). The caller wakes once per call, not once
+    per slice: each wake is a thread switch and a GIL acquisition, and a 70k-token prompt has
+    ~20 slices."""
+
+    __slots__ = ("results", "left", "error", "done")
+
+    def __init__(self, slices: int) -> None:
+        self.results: list[Sequence[Any] | None] = [None] * slices
+        self.left = slices
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
 class EncodePool:
     """``workers`` threads (started on first use) that encode slices, the call with the
     earliest expected end (arrival + size x ``s_per_char``) first; the threads run at
@@ -85,37 +100,40 @@ class EncodePool:
         self.slice_chars = slice_chars
         self.s_per_char = s_per_char
         self._clock = clock
-        self._heap: list[tuple[float, int, list[str], bool, Future]] = []
+        self._heap: list[tuple[float, int, list[str], bool, _Call, int]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._closed = False
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[Any]:
-        """``encode_batch(texts)``'s encodings, in order; this thread waits."""
+        """``encode_batch(texts)``'s encodings, in order; this thread waits (GIL released)."""
         groups = slices(texts, self.slice_chars)
         key = self._clock() + sum(map(len, texts)) * self.s_per_char
-        futures: list[Future] = []
+        call = _Call(len(groups))
         with self._cv:
             if self._closed:
                 return list(self._encode_batch(list(texts), add_special_tokens=add_special_tokens))
             self._start()
-            for group in groups:
-                fut: Future = Future()
-                heapq.heappush(self._heap, (key, next(self._seq), group, add_special_tokens, fut))
-                futures.append(fut)
+            for i, group in enumerate(groups):
+                heapq.heappush(self._heap, (key, next(self._seq), group, add_special_tokens, call, i))
             self._cv.notify(len(groups))
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
         out: list[Any] = []
-        for fut in futures:
-            out += fut.result()
+        for part in call.results:
+            out += part   # type: ignore[arg-type]   # every slice is done
         return out
 
     def close(self) -> None:
-        """Stop the threads; slices not started are cancelled (their callers get CancelledError)."""
+        """Stop the threads; calls with slices not started get CancelledError."""
         with self._cv:
             self._closed = True
-            for *_, fut in self._heap:
-                fut.cancel()
+            for *_, call, _i in self._heap:
+                if call.error is None:
+                    call.error = CancelledError()
+                call.done.set()
             self._heap.clear()
             self._cv.notify_all()
 
@@ -127,16 +145,25 @@ class EncodePool:
 
     def _run(self) -> None:
         lower_this_thread(self.priority)
+        finished: _Call | None = None      # counted down under the lock taken for the next slice
         while True:
             with self._cv:
+                if finished is not None:
+                    finished.left -= 1
+                    if finished.left == 0:
+                        finished.done.set()
+                    finished = None
                 while not self._heap and not self._closed:
                     self._cv.wait()
                 if self._closed:
                     return
-                _, _, group, special, fut = heapq.heappop(self._heap)
-            if not fut.set_running_or_notify_cancel():
+                _, _, group, special, call, i = heapq.heappop(self._heap)
+            if call.done.is_set():      # another slice of the call failed: skip the rest
                 continue
             try:
-                fut.set_result(self._encode_batch(group, add_special_tokens=special))
+                call.results[i] = self._encode_batch(group, add_special_tokens=special)
             except BaseException as exc:   # noqa: BLE001 - the caller gets it, as from the batch call
-                fut.set_exception(exc)
+                call.error = exc
+                call.done.set()
+                continue
+            finished = call
