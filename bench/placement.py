@@ -387,8 +387,14 @@ python bench/placement.py --rounds 3 --placements 1500 --sizes 10,1000 \\
 | cache_aware | exact | 1000 | 200.3 (188.5/200.3/205.9) | 172.6 (171.5/172.6/174.3) | -13.8 % | 200.8 | 173.3 |
 | predicted_latency | exact | 1000 | 236.7 (230.1/236.7/244.7) | 209.2 (208.6/209.2/214.4) | -11.6 % | 236.3 | 209.9 |
 
-An earlier pair of runs each (load 4.4-5.4) gave the same picture: exact -12.3 to -16.2 %
-(`cache_aware` 1,000 workers 170.2 -> 149.3 us), approximate -0 to -2.8 %. The two changes
+That is the tree at `920a20e` (the walk and `touch`). The final tree (`c7d4654`, with merged
+walks over mixed slots, which the bench never has), 2 runs each alternated, load 6.0-7.4:
+exact -14.5 to -26.3 % (`cache_aware` 184.8 -> 156.1 us at 1,000 workers, 154.4 -> 118.2 at
+10; `predicted_latency` 227.6 -> 194.6 and 173.7 -> 143.5), approximate -6.5 to +1.8 %. An
+earlier pair of runs each (load 4.4-5.4) gave the same picture: exact -12.3 to -16.2 %
+(`cache_aware` 1,000 workers 170.2 -> 149.3 us), approximate -0 to -2.8 %. The gallop's worst
+case, a level at every block (256 workers each holding the chain to its own depth, 256-block
+chain, 512,000 other blocks), costs no more than the linear walk: 69 against 83 us a walk. The two changes
 apart: `touch` alone, in one process with the old and new `touch` alternated over 6 rounds of
 500 placements (`cache_aware`, exact, 1,000 workers, CPU p50, load 4.3), 183.7 -> 177.6 us
 (-3 %); in separate runs (load 7-8) it was within the noise (-2.5 to -10 % on rows it cannot
