@@ -5,8 +5,9 @@ replicas instead of the one control plane. The engines' hashing settings arrive 
 control-plane session (SessionInfo.kv_hash); nothing is computed when placement does not
 use the prefix cache.
 
-Where it runs, by chain length: short chains inline; longer ones in a thread; long ones in
-a separate process (``HashProcess``). vLLM's hash is per-block Python (a pickle and a
+Where it runs, by chain length: short chains inline; longer ones in a separate process
+(``HashProcess``) when the ids' JSON is at hand (a completion's, from the engine's body), else
+in a thread up to ``PROCESS_MIN_BLOCKS`` and in the process from there on. vLLM's hash is per-block Python (a pickle and a
 sha256 of each 16-token block) that holds the GIL: in a thread, a 50k-token prompt still
 took the event loop from every other request in 0.5 ms slices for ~5 ms, and a burst of
 them stretched placements by tens of ms (bench/burst.py). The process gets the token ids
@@ -38,7 +39,10 @@ log = logging.getLogger(__name__)
 
 # Above this many blocks the hashing runs off the event loop (about 1 ms per 1,000 blocks).
 INLINE_MAX_BLOCKS = 256
-# From this many blocks on it runs in another process (packing the ids costs ~1 % of hashing).
+# From this many blocks on it runs in another process even when the ids must be packed for it
+# first (~1 % of hashing, on the loop). With their JSON at hand, every chain above
+# INLINE_MAX_BLOCKS goes there: in a thread, 256-1,023 blocks (the 4-16k-token prompts of a burst)
+# held the GIL ~0.3-1 ms in 0.5 ms turns that the event loop waited for.
 PROCESS_MIN_BLOCKS = 1024
 
 # In a hashing process: one BlockHasher per hashing configuration (the process's own cache).
@@ -155,7 +159,7 @@ class PrefixHasher:
         if not usable:
             return []
         blocks = usable // max(cfg.block_size, 1)
-        if blocks >= PROCESS_MIN_BLOCKS and ids_json is not None:
+        if blocks > INLINE_MAX_BLOCKS and ids_json is not None:
             chain = await self.process.event_hashes(hasher.config, token_ids, salt, lora, ids_json=ids_json,
                                                     usable=usable)
             if chain is not None:
