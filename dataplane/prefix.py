@@ -7,14 +7,14 @@ use the prefix cache.
 
 Where it runs, by chain length: short chains inline; longer ones in a separate process
 (``HashProcess``) when the ids' JSON is at hand (a completion's, from the engine's body), else
-in a thread up to ``PROCESS_MIN_BLOCKS`` and in the process from there on. vLLM's hash is per-block Python (a pickle and a
-sha256 of each 16-token block) that holds the GIL: in a thread, a 50k-token prompt still
-took the event loop from every other request in 0.5 ms slices for ~5 ms, and a burst of
-them stretched placements by tens of ms (bench/burst.py). The process gets the token ids
-as JSON (orjson writes 85k ids in ~0.7 ms on the event loop; packing them with ``array("q")``
-took ~2.3 ms) and answers the chain as packed 64-bit integers. When the ids went into the
-engine's body (completions), that body's JSON of them is passed on as it is, with the count
-to hash: no second dumps and no slice of the list on the loop (~0.9 ms for 70k ids). The
+in a thread up to ``PROCESS_MIN_BLOCKS`` and in the process from there on. vLLM's hash is
+per-block Python (a pickle and a sha256 of each 16-token block) that holds the GIL: in a thread, a
+50k-token prompt still took the event loop from every other request in 0.5 ms slices for ~5 ms,
+and a burst of them stretched placements by tens of ms (bench/burst.py). The process gets the
+token ids as JSON (orjson writes 85k ids in ~0.7 ms on the event loop; packing them with
+``array("q")`` took ~2.3 ms) and answers the chain as packed 64-bit integers. When the ids went
+into the engine's body (completions), that body's JSON of them is passed on as it is, with the
+count to hash: no second dumps and no slice of the list on the loop (~0.9 ms for 70k ids). The
 process runs at the bulk priority (:mod:`dataplane.bulk_priority`, nice +10 by default), below
 the event loop and the control plane.
 """
