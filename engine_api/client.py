@@ -40,7 +40,7 @@ import select
 import socket
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import cast, overload
 from urllib.parse import urlsplit
 
@@ -106,7 +106,7 @@ class EngineResponse:
     """
 
     __slots__ = ("status", "reason", "url", "_raw_headers", "_headers", "_conn", "_chunks", "_buffered",
-                 "_eof", "_exc", "_waiter")
+                 "_eof", "_exc", "_waiter", "_sink", "_sink_full")
 
     def __init__(self, url: str) -> None:
         self.status = 0
@@ -120,6 +120,8 @@ class EngineResponse:
         self._eof = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        self._sink: Callable[[bytes], bool] | None = None   # pipe()'s: takes each chunk as it arrives
+        self._sink_full = False      # the sink asked for a pause (pipe() drains, then reads on)
 
     @property
     def headers(self) -> CIMultiDict[str]:
@@ -190,6 +192,45 @@ class EngineResponse:
             finally:
                 self._waiter = None
 
+    async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """Hand the body to ``sink`` chunk by chunk, each as it arrives (what ``async for``
+        yields, in order), from the connection's own callback: no future, no task wake-up
+        and no coroutine step per chunk. Returns at the body's end, the connection back in
+        the pool as after a full read; raises what iterating would.
+
+        ``sink`` must not raise (it runs inside the connection's parser): it returns True to
+        stop reading from the engine until ``drain()`` (awaited here) has returned, e.g.
+        when the reader of what it writes is slower, or to hand over a failure of its own
+        that ``drain()`` then raises."""
+        while self._chunks:          # arrived before the pipe was laid: first, in order
+            if sink(self._take()):
+                await drain()
+        self._sink = sink
+        try:
+            while True:
+                if self._sink_full:
+                    self._sink_full = False
+                    await drain()
+                    conn = self._conn
+                    if conn is not None and conn.paused:
+                        conn.resume()
+                    continue
+                if self._exc is not None:
+                    raise self._exc
+                if self._eof:
+                    self.release()
+                    return
+                if self._conn is None:
+                    raise EngineDisconnected("the response was released before it was read")
+                self._waiter = waiter = self._conn.loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._sink = None
+            self._sink_full = False
+
     def release(self) -> None:
         """Back to the pool if fully read and the engine keeps the connection; else drop it."""
         conn = self._conn
@@ -228,6 +269,16 @@ class EngineResponse:
         return data
 
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:          # pipe(): straight on, unbuffered
+            if sink(data) and not self._sink_full:
+                self._sink_full = True
+                conn = self._conn
+                if conn is not None:
+                    conn.pause()
+                if self._waiter is not None:
+                    self._wake()
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         conn = self._conn

@@ -614,6 +614,92 @@ def test_slow_consumer_keeps_buffer_bounded(run, monkeypatch):
     run(case)
 
 
+def test_pipe_hands_every_chunk_in_order_and_pools_the_connection(run):
+    """``pipe``: the chunks already buffered, then each as it arrives, in order, from the
+    connection's callback; at the end the connection is back in the pool."""
+    async def case(make):
+        go = asyncio.Event()
+
+        async def chunked(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
+            await writer.drain()
+            await go.wait()
+            for part in (b"two", b"three"):
+                writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return True
+
+        server, url, client = await make(chunked)
+        resp = await client.post(url + "/", b"")
+        await wait_until(lambda: resp._chunks, timeout=5)      # "one" is buffered before the pipe
+        got: list[bytes] = []
+        drains = 0
+
+        async def drain() -> None:
+            nonlocal drains
+            drains += 1
+
+        def sink(chunk: bytes) -> bool:
+            got.append(chunk)
+            return False
+
+        go.set()
+        await resp.pipe(sink, drain)
+        assert b"".join(got) == b"onetwothree" and got[0] == b"one" and drains == 0
+        (host,) = client._hosts.values()
+        assert len(host.idle) == 1, "a piped answer read to its end leaves its connection pooled"
+
+    run(case)
+
+
+def test_pipe_pauses_the_engine_while_its_sink_drains_and_raises_a_failure(run):
+    """A sink that returns True stops reading from the engine until drain() returns; what
+    drain raises (the sink's own failure) comes out of pipe, and the connection is dropped."""
+    async def case(make):
+        piece = b"z" * 1000
+
+        async def many(req, reader, writer) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(piece) * 5))
+            for _ in range(5):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            return True
+
+        server, url, client = await make(many)
+        resp = await client.post(url + "/", b"")
+        seen: list[bool] = []     # (drains once the pipe is laid: a chunk buffered before it drains unpaused)
+        got = 0
+
+        async def drain() -> None:
+            if resp._sink is not None:
+                seen.append(resp._conn is not None and resp._conn.paused)
+            await asyncio.sleep(0.01)
+
+        def sink(chunk: bytes) -> bool:
+            nonlocal got
+            got += len(chunk)
+            return True        # slow reader: drain after every chunk
+
+        await resp.pipe(sink, drain)
+        assert got == len(piece) * 5 and seen and all(seen), seen
+
+        resp = await client.post(url + "/", b"")
+
+        async def fail() -> None:
+            raise ConnectionResetError("the client closed the connection")
+
+        with pytest.raises(ConnectionResetError):
+            await resp.pipe(lambda chunk: True, fail)
+        resp.close()
+        assert resp._conn is None
+
+    run(case)
+
+
 def test_client_error_answer_body_is_read(run):
     async def case(make):
         server, url, client = await make(replies(answer(b'{"error": {"message": "no such model"}}',

@@ -36,6 +36,12 @@ class _Resp:
         except StopIteration:
             raise StopAsyncIteration from None
 
+    async def pipe(self, sink, drain):
+        """``EngineResponse.pipe``: each chunk to ``sink``; ``drain()`` when it asks."""
+        for chunk in self._chunks:
+            if sink(chunk):
+                await drain()
+
     def close(self):
         pass
 

@@ -56,36 +56,46 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
     try:
         if fresh:
             await out.prepare(ctx.http)
-        async for chunk in resp:
-            if first:
-                first = False
-                tracker.first_token()
-                if on_first_chunk is not None:
-                    on_first_chunk()
-            if sent is not None:   # watching for a recompute
-                # Only whole events go out, so a "recomputed" marker split across two reads
-                # is found whole in the next one, before any of its event was sent.
-                if tail:
-                    chunk, tail = tail + chunk, b""
-                events += chunk.count(_EVENT_END)
-                if RECOMPUTED in chunk:
-                    before = prefix_before_recompute(chunk)
-                    if before:
-                        await out.write(before)
-                        sent.add(before)
-                    raise Recomputed(sent)
-                end = chunk.rfind(_EVENT_END)
-                end = end + 2 if end >= 0 else 0
-                if end < len(chunk):
-                    chunk, tail = chunk[:end], chunk[end:]
-                    if not chunk:
-                        continue
-                sent.add(chunk)
-            else:
-                events += chunk.count(_EVENT_END)
-            if out.write_nowait(chunk):      # (no coroutine per chunk)
-                await out.drain()
-            before_last, last = last, chunk
+        if sent is None and on_first_chunk is None:
+            # Not watching for a recompute (aggregated): each chunk is written from the engine
+            # connection's callback as it is parsed (EngineResponse.pipe), not by this
+            # coroutine woken once per chunk (a future, a task step and __anext__ each).
+            piped = _Piped(out, tracker)
+            try:
+                await resp.pipe(piped, piped.drain)
+            finally:   # (a stream broken off reads what was written last)
+                events, last, before_last = piped.events, piped.last, piped.before_last
+        else:
+            async for chunk in resp:
+                if first:
+                    first = False
+                    tracker.first_token()
+                    if on_first_chunk is not None:
+                        on_first_chunk()
+                if sent is not None:   # watching for a recompute
+                    # Only whole events go out, so a "recomputed" marker split across two reads
+                    # is found whole in the next one, before any of its event was sent.
+                    if tail:
+                        chunk, tail = tail + chunk, b""
+                    events += chunk.count(_EVENT_END)
+                    if RECOMPUTED in chunk:
+                        before = prefix_before_recompute(chunk)
+                        if before:
+                            await out.write(before)
+                            sent.add(before)
+                        raise Recomputed(sent)
+                    end = chunk.rfind(_EVENT_END)
+                    end = end + 2 if end >= 0 else 0
+                    if end < len(chunk):
+                        chunk, tail = chunk[:end], chunk[end:]
+                        if not chunk:
+                            continue
+                    sent.add(chunk)
+                else:
+                    events += chunk.count(_EVENT_END)
+                if out.write_nowait(chunk):      # (no coroutine per chunk)
+                    await out.drain()
+                before_last, last = last, chunk
         if tail:   # the engine ended without a blank line after its last event
             await out.write(tail)
             before_last, last = last, tail
@@ -124,6 +134,43 @@ async def relay_stream(ctx: FlowContext, resp: EngineResponse, worker_id: str, *
     except ConnectionResetError:
         pass
     return out
+
+
+class _Piped:
+    """``relay_stream``'s loop body for a chunk, as ``EngineResponse.pipe``'s sink: the first
+    token reported, the events counted, the chunk written, the last two kept (usage). A
+    client that is gone, or reads slower than we write, makes it return True: ``drain``
+    then raises the one or waits for the other, in the relay's coroutine."""
+
+    __slots__ = ("out", "tracker", "first", "events", "last", "before_last", "error")
+
+    def __init__(self, out: StreamResponse, tracker) -> None:
+        self.out = out
+        self.tracker = tracker
+        self.first = True
+        self.events = 0
+        self.last = self.before_last = b""
+        self.error: BaseException | None = None
+
+    def __call__(self, chunk: bytes) -> bool:
+        if self.error is not None:
+            return True
+        try:
+            if self.first:
+                self.first = False
+                self.tracker.first_token()
+            self.events += chunk.count(_EVENT_END)
+            paused = self.out.write_nowait(chunk)
+        except Exception as exc:   # (raised in the relay's coroutine by drain, not in the engine's parser)
+            self.error = exc
+            return True
+        self.before_last, self.last = self.last, chunk
+        return paused
+
+    async def drain(self) -> None:
+        if self.error is not None:
+            raise self.error
+        await self.out.drain()
 
 
 def _stream_usage(tracker, last: bytes, before_last: bytes, counted: int) -> int:
