@@ -160,19 +160,21 @@ POLICIES: dict[str, dict[str, Any]] = {
     # picker's preference among near-equal engines: no ``slo`` filter, see SLOFilter); with
     # late binding in the control plane's queue (Omni's request holding, HoldQueue), gated on
     # the request's own budget: held only while its best engine has more than a quarter of the
-    # request's TTFT target of work ahead (``hold_frac``), bound at once below. Below
-    # overload, binding at once is what wins; holding at 0.15 s alone lost 4-5 points with 2
-    # prefill + 2 decode engines at 3x. On the workload suite's nine cases at their rates it is
-    # 4-16 points ahead at overload on most shapes (docs/benchmarks/pd_queue.md, seventh
-    # session), level within noise elsewhere; its one loss is mixed chat and summaries at 4x
-    # (3.4 points below over 11 pairs, standard error 3.6).
+    # request's TTFT target of work ahead (``hold_frac``), bound at once below; and bound at
+    # once too when its chosen engine is predicted to give its first token within half its
+    # target (``bind_on_target``). Below overload, binding at once is what wins; holding at
+    # 0.15 s alone lost 4-5 points with 2 prefill + 2 decode engines at 3x. On the workload
+    # suite's nine cases at their rates it is 4-16 points ahead at overload on most shapes
+    # (docs/benchmarks/pd_queue.md, seventh session), level within noise elsewhere. Without
+    # ``bind_on_target`` it held chats beside batch summaries that would have made their TTFT
+    # (mixed at 4x: 64.1 % against 86.5 % with it, 6 pairs; docs/benchmarks/workloads_notes.md).
     "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
-                          "queue": {"name": "omni", "hold_frac": 0.25}},
+                          "queue": {"name": "omni", "hold_frac": 0.25, "bind_on_target": 0.5}},
     # The same, every request bound to an engine on arrival (the default before the queue stage).
     "predicted_latency_unqueued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
     # The name the queued policy had while it was opt-in (old configs keep working): the default.
     "predicted_latency_queued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
-                                 "queue": {"name": "omni", "hold_frac": 0.25}},
+                                 "queue": {"name": "omni", "hold_frac": 0.25, "bind_on_target": 0.5}},
 }
 
 
