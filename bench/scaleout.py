@@ -80,6 +80,26 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def cpu_by_group() -> dict[int, float]:
+    """CPU seconds (user + system) of every live process, summed per process group (/proc): each
+    process the benchmark starts leads a group of its own (the launcher's guard and its program,
+    a control plane's helper processes), so a group's sum is that process's CPU."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()   # state, ppid, pgrp, ... utime (12th), stime (13th)
+        pgrp = int(fields[2])
+        out[pgrp] = out.get(pgrp, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def pct(xs: list[int], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
@@ -245,12 +265,14 @@ async def run(args: argparse.Namespace) -> dict:
                                                                  "WARNING"]) for i in range(n)]
                 log(f"control planes {store}: {', '.join(p.address for p in planes[store])}")
             drivers = []
+            groups: dict[str, int] = {"redis": redis.proc.pid} if redis is not None and redis.proc else {}
             for i in range(max(args.dataplanes)):
                 ready = group.workdir / f"dp{i}.ready"
                 child = group.start_program(f"dp{i}", [sys.executable, str(Path(__file__).resolve()), "--driver",
                                                        f"dp{i}", "--ready-file", str(ready)], port_in(ready))
                 reader, writer = await asyncio.open_connection("127.0.0.1", child.port, limit=1 << 26)
                 drivers.append((reader, writer))
+                groups[f"dp{i}"] = child.proc.pid
             log(f"{len(drivers)} data planes up; {len(todo)} cells x {args.rounds} rounds")
 
             async def job(i: int, target: str, tag: str, start_at: float, warm: float,
@@ -267,6 +289,10 @@ async def run(args: argparse.Namespace) -> dict:
                 writer.write(json.dumps({"target": target, "release": True}).encode() + b"\n")
                 await writer.drain()
                 return json.loads(await reader.readline())
+
+            async def cpu_at(t: float) -> dict[int, float]:
+                await asyncio.sleep(max(0.0, t - time.time()))
+                return cpu_by_group()
 
             # Sessions up and workers healthy everywhere before the first measured cell.
             for store, cps, dps in todo:
@@ -287,17 +313,29 @@ async def run(args: argparse.Namespace) -> dict:
                         return result
                     start_at = time.time() + 0.3 + args.warm
                     tag = f"r{r}-{store}-{cps}-{dps}"
+                    cpu_from = asyncio.ensure_future(cpu_at(start_at)) if args.cpu else None
                     outs = await asyncio.gather(*(job(i, planes[store][i % cps].address, tag, start_at, args.warm)
                                                   for i in range(dps)))
                     samples = [x for o in outs for x in o["samples_us"]]
                     res = {"placements_per_s": round(sum(o["n"] / o["elapsed_s"] for o in outs if o["n"]), 1),
                            "p50_us": pct(samples, 0.5), "p99_us": pct(samples, 0.99), "n": len(samples),
                            "errors": [e for o in outs for e in o["errors"]]}
+                    if cpu_from is not None and samples:
+                        before, after = await cpu_from, cpu_by_group()
+                        named = {f"cp{i}": planes[store][i].proc.pid for i in range(cps)}
+                        if store != "memory":
+                            named["redis"] = groups["redis"]
+                        used = {k: after.get(g, 0.0) - before.get(g, 0.0) for k, g in named.items()}
+                        used["dps"] = sum(after.get(groups[f"dp{i}"], 0.0) - before.get(groups[f"dp{i}"], 0.0)
+                                          for i in range(dps))
+                        res["cpu_us_per_placement"] = {k: round(v / len(samples) * 1e6, 1) for k, v in used.items()}
                     rnd[cell_key(store, cps, dps)] = res
                     log(f"round {r + 1}/{args.rounds} {cell_key(store, cps, dps):24s} "
                         f"{res['placements_per_s']:8.0f} placements/s  p50 {res['p50_us']:6.0f} us  "
                         f"p99 {res['p99_us']:6.0f} us  n={res['n']}"
-                        + (f"  errors: {res['errors'][:2]}" if res["errors"] else ""))
+                        + (f"  errors: {res['errors'][:2]}" if res["errors"] else "")
+                        + ("  CPU us/placement " + " ".join(f"{k} {v:.0f}" for k, v in cpu.items())
+                           if (cpu := res.get("cpu_us_per_placement")) else ""))
                 result["rounds"].append(rnd)
             if args.burst:
                 result["accuracy"] = await accuracy_bursts(args, stores, planes, job, release)
@@ -366,6 +404,9 @@ def summarize(result: dict) -> dict:
             s["p50_vs_memory"] = spread([a["p50_us"] / b["p50_us"] for a, b in pairs if b["p50_us"]])
             s["throughput_vs_memory"] = spread([a["placements_per_s"] / b["placements_per_s"]
                                                 for a, b in pairs if b["placements_per_s"]])
+        cpu = [g["cpu_us_per_placement"] for g in got if "cpu_us_per_placement" in g]
+        if cpu:
+            s["cpu_us_per_placement"] = {k: spread([c[k] for c in cpu if k in c]) for k in cpu[0]}
         s["rounds"] = len(got)
         summary[key] = s
     return summary
@@ -402,6 +443,12 @@ def markdown(result: dict, summary: dict) -> str:
                      f"| {_f(s['p99_us'])} | "
                      + (f"**{_f(ratio, '{:.2f}')}x**" if ratio else "1") + " | "
                      + (f"{_f(s['throughput_vs_memory'], '{:.2f}')}x" if ratio else "1") + " |")
+    cpu_rows = [(key, s["cpu_us_per_placement"]) for key, s in summary.items() if "cpu_us_per_placement" in s]
+    if cpu_rows:
+        lines += ["", "CPU per placement (`--cpu`: /proc user + system time of each process from a cell's start to "
+                  "its end over its placements, us; median over rounds and spread; cp0/cp1: the control planes, "
+                  "dps: the data planes together):", "", "| cell | CPU us per placement |", "|---|---|"]
+        lines += [f"| {key} | " + ", ".join(f"{k} {_f(v)}" for k, v in cpu.items()) + " |" for key, cpu in cpu_rows]
     lines += ["", "![placements/s and p99 placement latency per data-plane count](scaleout.png)", "",
               "## Reading", ""]
     for store in result["args"]["stores"]:
@@ -477,6 +524,10 @@ def main() -> int:
     p.add_argument("--burst", type=int, default=0,
                    help="load accuracy: each of two data planes places this many requests at once and holds them")
     p.add_argument("--burst-rounds", type=int, default=3)
+    p.add_argument("--cpu", action="store_true",
+                   help="also report each process's CPU per placement in every cell (/proc, from the cell's start to "
+                        "its end: control planes, redis-server, the data planes together); use --seconds >= 5, the "
+                        "clock tick is 10 ms")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="directory for scaleout.{json,md,png}")
     p.add_argument("--driver", help=argparse.SUPPRESS)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
