@@ -312,9 +312,10 @@ class DataPlane:
             placement = self.placements.place_here(out)   # (round_robin: placed here, no round trip)
             if placement is None:
                 placement = await placing.ask(self.placements, out)
-            flow_name, flow = FLOWS.get(placement.flow, ("unsupported", None))
+            pflow = placement.flow   # (read once: each read of a protobuf field builds its value)
+            flow_name, flow = FLOWS.get(pflow, ("unsupported", None))
             tracker.attach(req, placement, flow_name)
-            if passthrough and placement.flow != pb.FLOW_AGGREGATED:
+            if passthrough and pflow != pb.FLOW_AGGREGATED:
                 # A prefill/decode pair generates; it does not embed, rerank or keep a response's state.
                 tracker.failed("", f"{http.path} on a prefill/decode deployment", 400)
                 raise APIError(400, f"model {req.model!r} is served by prefill/decode pairs "
@@ -327,7 +328,7 @@ class DataPlane:
             ctx = FlowContext(http=http, req=req, upstream=self.upstream, placements=self.placements,
                               tracker=tracker, metrics=self.metrics, retry=self._retry,
                               prefill_retry=self._prefill_retry,
-                              watch_recompute=placement.flow != pb.FLOW_AGGREGATED)
+                              watch_recompute=pflow != pb.FLOW_AGGREGATED)
             try:
                 # Only a PD flow's decode can hand the request back (watch_recompute): the others
                 # run without the recompute loop's two extra coroutine levels.

@@ -25,9 +25,9 @@ async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: st
     tried: list[str] = []
     while True:
         try:
-            resp = await ctx.upstream.open(endpoint.worker_id, endpoint.url + ctx.req.path, body,
-                                           ctx.req.request_id, trace=ctx.tracker.leg(leg, endpoint.worker_id),
-                                           dp_rank=dp_rank(endpoint))
+            wid = endpoint.worker_id
+            resp = await ctx.upstream.open(wid, endpoint.url + ctx.req.path, body, ctx.req.request_id,
+                                           trace=ctx.tracker.leg(leg, wid), dp_rank=dp_rank(endpoint))
             return resp, endpoint
         except UpstreamError as exc:
             failed = endpoint.worker_id
