@@ -3,11 +3,14 @@
 Under a burst of long prompts the data plane's loop thread needs a core for a fraction of a
 millisecond at a time, while the encode threads and the hashing process want every core for
 tens of milliseconds. At equal priority the kernel's fair scheduler makes the loop, once woken,
-wait its turn behind them (and behind the control plane, the engines and anything else on the
-host): the sixth session measured late ticks in which the loop ran 0.2-4.5 ms and waited for a
-core the rest of the time. Lowering only the bulk threads (Linux nice values are per thread,
-and lowering one's own priority needs no privilege) lets the loop and the control plane take a
-core as soon as they wake, while the bulk work still gets every idle cycle.
+wait its turn behind them: the sixth session measured late ticks in which the loop ran 0.2-4.5
+ms and waited for a core the rest of the time. Lowering only the bulk threads (Linux nice
+values are per thread, and lowering one's own priority needs no privilege) should let the loop
+take a core as soon as it wakes, while the bulk work still gets every idle cycle. Measured, it
+did not pay on the bench's shared 2-core host (the default is 0, see ``DEFAULT_BULK_NICE``):
+each launched process is its own scheduling group there (autogroup), so nice only orders the
+data plane's own threads, and a lowered encode thread that must take the GIL back (its
+results, the next slice) waits behind the loop and the bookkeeping threads.
 
 Only threads that hold the GIL for a few microseconds at a time are lowered: the encode pool's
 threads (the Rust encode runs with the GIL released) and the hashing process (its own
@@ -31,9 +34,12 @@ log = logging.getLogger(__name__)
 
 IDLE = "idle"
 MAX_NICE = 19
-# Above nice 0 by 10: a nice-0 thread weighs ~110x as much in the fair scheduler, so the loop
-# wins a core when it wakes; the bulk threads keep every cycle nobody else wants.
-DEFAULT_BULK_NICE = 10
+# Off by default: measured with bench/burst.py (docs/benchmarks/burst_text.md, "Bulk work below
+# the loop's priority"), nice +10 made tokenized p50/p99, placement p99 and the longest stall
+# worse at 1x on the final code (same tree, --bulk-nice 0 against 10, 3 repeats, load 5-6), and
+# SCHED_IDLE stalled the loop up to 250 ms. An operator who shares the host with other work can
+# still lower the bulk work.
+DEFAULT_BULK_NICE = 0
 
 BulkPriority = int | str     # a nice increment 0..19, or IDLE
 

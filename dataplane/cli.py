@@ -45,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bulk-nice", type=bulk_priority.parse, default=bulk_priority.DEFAULT_BULK_NICE,
                    metavar="N|idle",
                    help="CPU priority of the bulk work (long prompts' encode threads, the block-hashing process): "
-                        f"a nice increment over the data plane's, 0-19 (default {bulk_priority.DEFAULT_BULK_NICE}; "
-                        "0 = the event loop's priority), or 'idle' (SCHED_IDLE): the event loop and the "
-                        "control plane take a core first")
+                        f"a nice increment over the data plane's, 0-19 (default {bulk_priority.DEFAULT_BULK_NICE}: "
+                        "the event loop's priority), or 'idle' (SCHED_IDLE); lowered, the event loop takes a "
+                        "core first, but the encode waits for it")
     p.add_argument("--connect-timeout", type=flags.seconds, default=5.0, help="seconds to connect to an engine")
     p.add_argument("--read-timeout", type=flags.seconds, default=600.0,
                    help="longest silence from an engine before the leg fails")

@@ -16,8 +16,8 @@ load 10: tokenized p99 2.5-4.0 s against 0.8-1.0 s first come, first served); wi
 time in the key a prompt is passed only by prompts that came less than its own expected encode
 time after it.
 
-The threads run at ``priority`` (:mod:`dataplane.bulk_priority`, nice +10 by default): below the
-event loop, which then takes a core as soon as it wakes instead of waiting behind the slices.
+The threads can run below the event loop's CPU priority (``priority``, the data plane's
+``--bulk-nice``; :mod:`dataplane.bulk_priority`, off by default: measured, it did not pay).
 
 The caller waits (not holding the GIL) and gets the encodings in order, as one batch call would
 give them; it reads their ids itself. Pieces stay whole, so the ids are exactly the batch's.

@@ -15,8 +15,8 @@ token ids as JSON (orjson writes 85k ids in ~0.7 ms on the event loop; packing t
 ``array("q")`` took ~2.3 ms) and answers the chain as packed 64-bit integers. When the ids went
 into the engine's body (completions), that body's JSON of them is passed on as it is, with the
 count to hash: no second dumps and no slice of the list on the loop (~0.9 ms for 70k ids). The
-process runs at the bulk priority (:mod:`dataplane.bulk_priority`, nice +10 by default), below
-the event loop and the control plane.
+process runs at the bulk priority (``--bulk-nice``, :mod:`dataplane.bulk_priority`; the data
+plane's own by default).
 """
 
 from __future__ import annotations

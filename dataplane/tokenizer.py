@@ -68,12 +68,12 @@ Async (off the event loop above ``async_threshold_chars``)::
     the loop longer. A process pool was measured as the alternative (``bench/tokenize_cost.py
     --burst``): no faster on this 2-core machine, and it would copy the prompt and the ids
     between processes and keep a tokenizer (and its chat templates) in each; threads it is.
-    The encoding threads run below the loop's CPU priority (``bulk_priority``, the data plane's
-    ``--bulk-nice``, +10 there; :mod:`dataplane.bulk_priority`), so the loop takes a core as soon
-    as it wakes. Only they are lowered: they hold the GIL for microseconds per slice. The waiting
-    threads run Python (the ids' lists, the cache) and stay at the loop's priority: an earlier
-    try that lowered every tokenizing thread (nice +5) made the loop wait for a GIL that a
-    preempted low-priority thread held. ``close()`` stops the threads.
+    The encoding threads can run below the loop's CPU priority (``bulk_priority``, the data
+    plane's ``--bulk-nice``; :mod:`dataplane.bulk_priority`); only they, since they hold the GIL
+    for microseconds per slice, while the waiting threads run Python (the ids' lists, the cache).
+    It is off by default: nice +10 made tokenized latency, placement p99 and the loop's stall
+    worse in ``bench/burst.py --prompts text`` on this 2-core host (as nice +5 on every
+    tokenizing thread did before). ``close()`` stops the threads.
 
 ``tok.engine_renderer``: ``"hf"``, or the vLLM tokenizer mode that ``from_dir`` expects vLLM to pick
 instead (``deepseek_v32``/``deepseek_v4``/``deepseek_v41``/``kimi_k3``/``kimi_audio``/``inkling`` from

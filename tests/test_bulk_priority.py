@@ -18,8 +18,26 @@ from dataplane import bulk_priority
 from dataplane.encode_pool import EncodePool
 from dataplane.prefix import PROCESS_MIN_BLOCKS, PrefixHasher
 from protos import omni_proxy_pb2 as pb
+from tests.conftest import start_cluster, wait_until
+from tests.data.tokenizer.fixture_dirs import build
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+
+
+BULK_NICE = 7
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build("tiny_llama", tmp_path_factory.mktemp("tok") / "tiny_llama")
+
+
+@pytest.fixture(scope="module")
+def lowered_cluster(tok_dir):
+    c = start_cluster({"a": "both"}, policy="cache_aware",
+                      dp_args=["--tokenizer", str(tok_dir), "--bulk-nice", str(BULK_NICE)])
+    yield c
+    c.group.close()
 
 
 def nice_of(tid: int) -> int:
@@ -91,3 +109,57 @@ def test_good_values_parse():
     assert bulk_priority.parse("0") == 0
     assert bulk_priority.parse("19") == 19
     assert bulk_priority.parse("IDLE") == bulk_priority.IDLE
+
+
+def _nice(stat_path: str) -> int:
+    """The nice value field of a /proc .../stat file (the 19th; the name in parentheses may hold spaces)."""
+    with open(stat_path) as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):   # gone meanwhile
+                continue
+    return out
+
+
+async def test_a_data_planes_bulk_work_runs_at_its_bulk_nice(lowered_cluster, tok_dir, http):
+    """A data plane started with --bulk-nice 7, after a prompt long enough for the encode
+    threads and the block-hashing process: those threads and that process run at the data
+    plane's nice + 7, its main (event-loop) thread at its own, and no other thread is lowered
+    (the ones that run Python holding the GIL stay at the loop's priority)."""
+    from bench.tracedata import block_text
+    from dataplane.tokenizer import Tokenizer, default_workers
+
+    cluster = lowered_cluster
+    await wait_until(cluster.all_idle, what="idle")
+    tok = Tokenizer.from_dir(tok_dir)
+    text, k = "", 0
+    while len(tok.encode_prompt(text)) <= (PROCESS_MIN_BLOCKS + 8) * 16:   # hashed in the process
+        text += block_text(7_000_000 + k, 4000)
+        k += 1
+    tok.close()
+    async with http.post(cluster.url + "/v1/completions",
+                         json={"model": "sim-model", "prompt": text, "max_tokens": 2}) as r:
+        assert r.status == 200, await r.text()
+    pid = cluster.dp.proc.pid
+    base = _nice(f"/proc/{pid}/stat")
+    threads = {int(t): _nice(f"/proc/{pid}/task/{t}/stat") for t in os.listdir(f"/proc/{pid}/task")}
+    assert threads[pid] == base                          # the event loop's thread
+    lowered = [t for t, n in threads.items() if n == min(19, base + BULK_NICE)]
+    assert len(lowered) == default_workers(), threads    # the encode threads, and only they
+    assert set(threads.values()) == {base, min(19, base + BULK_NICE)}, threads
+    hashing = []
+    for child in _children(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                hashing.append(child)
+    assert len(hashing) == 1
+    assert _nice(f"/proc/{hashing[0]}/stat") == min(19, base + BULK_NICE)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 from dataplane.tokenizer import Tokenizer
@@ -118,58 +115,3 @@ async def test_chat_body_is_untouched_but_placement_uses_its_tokens(cluster: Clu
             assert all(x["body"]["messages"] == body["messages"] for x in reqs)
     assert len(placed_on) == 1, "the same chat prompt should follow its cached blocks"
 
-
-def _nice(stat_path: str) -> int:
-    """The nice value field of a /proc .../stat file (the 19th; the name in parentheses may hold spaces)."""
-    with open(stat_path) as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):   # gone meanwhile
-                continue
-    return out
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-async def test_the_bulk_work_runs_below_the_event_loops_priority(cluster, tok_dir, http):
-    """After a prompt long enough for the encode threads and the block-hashing process, the
-    data plane's encode threads and its hashing process run at nice +10 (--bulk-nice's default)
-    and its main (event-loop) thread at the process's own priority, so the loop takes a core
-    first under a burst; the threads that do Python work holding the GIL are not lowered."""
-    from bench.tracedata import block_text
-    from dataplane.bulk_priority import DEFAULT_BULK_NICE
-    from dataplane.prefix import PROCESS_MIN_BLOCKS
-    from dataplane.tokenizer import default_workers
-
-    await wait_until(cluster.all_idle, what="idle")
-    tok = Tokenizer.from_dir(tok_dir)
-    text, k = "", 0
-    while len(tok.encode_prompt(text)) <= (PROCESS_MIN_BLOCKS + 8) * 16:   # hashed in the process
-        text += block_text(7_000_000 + k, 4000)
-        k += 1
-    tok.close()
-    async with http.post(cluster.url + "/v1/completions",
-                         json={"model": MODEL, "prompt": text, "max_tokens": 2}) as r:
-        assert r.status == 200, await r.text()
-    pid = cluster.dp.proc.pid
-    base = _nice(f"/proc/{pid}/stat")
-    threads = {int(t): _nice(f"/proc/{pid}/task/{t}/stat") for t in os.listdir(f"/proc/{pid}/task")}
-    assert threads[pid] == base                          # the event loop's thread
-    lowered = [t for t, n in threads.items() if n == min(19, base + DEFAULT_BULK_NICE)]
-    assert len(lowered) == default_workers(), threads    # the encode threads, and only they
-    assert set(threads.values()) == {base, min(19, base + DEFAULT_BULK_NICE)}, threads
-    hashing = []
-    for child in _children(pid):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                hashing.append(child)
-    assert len(hashing) == 1
-    assert _nice(f"/proc/{hashing[0]}/stat") == min(19, base + DEFAULT_BULK_NICE)
