@@ -27,7 +27,9 @@ from typing import Any, Protocol
 from controlplane.dp_rank import rank_key
 from controlplane.fleet import Fleet
 from controlplane.placement_stats import PlacementStats
+from controlplane.prediction import Predictor
 from controlplane.scheduling import PlacementContext
+from controlplane.scheduling.pd_flow import FlowPlan
 from controlplane.state import Charge, RequestRecord, StateStore
 from controlplane.workers import Load, WorkerSpec, WorkerView
 from protos import omni_proxy_pb2 as pb
@@ -82,9 +84,6 @@ def ledger_charges(ctx: PlacementContext, charges: Sequence[tuple[WorkerView, st
     return charge_list, notes
 
 
-_NO_RANKS: dict[str, int] = {}
-
-
 def _new_record(ctx: PlacementContext, session: str, flow: int, charged: tuple[Charge, ...], notes: dict[str, Any],
                 now: float) -> RequestRecord:
     """A new request's record, holding its charges, with what placement predicted (``notes``)."""
@@ -124,20 +123,43 @@ class PlacementCommit:
         self._progressed(ctx, charges, now)
         self.account(ctx, charges, charge_list, ranks, kv)
 
-    def settled(self, ctx: PlacementContext, charges: Sequence[tuple[WorkerView, str]], flow: int, session: str,
-                kv: PlacedPrefixes | None) -> RequestRecord:
+    def settled(self, req: pb.PlaceRequest, worker: WorkerView, plan: FlowPlan, session: str, now: float,
+                predictor: Predictor) -> RequestRecord:
         """A new request that had already ended when this control plane heard of it (a data
-        plane's local placement with its end folded in, ``PlaceRequest.ended``): accounted as
-        :meth:`write` accounts it (the counters, the prefix bookkeeping, the predictor told
-        the engine computes), but never charged: a charge and its release in one turn change
-        no load. Its record, as the ledger would have held it, for what its end teaches
-        (``Lifecycle.settle``)."""
-        now = ctx.now or time.monotonic()
-        charge_list, notes = ledger_charges(ctx, charges, flow=flow, ranks=_NO_RANKS, record=None, now=now)
-        record = _new_record(ctx, session, flow, tuple(charge_list), notes, now)
-        self._progressed(ctx, charges, now)
-        self.account(ctx, charges, charge_list, _NO_RANKS, kv, loads=False)
-        return record
+        plane's local placement on ``worker`` with its end folded in, ``PlaceRequest.ended``):
+        accounted as :meth:`write` accounts it (the counters, the predictor told the engine
+        computes from ``now`` if nothing was ahead), but never charged: a charge and its
+        release in one turn change no load. Its record, as the ledger would have held it, for
+        what its end teaches (``Lifecycle.settle``).
+
+        What ``ledger_charges`` and :meth:`account` compute for such a placement, written out:
+        it has no prefix chain (no match, so every prompt token is computed, and no prefix
+        bookkeeping), no predictions, no DP rank and no earlier record. Runs once per local
+        request: no context, no generic charge list (tests/test_settle_path.py compares it
+        with the general path's state)."""
+        prompt, max_tokens = req.prompt_tokens, req.max_tokens
+        leg = plan.chosen_leg
+        charges: tuple[Charge, ...] = ()
+        work_ahead = decode_batch = 0
+        if leg:
+            wid = worker.spec.id
+            load = worker.load
+            if leg != "decode":     # it computes the prompt: all of it (no prefix matched)
+                charges = (Charge(wid, leg, prompt if leg == "prefill" else prompt + max_tokens, prompt),)
+                pending = load.prefill_tokens
+                if pending:         # what is left of it (EngineModel.pending_s)
+                    work_ahead = predictor.pending_tokens(wid, pending, now) + prompt
+                else:               # nothing ahead: the engine computes from now
+                    work_ahead = prompt
+                    predictor.progressed(wid, now)
+            else:
+                charges = (Charge(wid, leg, prompt + max_tokens, 0),)
+            if leg != "prefill":
+                decode_batch = load.requests + 1
+            self.fleet.placements[wid] += 1
+            self.stats.placed[(wid, leg)] += 1
+        return RequestRecord(req.request_id, req.model, prompt, max_tokens, session, plan.flow, charges, now, 0.0, now,
+                             0.0, work_ahead, decode_batch, 0.0, 0)
 
     @staticmethod
     def _progressed(ctx: PlacementContext, charges: Sequence[tuple[WorkerView, str]], now: float) -> None:

@@ -207,12 +207,21 @@ class Placer:
         """Count an entry leg a data plane placed itself and whose end came with the notice
         (``req.ended``): the counters as :meth:`record` counts it, no charge in the ledger
         (``PlacementCommit.settled``); its record as the ledger would have held it, for
-        ``Lifecycle.settle``. None (an error counted) as :meth:`record` refuses."""
-        local = await self._local(req)
-        if local is None:
+        ``Lifecycle.settle``. None (an error counted) as :meth:`record` refuses.
+
+        A direct path, not :meth:`_local`'s: a local placement has no prefix chain, no
+        candidates and no prediction, so the placement context (15 fields) and the generic
+        ``ledger_charges`` it feeds would compute constants at a third of the control plane's
+        cost per request (bench/call_map.py); tests/test_settle_path.py checks both paths
+        leave the same state."""
+        spec = self.fleet.get(req.placed_on)
+        if spec is None or spec.role is not Role.BOTH or self._invalid(req, "entry", False) is not None:
+            self.stats.errors["LOCAL_PLACEMENT_UNRECORDED"] += 1
             return None
-        ctx, charges, flow = local
-        return self.commit.settled(ctx, charges, flow, session, self.kv)
+        wid = spec.id
+        view = self.fleet.views((wid,), await self.store.loads((wid,)))[0]
+        return self.commit.settled(req, view, self.flows.entry(view), session, self.clock() or time.monotonic(),
+                                   self.predictor)
 
     async def _local(self, req: pb.PlaceRequest) -> tuple[PlacementContext, list[tuple[WorkerView, str]], int] | None:
         """A local placement's context, charges and flow, as if decided here; None (counted)
