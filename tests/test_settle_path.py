@@ -80,7 +80,8 @@ async def _run(seed: int, settle: bool, monkeypatch: pytest.MonkeyPatch) -> dict
         wid = rng.choice(WORKERS + ("gone",) if rng.random() < 0.05 else WORKERS)
         rid = f"r{i}" if rng.random() > 0.02 else ""
         # (an empty prompt: nothing computed, so nothing its end settles on the engine)
-        req = pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=rng.choice((0, rng.randint(1, 3000))),
+        prompt = rng.choice((0, rng.randint(1, 3000)))
+        req = pb.PlaceRequest(request_id=rid, model="m", leg=pb.LEG_ENTRY, prompt_tokens=prompt,
                               max_tokens=rng.randint(0, 500), placed_on=wid)
         if op < 0.55:
             # Still in flight when the notice was written: recorded (charged) by both.
