@@ -12,7 +12,7 @@ import pytest
 
 from controlplane.prediction import Predictor
 from controlplane.queueing import PlacementQueue
-from controlplane.scheduling import PlacementContext
+from controlplane.scheduling import PlacementContext, build_profile
 from controlplane.scheduling.latency import predict
 from controlplane.scheduling.queue import HoldQueue
 from controlplane.workers import Load, Role, WorkerSpec, WorkerView
@@ -342,6 +342,15 @@ async def test_held_requests_go_in_order_of_their_work_not_their_prompts_length(
         assert placer.predictor.model("a").held_tokens == 0 and not placer.predictor.held   # and leaves
     finally:
         await queue.stop()
+
+
+def test_the_default_policy_puts_the_late_ones_last():
+    """The built-in predicted_latency (and its old name) holds with the gate and orders the
+    requests that can no longer make their budget last."""
+    for name in ("predicted_latency", "predicted_latency_queued"):
+        queue = build_profile(name).queue
+        assert queue is not None and queue.late_last and queue.hold_frac == 0.25
+    assert not HoldQueue().late_last          # a custom profile's omni queue: off
 
 
 async def test_with_late_last_the_runner_places_one_that_can_still_make_it_first():

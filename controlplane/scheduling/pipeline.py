@@ -168,13 +168,17 @@ POLICIES: dict[str, dict[str, Any]] = {
     # (docs/benchmarks/pd_queue.md, seventh session), level within noise elsewhere. Without
     # ``bind_on_target`` it held chats beside batch summaries that would have made their TTFT
     # (mixed at 4x: 64.1 % against 86.5 % with it, 6 pairs; docs/benchmarks/workloads_notes.md).
+    # Held requests that can no longer meet their TTFT target go after every other
+    # (``late_last``): past the prefill engines' capacity in PD, 4-6 points on top of
+    # ``bind_on_target`` (docs/benchmarks/workloads_notes.md, "PD at the 80 % rate").
     "predicted_latency": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
-                          "queue": {"name": "omni", "hold_frac": 0.25, "bind_on_target": 0.5}},
+                          "queue": {"name": "omni", "hold_frac": 0.25, "bind_on_target": 0.5, "late_last": True}},
     # The same, every request bound to an engine on arrival (the default before the queue stage).
     "predicted_latency_unqueued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best"},
     # The name the queued policy had while it was opt-in (old configs keep working): the default.
     "predicted_latency_queued": {"scorers": [{"name": "predicted_latency"}], "picker": "near_best",
-                                 "queue": {"name": "omni", "hold_frac": 0.25, "bind_on_target": 0.5}},
+                                 "queue": {"name": "omni", "hold_frac": 0.25, "bind_on_target": 0.5,
+                                           "late_last": True}},
 }
 
 
