@@ -123,8 +123,8 @@ class PlacementCommit:
         self._progressed(ctx, charges, now)
         self.account(ctx, charges, charge_list, ranks, kv)
 
-    def settled(self, req: pb.PlaceRequest, worker: WorkerView, plan: FlowPlan, session: str, now: float,
-                predictor: Predictor) -> RequestRecord:
+    def settled(self, request_id: str, model: str, prompt: int, max_tokens: int, worker: WorkerView, plan: FlowPlan,
+                session: str, now: float, predictor: Predictor) -> RequestRecord:
         """A new request that had already ended when this control plane heard of it (a data
         plane's local placement on ``worker`` with its end folded in, ``PlaceRequest.ended``):
         accounted as :meth:`write` accounts it (the counters, the predictor told the engine
@@ -137,7 +137,6 @@ class PlacementCommit:
         bookkeeping), no predictions, no DP rank and no earlier record. Runs once per local
         request: no context, no generic charge list (tests/test_settle_path.py compares it
         with the general path's state)."""
-        prompt, max_tokens = req.prompt_tokens, req.max_tokens
         leg = plan.chosen_leg
         charges: tuple[Charge, ...] = ()
         work_ahead = decode_batch = 0
@@ -158,7 +157,7 @@ class PlacementCommit:
                 decode_batch = load.requests + 1
             self.fleet.placements[wid] += 1
             self.stats.placed[(wid, leg)] += 1
-        return RequestRecord(req.request_id, req.model, prompt, max_tokens, session, plan.flow, charges, now, 0.0, now,
+        return RequestRecord(request_id, model, prompt, max_tokens, session, plan.flow, charges, now, 0.0, now,
                              0.0, work_ahead, decode_batch, 0.0, 0)
 
     @staticmethod

@@ -59,6 +59,17 @@ def _endpoint(worker: WorkerView) -> pb.Endpoint:
                        bootstrap_port=spec.bootstrap_port, dp_size=spec.dp_size if spec.dp_size > 1 else 0)
 
 
+def _invalid_values(leg: str | None, prompt_tokens: int, max_tokens: int, request_id: str, dry_run: bool) -> str | None:
+    """Why a request of these fields cannot be placed as it stands (None: it can)."""
+    if leg is None:
+        return "leg must be ENTRY, PREFILL or DECODE"
+    if not (0 <= prompt_tokens <= MAX_TOKENS and 0 <= max_tokens <= MAX_TOKENS):
+        return f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}"
+    if (not request_id and not dry_run) or len(request_id) > 256:
+        return "request_id must be 1 to 256 characters"
+    return None
+
+
 class Placer:
     def __init__(self, store: StateStore, fleet: Fleet, profile: Profile, *, pd_flow: str = "sequential",
                  metrics_max_age_s: float = 5.0, stats: PlacementStats | None = None,
@@ -214,14 +225,17 @@ class Placer:
         ``ledger_charges`` it feeds would compute constants at a third of the control plane's
         cost per request (bench/call_map.py); tests/test_settle_path.py checks both paths
         leave the same state."""
+        # (each field read once: a read of a protobuf field builds its value)
         spec = self.fleet.get(req.placed_on)
-        if spec is None or spec.role is not Role.BOTH or self._invalid(req, "entry", False) is not None:
+        request_id, prompt, max_tokens = req.request_id, req.prompt_tokens, req.max_tokens
+        if spec is None or spec.role is not Role.BOTH or \
+                _invalid_values("entry", prompt, max_tokens, request_id, False) is not None:
             self.stats.errors["LOCAL_PLACEMENT_UNRECORDED"] += 1
             return None
         wid = spec.id
         view = self.fleet.views((wid,), await self.store.loads((wid,)))[0]
-        return self.commit.settled(req, view, self.flows.entry(view), session, self.clock() or time.monotonic(),
-                                   self.predictor)
+        return self.commit.settled(request_id, req.model, prompt, max_tokens, view, self.flows.entry(view), session,
+                                   self.clock() or time.monotonic(), self.predictor)
 
     async def _local(self, req: pb.PlaceRequest) -> tuple[PlacementContext, list[tuple[WorkerView, str]], int] | None:
         """A local placement's context, charges and flow, as if decided here; None (counted)
@@ -239,13 +253,7 @@ class Placer:
     @staticmethod
     def _invalid(req: pb.PlaceRequest, leg: str | None, dry_run: bool) -> str | None:
         """Why the request cannot be placed as it stands (None: it can)."""
-        if leg is None:
-            return "leg must be ENTRY, PREFILL or DECODE"
-        if not (0 <= req.prompt_tokens <= MAX_TOKENS and 0 <= req.max_tokens <= MAX_TOKENS):
-            return f"prompt_tokens and max_tokens must be 0 to {MAX_TOKENS}"
-        if (not req.request_id and not dry_run) or len(req.request_id) > 256:
-            return "request_id must be 1 to 256 characters"
-        return None
+        return _invalid_values(leg, req.prompt_tokens, req.max_tokens, req.request_id, dry_run)
 
     def _explain_choice(self, decision: Decision, ctx: PlacementContext, roles: tuple[Role, ...]) -> str:
         """The policy's choice explained, with the decode engine an entry's prefill worker
