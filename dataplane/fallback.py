@@ -34,10 +34,13 @@ class _Pool:
     """One (model, role)'s workers and their smooth weighted round robin (equal weights: a
     plain cycle, the common case, without the arithmetic)."""
 
-    __slots__ = ("current", "endpoints", "equal", "local", "next", "total", "weights")
+    __slots__ = ("current", "endpoints", "equal", "ids", "local", "next", "total", "weights")
 
     def __init__(self, workers: list[pb.KnownWorker]) -> None:
         self.endpoints = [w.endpoint for w in workers]
+        # Their ids, read once per snapshot (each read of a protobuf field builds its value):
+        # what exclusions are checked against and a local placement's ``placed_on``.
+        self.ids = [ep.worker_id for ep in self.endpoints]
         # Local placement's answer on each worker, built once per snapshot (on demand) and
         # shared by every request placed there: read-only for its readers (the flows read
         # its flow and endpoints; nothing reads a request id in it).
@@ -52,11 +55,8 @@ class _Pool:
         i = self.pick_index(exclude)
         return self.endpoints[i] if i >= 0 else None
 
-    def placed_local(self, exclude: set[str] | frozenset[str]) -> pb.Placement | None:
-        """The next worker's (shared) aggregated placement, or None when every one is excluded."""
-        i = self.pick_index(exclude)
-        if i < 0:
-            return None
+    def placed_local(self, i: int) -> pb.Placement:
+        """Worker ``i``'s (shared) aggregated placement."""
         out = self.local[i]
         if out is None:
             out = self.local[i] = pb.Placement(flow=pb.FLOW_AGGREGATED, explanation=LOCAL_EXPLANATION)
@@ -70,14 +70,14 @@ class _Pool:
             for _ in range(n):
                 i = self.next
                 self.next = i + 1 if i + 1 < n else 0
-                if not exclude or self.endpoints[i].worker_id not in exclude:
+                if not exclude or self.ids[i] not in exclude:
                     return i
             return -1
         best = -1
         total = 0.0
-        current, weights, endpoints = self.current, self.weights, self.endpoints
+        current, weights, ids = self.current, self.weights, self.ids
         for i in range(n):
-            if exclude and endpoints[i].worker_id in exclude:
+            if exclude and ids[i] in exclude:
                 continue
             current[i] += weights[i]
             total += weights[i]
@@ -162,9 +162,9 @@ class FallbackPlacer:
         return pool if all(ep.dp_size <= 1 for ep in pool.endpoints) else None
 
     def place_local(self, req: pb.PlaceRequest) -> pb.Placement | None:
-        """An aggregated entry leg placed here (see the module's docstring), or None: ask the
-        control plane (``_local_pool``: none listed for the model, or not only aggregated
-        ones; or every one excluded)."""
+        """An aggregated entry leg placed here (see the module's docstring), ``req`` marked
+        with its worker (``placed_on``), or None: ask the control plane (``_local_pool``: none
+        listed for the model, or not only aggregated ones; or every one excluded)."""
         model = req.model
         try:
             pool = self._local[model]
@@ -173,10 +173,12 @@ class FallbackPlacer:
         if pool is None:
             return None
         exclude = frozenset(req.exclude_workers) if req.exclude_workers else _NO_EXCLUDE
-        out = pool.placed_local(self._excluding(exclude) if self._resting else exclude)
-        if out is not None:
-            self.placed_local += 1
-        return out
+        i = pool.pick_index(self._excluding(exclude) if self._resting else exclude)
+        if i < 0:
+            return None
+        self.placed_local += 1
+        req.placed_on = pool.ids[i]    # (what the control plane is told: PlacementClient.place_here)
+        return pool.placed_local(i)
 
     def place(self, req: pb.PlaceRequest, pd_flow: pb.Flow) -> pb.Placement:
         out = pb.Placement(seq=req.seq, request_id=req.request_id)

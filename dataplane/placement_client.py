@@ -316,9 +316,8 @@ class PlacementClient:
         queue = self._queue
         if not self._local or queue is None or req.leg != pb.LEG_ENTRY or req.explain:
             return None
-        local = self.fallback.place_local(req)
+        local = self.fallback.place_local(req)   # (marks req.placed_on)
         if local is not None:
-            req.placed_on = local.decode.worker_id
             self._live.add(req.request_id)
             loop = self._loop
             if self._folds_place and loop is not None and not req.exclude_workers:   # (never a retry's)

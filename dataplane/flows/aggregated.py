@@ -21,10 +21,10 @@ from protos import omni_proxy_pb2 as pb
 
 
 async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamResponse:
-    resp, worker = await open_leg(ctx, placement.decode, ctx.req.raw, LEG_WHOLE, partial(_another, ctx))
+    resp, wid = await open_leg(ctx, placement.decode, ctx.req.raw, LEG_WHOLE, partial(_another, ctx))
     if ctx.req.stream:
-        return await relay_stream(ctx, resp, worker.worker_id)
-    return await relay_json(ctx, resp, worker.worker_id)   # (relay() without its coroutine)
+        return await relay_stream(ctx, resp, wid)
+    return await relay_json(ctx, resp, wid)   # (relay() without its coroutine)
 
 
 async def _another(ctx: FlowContext, tried: list[str], exc: UpstreamError) -> pb.Endpoint:

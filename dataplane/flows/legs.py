@@ -20,17 +20,18 @@ Replace = Callable[[list[str], UpstreamError], Awaitable[pb.Endpoint]]
 
 
 async def open_leg(ctx: FlowContext, endpoint: pb.Endpoint, body: bytes, leg: str,
-                   replace: Replace) -> tuple[EngineResponse, pb.Endpoint]:
-    """The engine's response and the worker that gave it."""
+                   replace: Replace) -> tuple[EngineResponse, str]:
+    """The engine's response and the id of the worker that gave it (read once: each read of
+    a protobuf field builds its value, and the relay names the worker again)."""
     tried: list[str] = []
     while True:
+        wid = endpoint.worker_id
         try:
-            wid = endpoint.worker_id
             resp = await ctx.upstream.open(wid, endpoint.url + ctx.req.path, body, ctx.req.request_id,
                                            trace=ctx.tracker.leg(leg, wid), dp_rank=dp_rank(endpoint))
-            return resp, endpoint
+            return resp, wid
         except UpstreamError as exc:
-            failed = endpoint.worker_id
+            failed = wid
             tried.append(failed)
             pause = ctx.retry.next_delay(exc, len(tried))
             if pause is None:

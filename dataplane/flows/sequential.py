@@ -77,5 +77,5 @@ async def run(ctx: FlowContext, placement: pb.Placement) -> Response | StreamRes
         except APIError:
             raise exc from None
 
-    resp, decode = await open_leg(ctx, decode, body, LEG_DECODE, another_decode)
-    return await relay(ctx, resp, decode.worker_id, on_first_chunk=ctx.tracker.prefill_done)
+    resp, wid = await open_leg(ctx, decode, body, LEG_DECODE, another_decode)
+    return await relay(ctx, resp, wid, on_first_chunk=ctx.tracker.prefill_done)
