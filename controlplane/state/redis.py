@@ -244,8 +244,7 @@ local function end_record(rid, whole)
 end
 """
 
-# A reserve whose arguments start at A[i] (ARGV, or the array a write-behind call unpacked): request
-# id, op token, session, orphaned_at (wall
+# A reserve whose arguments start at ARGV[i]: request id, op token, session, orphaned_at (wall
 # clock, '' for none), the charges a new record ends up with (JSON), n fields, fields... (but the
 # request id and the session: the script writes them from these arguments), n notes, notes...,
 # n charges, (worker, leg, tokens, prefill_tokens) * n. The replica and its alive key's ttl
@@ -259,14 +258,14 @@ end
 _RESERVE_AT = r"""
 local announced = {}   -- replicas whose alive key and membership this call has set already
 
-local function reserve_at(A, i)
-  local rid, op, rep, ttl = A[i], A[i + 1], ARGV[2], ARGV[3]
+local function reserve_at(i)
+  local rid, op, rep, ttl = ARGV[i], ARGV[i + 1], ARGV[2], ARGV[3]
   local fi = i + 5
-  local nf = tonumber(A[fi])
+  local nf = tonumber(ARGV[fi])
   local ni = fi + 1 + 2 * nf
-  local nn = tonumber(A[ni])
+  local nn = tonumber(ARGV[ni])
   local ci = ni + 1 + 2 * nn
-  local nc = tonumber(A[ci])
+  local nc = tonumber(ARGV[ci])
   local after = ci + 1 + 4 * nc
   local rk = P .. 'rec:' .. rid
   local exists = false
@@ -276,24 +275,24 @@ local function reserve_at(A, i)
     if redis.call('HGET', rk, 'op') == op then return rk, after end   -- a retried call that already happened
   end
   if not exists then
-    redis.call('HSET', rk, 'request_id', rid, 'session', A[i + 2], 'replica', rep, 'charges', A[i + 4],
-               'op', op, unpack(A, fi + 1, fi + 2 * nf))
+    redis.call('HSET', rk, 'request_id', rid, 'session', ARGV[i + 2], 'replica', rep, 'charges', ARGV[i + 4],
+               'op', op, unpack(ARGV, fi + 1, fi + 2 * nf))
     redis.call('SADD', P .. 'rep:' .. rep, rid)
     if not announced[rep] then   -- (once per call: a turn's reserves share one)
       announced[rep] = true
       redis.call('SADD', P .. 'replicas', rep)
       redis.call('SET', P .. 'alive:' .. rep, '1', 'PX', ttl, 'NX')
     end
-    local sess, orphaned = A[i + 2], A[i + 3]
+    local sess, orphaned = ARGV[i + 2], ARGV[i + 3]
     if sess ~= '' then redis.call('SADD', P .. 'sess:' .. sess, rid) end
     if (tonumber(orphaned) or 0) ~= 0 then redis.call('ZADD', P .. 'orphans', orphaned, rid) end
   else
-    for j = 1, nn do redis.call('HSET', rk, A[ni + 2 * j - 1], A[ni + 2 * j]) end
+    for j = 1, nn do redis.call('HSET', rk, ARGV[ni + 2 * j - 1], ARGV[ni + 2 * j]) end
   end
   local list = exists and charges_of(rk) or nil
   for j = 0, nc - 1 do
     local b = ci + 1 + 4 * j
-    local c = {A[b], A[b + 1], tonumber(A[b + 2]), tonumber(A[b + 3])}
+    local c = {ARGV[b], ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])}
     if list then table.insert(list, c) end
     addload(c[1], 1, c[3], c[4])
   end
@@ -304,26 +303,23 @@ end
 
 # ARGV: P, replica, alive ttl ms, then a reserve's arguments (above)
 _RESERVE = _LUA_COMMON + _RESERVE_AT + r"""
-local rk = reserve_at(ARGV, 4)
+local rk = reserve_at(4)
 if not rk then return result(false) end
 return result(redis.call('HGETALL', rk))
 """
 
 # Write-behind (see RedisStore.reserve and end): the reserves and ends of one loop turn in one
-# call, in the order they were made. ARGV: P, replica, alive ttl ms, and one msgpack array
-# (redis_wire.Batch: packing ~100 arguments costs the replica and Redis more than one blob) of,
-# per call, 'r' and a reserve's arguments, or 'e' and a request id (its counts and token amounts
-# as msgpack integers, the rest strings). Nobody reads the records, only the loads they changed
-# (each once).
+# call, in the order they were made. ARGV: P, replica, alive ttl ms, then per call 'r' and a
+# reserve's arguments, or 'e' and a request id. Nobody reads the records, only the loads they
+# changed (each once).
 _BEHIND = _LUA_COMMON + _RESERVE_AT + r"""
-local A = cmsgpack.unpack(ARGV[4])
-local i, n = 1, #A
+local i, n = 4, #ARGV
 while i <= n do
-  if A[i] == 'r' then
+  if ARGV[i] == 'r' then
     local _
-    _, i = reserve_at(A, i + 1)
+    _, i = reserve_at(i + 1)
   else
-    end_record(A[i + 1], false)
+    end_record(ARGV[i + 1], false)
     i = i + 2
   end
 end

@@ -17,11 +17,7 @@ them all; a command written at once (``call``, ``pipeline``) sends what is queue
 so the connection's order is the callers' order. **One script call for many callers**
 (``batch_nowait``): callers of the same script join the call the turn's queue ends with (one
 command, one reply, one future; Redis pays a script call's fixed cost, ~4 us plus its
-arguments' conversion, once) until another command is queued after it. The callers' arguments
-travel as **one msgpack blob** (the script's last argument, which it unpacks with Redis's
-``cmsgpack``): ``hiredis.pack_command`` costs ~0.3 us an argument and Redis makes an object and a
-Lua string of each (a turn of 4 reserves and 4 ends has ~100), ``msgpack.packb`` of the same list
-about a quarter of that and Redis one argument.
+arguments' conversion, once) until another command is queued after it.
 
 Failure rules: a connection that breaks, or a reply that does not come within
 ``timeout_s``, fails every call waiting on it with ``ConnectionError`` / ``TimeoutError``
@@ -38,7 +34,6 @@ from collections import deque
 from typing import Any, cast
 
 import hiredis
-import msgpack
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -46,9 +41,6 @@ _UNAVAILABLE_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
 # Callers one script call takes at most (batch_nowait): bounds how long one call holds Redis
 # (~30 us of redis-server a write-behind reserve or end) and the size of its reply.
 BATCH_MAX = 256
-# A batch's callers' arguments as one msgpack array in the format Redis's cmsgpack reads: the
-# old raw type for str and bytes alike (cmsgpack answers "Bad data format" to bin and str8).
-_pack = msgpack.Packer(use_bin_type=False).pack
 
 
 def error_of(reply: hiredis.ReplyError) -> Exception:
@@ -132,10 +124,8 @@ class _Protocol(asyncio.Protocol):
 
 class Batch:
     """One script call that callers join with their own arguments while it is the last command
-    queued this loop turn (``WireClient.batch_nowait``); packed when it leaves: ``head`` (the
-    command, the script and the arguments every caller shares) as arguments, the callers' ``args``
-    as one msgpack array after them. ``ops``: the caller's notes of what joined it, in order (its
-    reply answers them all)."""
+    queued this loop turn (``WireClient.batch_nowait``); packed when it leaves. ``ops``: the
+    caller's notes of what joined it, in order (its reply answers them all)."""
 
     __slots__ = ("source", "head", "args", "future", "ops", "calls")
 
@@ -148,7 +138,7 @@ class Batch:
         self.calls = 0
 
     def pack(self) -> bytes:
-        return hiredis.pack_command((*self.head, _pack(self.args)))
+        return hiredis.pack_command((*self.head, *self.args))
 
 
 class WireClient:
@@ -271,8 +261,7 @@ class WireClient:
 
     def batch_nowait(self, source: str, first: list[Any], args: list[Any]) -> Batch | None:
         """Join ``args`` to the call of script ``source`` this loop turn's queue ends with, or
-        queue a new one whose arguments are ``first`` then every caller's ``args`` as one msgpack
-        array (str, bytes and int items; see ``Batch``): one command, one reply, one
+        queue a new one whose arguments start with ``first``: one command, one reply, one
         future for every caller that joins it before another command is queued or it leaves
         (so the connection's order stays the callers' order). The caller reads ``.ops`` to
         know whether it is the first (then it adds its done-callback) and notes itself there.
@@ -292,10 +281,11 @@ class WireClient:
                 loop.call_soon(self.flush)
             loaded = self._loaded_on.setdefault(id(proto), set())
             if source in loaded:
-                batch = Batch(source, ("EVALSHA", self._sha(source), 0, *first), fut)
+                batch = Batch(source, ("EVALSHA", self._sha(source), 0), fut)
             else:
                 loaded.add(source)
-                batch = Batch(source, ("EVAL", source, 0, *first), fut)
+                batch = Batch(source, ("EVAL", source, 0), fut)
+            batch.args += first
             self._queued.append(batch)
             self._queued_last = fut
             self._batch = batch
