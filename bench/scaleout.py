@@ -80,26 +80,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_by_group() -> dict[int, float]:
-    """CPU seconds (user + system) of every live process, summed per process group (/proc): each
-    process the benchmark starts leads a group of its own (the launcher's guard and its program,
-    a control plane's helper processes), so a group's sum is that process's CPU."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, float] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()   # state, ppid, pgrp, ... utime (12th), stime (13th)
-        pgrp = int(fields[2])
-        out[pgrp] = out.get(pgrp, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def pct(xs: list[int], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
@@ -237,6 +217,7 @@ def cell_key(store: str, cps: int, dps: int) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict:
+    from bench.overhead import cpu_seconds, process_tree
     from omni_proxy.launcher import ProcessGroup, port_in
     from tests.redis_fixtures import RedisServer
 
@@ -290,9 +271,12 @@ async def run(args: argparse.Namespace) -> dict:
                 await writer.drain()
                 return json.loads(await reader.readline())
 
-            async def cpu_at(t: float) -> dict[int, float]:
+            async def cpu_at(t: float, roots: dict[str, int]) -> dict[str, tuple[list[int], float]]:
+                """Each process's tree (a guard and its program, a control plane's helpers) and its CPU
+                seconds at ``t``."""
                 await asyncio.sleep(max(0.0, t - time.time()))
-                return cpu_by_group()
+                trees = {k: process_tree(pid) for k, pid in roots.items()}
+                return {k: (pids, cpu_seconds(pids)) for k, pids in trees.items()}
 
             # Sessions up and workers healthy everywhere before the first measured cell.
             for store, cps, dps in todo:
@@ -313,7 +297,10 @@ async def run(args: argparse.Namespace) -> dict:
                         return result
                     start_at = time.time() + 0.3 + args.warm
                     tag = f"r{r}-{store}-{cps}-{dps}"
-                    cpu_from = asyncio.ensure_future(cpu_at(start_at)) if args.cpu else None
+                    roots = {**{f"cp{i}": planes[store][i].proc.pid for i in range(cps)},
+                             **({"redis": groups["redis"]} if store != "memory" else {}),
+                             **{f"dp{i}": groups[f"dp{i}"] for i in range(dps)}}
+                    cpu_from = asyncio.ensure_future(cpu_at(start_at, roots)) if args.cpu else None
                     outs = await asyncio.gather(*(job(i, planes[store][i % cps].address, tag, start_at, args.warm)
                                                   for i in range(dps)))
                     samples = [x for o in outs for x in o["samples_us"]]
@@ -321,13 +308,8 @@ async def run(args: argparse.Namespace) -> dict:
                            "p50_us": pct(samples, 0.5), "p99_us": pct(samples, 0.99), "n": len(samples),
                            "errors": [e for o in outs for e in o["errors"]]}
                     if cpu_from is not None and samples:
-                        before, after = await cpu_from, cpu_by_group()
-                        named = {f"cp{i}": planes[store][i].proc.pid for i in range(cps)}
-                        if store != "memory":
-                            named["redis"] = groups["redis"]
-                        used = {k: after.get(g, 0.0) - before.get(g, 0.0) for k, g in named.items()}
-                        used["dps"] = sum(after.get(groups[f"dp{i}"], 0.0) - before.get(groups[f"dp{i}"], 0.0)
-                                          for i in range(dps))
+                        used = {k: cpu_seconds(pids) - at for k, (pids, at) in (await cpu_from).items()}
+                        used["dps"] = sum(used.pop(f"dp{i}") for i in range(dps))
                         res["cpu_us_per_placement"] = {k: round(v / len(samples) * 1e6, 1) for k, v in used.items()}
                     rnd[cell_key(store, cps, dps)] = res
                     log(f"round {r + 1}/{args.rounds} {cell_key(store, cps, dps):24s} "
@@ -525,9 +507,9 @@ def main() -> int:
                    help="load accuracy: each of two data planes places this many requests at once and holds them")
     p.add_argument("--burst-rounds", type=int, default=3)
     p.add_argument("--cpu", action="store_true",
-                   help="also report each process's CPU per placement in every cell (/proc, from the cell's start to "
-                        "its end: control planes, redis-server, the data planes together); use --seconds >= 5, the "
-                        "clock tick is 10 ms")
+                   help="also report each process's CPU per placement in every cell (/proc user + system time of "
+                        "its process tree from the cell's start to its end: control planes, redis-server, the data "
+                        "planes together); use --seconds >= 5 (the clock tick is 10 ms)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="directory for scaleout.{json,md,png}")
     p.add_argument("--driver", help=argparse.SUPPRESS)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
