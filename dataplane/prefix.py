@@ -5,18 +5,17 @@ replicas instead of the one control plane. The engines' hashing settings arrive 
 control-plane session (SessionInfo.kv_hash); nothing is computed when placement does not
 use the prefix cache.
 
-Where it runs, by chain length: short chains inline; longer ones in a separate process
-(``HashProcess``) when the ids' JSON is at hand (a completion's, from the engine's body), else
-in a thread up to ``PROCESS_MIN_BLOCKS`` and in the process from there on. vLLM's hash is
-per-block Python (a pickle and a sha256 of each 16-token block) that holds the GIL: in a thread, a
-50k-token prompt still took the event loop from every other request in 0.5 ms slices for ~5 ms,
-and a burst of them stretched placements by tens of ms (bench/burst.py). The process gets the
-token ids as JSON (orjson writes 85k ids in ~0.7 ms on the event loop; packing them with
-``array("q")`` took ~2.3 ms) and answers the chain as packed 64-bit integers. When the ids went
-into the engine's body (completions), that body's JSON of them is passed on as it is, with the
-count to hash: no second dumps and no slice of the list on the loop (~0.9 ms for 70k ids). The
-process runs at the bulk priority (``--bulk-nice``, :mod:`dataplane.bulk_priority`; the data
-plane's own by default).
+Where it runs, by chain length: short chains inline; longer ones in a thread; long ones in a
+separate process (``HashProcess``). vLLM's hash is per-block Python (a pickle and a sha256 of
+each 16-token block) that holds the GIL: in a thread, a 50k-token prompt still took the event
+loop from every other request in 0.5 ms slices for ~5 ms, and a burst of them stretched
+placements by tens of ms (bench/burst.py). The process gets the token ids as JSON (orjson
+writes 85k ids in ~0.7 ms on the event loop; packing them with ``array("q")`` took ~2.3 ms) and
+answers the chain as packed 64-bit integers. When the ids went into the engine's body
+(completions), that body's JSON of them is passed on as it is, with the count to hash: no
+second dumps and no slice of the list on the loop (~0.9 ms for 70k ids). The process runs at
+the bulk priority (``--bulk-nice``, :mod:`dataplane.bulk_priority`; the data plane's own by
+default).
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ log = logging.getLogger(__name__)
 
 # Above this many blocks the hashing runs off the event loop (about 1 ms per 1,000 blocks).
 INLINE_MAX_BLOCKS = 256
-# From this many blocks on it runs in another process even when the ids must be packed for it
-# first (~1 % of hashing, on the loop). With their JSON at hand, every chain above
-# INLINE_MAX_BLOCKS goes there: in a thread, 256-1,023 blocks (the 4-16k-token prompts of a burst)
-# held the GIL ~0.3-1 ms in 0.5 ms turns that the event loop waited for.
+# From this many blocks on it runs in another process (packing the ids costs ~1 % of hashing).
+# Not from INLINE_MAX_BLOCKS on, even with the ids' JSON at hand: for 10-16k-token prompts the
+# process cost 2.0 ms of CPU per chain against 1.5 ms in a thread (the transfer, the process's
+# JSON parse), for ~0.3-1 ms of the loop's GIL turns saved, and the burst did not show a gain.
 PROCESS_MIN_BLOCKS = 1024
 
 # In a hashing process: one BlockHasher per hashing configuration (the process's own cache).
@@ -159,7 +158,7 @@ class PrefixHasher:
         if not usable:
             return []
         blocks = usable // max(cfg.block_size, 1)
-        if blocks > INLINE_MAX_BLOCKS and ids_json is not None:
+        if blocks >= PROCESS_MIN_BLOCKS and ids_json is not None:
             chain = await self.process.event_hashes(hasher.config, token_ids, salt, lora, ids_json=ids_json,
                                                     usable=usable)
             if chain is not None:

@@ -66,20 +66,3 @@ async def test_a_lora_request_hashes_with_its_adapter(blocks, fmt):
     assert base == engine.event_hashes(usable, cache_salt="salt")
     assert not set(chain) & set(base)
 
-
-@pytest.mark.parametrize("blocks", [prefix.INLINE_MAX_BLOCKS + 5, prefix.PROCESS_MIN_BLOCKS + 7])
-async def test_with_the_ids_json_at_hand_every_chain_past_inline_goes_to_the_process(blocks):
-    """A completion's ids come with their JSON (the engine's body): a chain too long to hash
-    inline goes to the hashing process, not to a thread of the data plane that would hold the
-    event loop's GIL, and it is the engine's chain of the first usable ids."""
-    import orjson
-
-    rng = random.Random(blocks)
-    ids = [rng.randrange(200_000) for _ in range(blocks * 16 + 1)]
-    hasher = PrefixHasher()
-    try:
-        chain = await hasher.chain(CFG, ids, "s", ids_json=orjson.dumps(ids))
-        assert chain == expected(ids, "s") and len(chain) == blocks
-        assert hasher.process._pool is not None
-    finally:
-        hasher.close()
