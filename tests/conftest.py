@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,21 @@ async def wait_until(cond: Callable[[], Awaitable[bool] | bool], *, timeout: flo
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of ``pid``'s direct children, read from /proc (a process that exits while it
+    is read is left out)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):   # gone meanwhile
+                continue
+    return out
 
 
 async def cancel_until_done(task: asyncio.Future, tries: int = 100) -> bool:

@@ -18,7 +18,7 @@ from dataplane import bulk_priority
 from dataplane.encode_pool import EncodePool
 from dataplane.prefix import PROCESS_MIN_BLOCKS, PrefixHasher
 from protos import omni_proxy_pb2 as pb
-from tests.conftest import start_cluster, wait_until
+from tests.conftest import child_pids, start_cluster, wait_until
 from tests.data.tokenizer.fixture_dirs import build
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
@@ -117,18 +117,6 @@ def _nice(stat_path: str) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[16])
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):   # gone meanwhile
-                continue
-    return out
-
 
 async def test_a_data_planes_bulk_work_runs_at_its_bulk_nice(lowered_cluster, tok_dir, http):
     """A data plane started with --bulk-nice 7, after a prompt long enough for the encode
@@ -157,7 +145,7 @@ async def test_a_data_planes_bulk_work_runs_at_its_bulk_nice(lowered_cluster, to
     assert len(lowered) == default_workers(), threads    # the encode threads, and only they
     assert set(threads.values()) == {base, min(19, base + BULK_NICE)}, threads
     hashing = []
-    for child in _children(pid):
+    for child in child_pids(pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():
                 hashing.append(child)

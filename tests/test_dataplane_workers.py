@@ -8,7 +8,7 @@ import re
 
 import aiohttp
 
-from tests.conftest import start_cluster, wait_until
+from tests.conftest import child_pids, start_cluster, wait_until
 
 
 async def test_several_processes_share_the_port_and_die_with_the_first(http):
@@ -24,7 +24,7 @@ async def test_several_processes_share_the_port_and_die_with_the_first(http):
                 await r.read()
                 return r.status
         assert await asyncio.gather(*(one() for _ in range(24))) == [200] * 24
-        helpers = _children(cluster.dp.proc.pid)
+        helpers = child_pids(cluster.dp.proc.pid)
         assert len(helpers) == 2
     finally:
         cluster.group.close()
@@ -36,18 +36,6 @@ async def _sessions(cluster, http, n: int) -> bool:
         m = re.search(r'^omni_sessions_total\{event="opened"\} (\S+)$', await r.text(), re.M)
     return bool(m) and float(m.group(1)) >= n
 
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
 
 
 async def _all_gone(pids: list[int]) -> bool:
