@@ -184,13 +184,19 @@ class EngineResponse:
             if self._eof:
                 self.release()
                 raise StopAsyncIteration
-            if self._conn is None:
-                raise EngineDisconnected("the response was released before it was read")
-            self._waiter = waiter = self._conn.loop.create_future()
+            waiter = self._wait_for_more()
             try:
                 await waiter
             finally:
                 self._waiter = None
+
+    def _wait_for_more(self) -> asyncio.Future[None]:
+        """The future the connection's callback sets when more of the body, its end or a
+        failure arrives (a plain call, not a coroutine: it runs once per wait for a chunk)."""
+        if self._conn is None:
+            raise EngineDisconnected("the response was released before it was read")
+        self._waiter = waiter = self._conn.loop.create_future()
+        return waiter
 
     async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
         """Hand the body to ``sink`` chunk by chunk, each as it arrives (what ``async for``
@@ -220,9 +226,7 @@ class EngineResponse:
                 if self._eof:
                     self.release()
                     return
-                if self._conn is None:
-                    raise EngineDisconnected("the response was released before it was read")
-                self._waiter = waiter = self._conn.loop.create_future()
+                waiter = self._wait_for_more()
                 try:
                     await waiter
                 finally:
