@@ -660,9 +660,12 @@ def test_pipe_pauses_the_engine_while_its_sink_drains_and_raises_a_failure(run):
     drain raises (the sink's own failure) comes out of pipe, and the connection is dropped."""
     async def case(make):
         piece = b"z" * 1000
+        laid = asyncio.Event()    # the body starts once the pipe is laid: no chunk buffered before it
 
         async def many(req, reader, writer) -> bool:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(piece) * 5))
+            await writer.drain()
+            await laid.wait()
             for _ in range(5):
                 writer.write(piece)
                 await writer.drain()
@@ -671,7 +674,7 @@ def test_pipe_pauses_the_engine_while_its_sink_drains_and_raises_a_failure(run):
 
         server, url, client = await make(many)
         resp = await client.post(url + "/", b"")
-        seen: list[bool] = []     # (drains once the pipe is laid: a chunk buffered before it drains unpaused)
+        seen: list[bool] = []
         got = 0
 
         async def drain() -> None:
@@ -684,6 +687,7 @@ def test_pipe_pauses_the_engine_while_its_sink_drains_and_raises_a_failure(run):
             got += len(chunk)
             return True        # slow reader: drain after every chunk
 
+        laid.set()                # (pipe lays itself before its first await: the body comes after)
         await resp.pipe(sink, drain)
         assert got == len(piece) * 5 and seen and all(seen), seen
 
