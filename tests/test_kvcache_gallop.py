@@ -41,29 +41,28 @@ def stored(hashes, parent=None) -> BlockStored:
     return BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent, token_ids=(), block_size=16)
 
 
+class _Counted:
+    """A function that counts its calls (to check a test went through the path it tests)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_gallop_gives_the_linear_walks_levels_on_hash_chains(seed, monkeypatch):
     rng = random.Random(seed)
-    merges = 0
-    merge = index_module._merge_levels
-
-    def merging(a, b):
-        nonlocal merges
-        merges += 1
-        return merge(a, b)
+    merging = _Counted(index_module._merge_levels)
     monkeypatch.setattr(index_module, "_merge_levels", merging)
     chains = random_chains(rng)
     cap = rng.choice([1_000_000, 600])               # with and without the cap's evictions
     fast = PrefixIndex(PrefixIndexConfig(max_blocks=cap, shards=16))
     slow = PrefixIndex(PrefixIndexConfig(max_blocks=cap, shards=16, gallop=False))
-    gallops = 0
-    real = fast._gallop
-
-    def counting(chain, alive):
-        nonlocal gallops
-        gallops += 1
-        return real(chain, alive)
-    fast._gallop = counting                          # type: ignore[method-assign]
+    galloping = _Counted(fast._gallop)
+    fast._gallop = galloping                         # type: ignore[method-assign]
     held: dict = {}
     for step in range(400):
         key = rng.choice(WORKERS)
@@ -104,7 +103,7 @@ def test_the_gallop_gives_the_linear_walks_levels_on_hash_chains(seed, monkeypat
             if cap > 10_000:
                 assert got == reference_depths(held, q)
     consistent(fast)
-    assert gallops > 300 and merges > 50              # alone, and merged with walks over slots with holes
+    assert galloping.calls > 300 and merging.calls > 50    # alone, and merged with walks over slots with holes
 
 
 def test_a_removal_a_stored_run_without_its_parent_or_an_eviction_gives_a_hole_until_cleared():
